@@ -1,0 +1,50 @@
+//! The backend trait: one rank's handle on a communicator (the whole world or a subgroup).
+//!
+//! Ranks are global everywhere: `rank()`, roots, sources and destinations. The trait is object-safe, so
+//! buffers cross it type-erased ([`Buf`], [`BufMut`]); [`crate::ProcessGroup`] adds the typed API.
+
+use std::sync::Arc;
+
+use crate::dtype::{Buf, BufMut};
+use crate::error::Result;
+use crate::reduce::ReduceOp;
+
+/// A communication backend, as seen by one rank. Every collective blocks until all members of the
+/// communicator arrive (or fails for all of them), and leaves every member with bitwise-identical results.
+pub trait Backend: Send + Sync {
+    /// Short name of the transport ("threads", "shm", ...).
+    fn name(&self) -> &str;
+    /// This rank's global rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the whole world.
+    fn world_size(&self) -> usize;
+    /// Global ranks of this communicator's members, in group order (ascending).
+    fn members(&self) -> &[usize];
+
+    /// Reduce `buf` across members in place.
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Copy `root`'s `buf` into every member's `buf`.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Concatenate every member's `send` into `recv` (`members().len() * send.len()` elements).
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
+    /// Reduce `send` (`members().len() * recv.len()` elements) and keep chunk i on the i-th member.
+    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Concatenate every member's `send` into `root`'s `recv` (`None` on the others).
+    fn gather(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, root: usize) -> Result<()>;
+    /// Split `root`'s `send` (`None` on the others) into one chunk per member's `recv`.
+    fn scatter(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, root: usize) -> Result<()>;
+    /// Reduce `buf` into `root`'s `buf`; the others' buffers are left unchanged.
+    fn reduce(&self, buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()>;
+    /// Block until every member arrives.
+    fn barrier(&self) -> Result<()>;
+    /// Send `buf` to global rank `dst`; returns once the receiver has it. Matched by (source, tag), in order.
+    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>;
+    /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.
+    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()>;
+
+    /// A communicator over `ranks` (global, must include this rank). Every member must call it with the
+    /// same ranks, in the same order relative to its other `split` calls.
+    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;
+    /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
+    fn abort(&self, reason: &str);
+}

@@ -1,0 +1,215 @@
+//! Element types the collectives carry, and type-erased buffer views over them.
+//!
+//! The backend trait is object-safe, so buffers cross it as bytes tagged with a [`DType`]; the typed
+//! [`Element`] trait is how Rust callers (and the reduce kernels) get back to real types.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use half::f16;
+
+use crate::error::{Error, Result};
+
+/// The element types every backend supports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    /// IEEE half precision; reduced in f32 and rounded once.
+    F16 = 1,
+    /// IEEE single precision.
+    F32 = 2,
+    /// IEEE double precision.
+    F64 = 3,
+    /// Signed 8-bit integer (wrapping arithmetic, like numpy).
+    I8 = 4,
+    /// Unsigned 8-bit integer (wrapping arithmetic, like numpy).
+    U8 = 5,
+    /// Signed 32-bit integer (wrapping arithmetic, like numpy).
+    I32 = 6,
+    /// Signed 64-bit integer (wrapping arithmetic, like numpy).
+    I64 = 7,
+}
+
+impl DType {
+    /// Every supported dtype.
+    pub const ALL: [DType; 7] = [DType::F16, DType::F32, DType::F64, DType::I8, DType::U8, DType::I32, DType::I64];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 => 1,
+            DType::F16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    /// numpy's name for it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "float16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+        }
+    }
+
+    /// True for the floating-point types.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::F32 | DType::F64)
+    }
+
+    /// The dtype with this `repr(u8)` code (used by the shared-memory wire format).
+    pub fn from_code(code: u8) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| *d as u8 == code)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Rust type that is one of the supported [`DType`]s. Sealed: its arithmetic lives in
+/// `reduce::Arith`, which users cannot implement.
+pub trait Element: crate::reduce::Arith + Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+    /// Its dtype tag.
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+    )*};
+}
+element!(f16 => F16, f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, i64 => I64);
+
+/// A read-only, type-erased view of a contiguous buffer.
+#[derive(Clone, Copy)]
+pub struct Buf<'a> {
+    dtype: DType,
+    ptr: *const u8,
+    len: usize,
+    _life: PhantomData<&'a [u8]>,
+}
+
+/// A writable, type-erased view of a contiguous buffer.
+pub struct BufMut<'a> {
+    dtype: DType,
+    ptr: *mut u8,
+    len: usize,
+    _life: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: both are plain borrows of `[T]` with `T: Send + Sync`, carried as pointers to erase `T`.
+unsafe impl Send for Buf<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Buf<'_> {}
+// SAFETY: as above; a `BufMut` is a unique borrow.
+unsafe impl Send for BufMut<'_> {}
+
+impl<'a> Buf<'a> {
+    /// View a typed slice.
+    pub fn new<T: Element>(s: &'a [T]) -> Self {
+        Buf { dtype: T::DTYPE, ptr: s.as_ptr().cast(), len: s.len(), _life: PhantomData }
+    }
+
+    /// View raw memory as `len` elements of `dtype`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len * dtype.size()` bytes, aligned for `dtype`, and not written
+    /// by anyone else for `'a`.
+    pub unsafe fn from_raw(dtype: DType, ptr: *const u8, len: usize) -> Self {
+        Buf { dtype, ptr, len, _life: PhantomData }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+    /// Start of the data.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    /// The data as bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        // SAFETY: constructed from a valid borrow of `byte_len` bytes (or a zero-length dangling pointer).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.byte_len()) }
+    }
+    /// Back to a typed slice, if `T` is this buffer's type.
+    pub fn typed<T: Element>(&self) -> Option<&'a [T]> {
+        // SAFETY: the dtype tag says the memory holds `len` values of `T`.
+        (T::DTYPE == self.dtype).then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len) })
+    }
+}
+
+impl<'a> BufMut<'a> {
+    /// View a typed mutable slice.
+    pub fn new<T: Element>(s: &'a mut [T]) -> Self {
+        BufMut { dtype: T::DTYPE, ptr: s.as_mut_ptr().cast(), len: s.len(), _life: PhantomData }
+    }
+
+    /// View raw memory as `len` writable elements of `dtype`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len * dtype.size()` bytes, aligned for `dtype`, and
+    /// not accessed by anyone else for `'a`.
+    pub unsafe fn from_raw(dtype: DType, ptr: *mut u8, len: usize) -> Self {
+        BufMut { dtype, ptr, len, _life: PhantomData }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+    /// Start of the data. Writing through it is how peers deliver results.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    /// A read-only view of the same memory, for as long as this borrow lives.
+    pub fn as_buf(&self) -> Buf<'_> {
+        Buf { dtype: self.dtype, ptr: self.ptr, len: self.len, _life: PhantomData }
+    }
+    /// The data as mutable bytes.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: constructed from a valid unique borrow of `byte_len` bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.byte_len()) }
+    }
+}
+
+/// Fails unless `buf` holds `dtype`; the message names the argument.
+pub(crate) fn expect_dtype(what: &str, got: DType, want: DType) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("{what} has dtype {got} but the operation needs {want}")))
+    }
+}

@@ -1,0 +1,99 @@
+//! The one error type of the core. Every fallible call returns [`Result`]; the Python bindings map each
+//! variant to one exception class (see `bindings/exceptions.rs`).
+
+use std::time::Duration;
+
+use crate::signature::Signature;
+
+/// What went wrong in a collective, a group operation or an argument.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// Bad input from the caller: a dtype, length, rank or option the operation cannot take.
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    /// An element type the operation does not support (e.g. AVERAGE on integers).
+    #[error("{0}")]
+    UnsupportedDtype(String),
+
+    /// Ranks entered the same step of a group with different calls. Nothing was written.
+    #[error("collective mismatch in group {group:?}: {details}")]
+    Mismatch {
+        /// Global ranks of the group.
+        group: Vec<usize>,
+        /// Which rank called what, e.g. "rank 0 called all_reduce(...), rank 1 called broadcast(...)".
+        details: String,
+        /// Every member's call, in group order.
+        calls: Vec<(usize, Signature)>,
+    },
+
+    /// Some members never arrived before the deadline. The world is aborted.
+    #[error(
+        "rank {rank} timed out after {waited:?} in {op}: rank(s) {missing:?} of group {group:?} never arrived \
+         (they are hung, dead, or called a different number of collectives)"
+    )]
+    Timeout {
+        /// The rank that gave up.
+        rank: usize,
+        /// The operation, with its sequence number.
+        op: String,
+        /// How long it waited.
+        waited: Duration,
+        /// Global ranks that did not arrive.
+        missing: Vec<usize>,
+        /// Global ranks of the group.
+        group: Vec<usize>,
+    },
+
+    /// A peer process died (or a rank failed) while this rank was waiting for it.
+    #[error("peer rank {peer} died during {op}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    PeerDied {
+        /// Global rank of the dead peer.
+        peer: usize,
+        /// The operation this rank was in.
+        op: String,
+        /// Exit status or other detail, when known.
+        detail: Option<String>,
+    },
+
+    /// The world was aborted by a rank (an error on that rank, a timeout, a mismatch, or an explicit abort).
+    #[error("the world was aborted by rank {by}: {reason}")]
+    Aborted {
+        /// The rank that aborted the world.
+        by: usize,
+        /// Why it did.
+        reason: String,
+    },
+
+    /// The wait was interrupted by a signal (Ctrl-C); the world is aborted.
+    #[error("interrupted while waiting in {op}")]
+    Interrupted {
+        /// The operation this rank was in.
+        op: String,
+    },
+
+    /// An operating-system call failed (shared memory, futex, pidfd).
+    #[error("{context}: {source}")]
+    Os {
+        /// What we were doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
+}
+
+impl Error {
+    /// An [`Error::InvalidArgument`] from anything printable.
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// An [`Error::Os`] with what we were doing.
+    pub fn os(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Os { context: context.into(), source: std::sync::Arc::new(source) }
+    }
+}
+
+/// `Result` with the core [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

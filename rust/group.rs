@@ -1,0 +1,205 @@
+//! Process groups and the world.
+//!
+//! A [`ProcessGroup`] is a set of global ranks with a communicator over them: collectives on it involve
+//! only its members, and groups run concurrently without interfering (each has its own rendezvous state
+//! and sequence numbers). Group order is ascending global rank; results of a group come in that order.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::dtype::{Buf, BufMut, Element};
+use crate::error::{Error, Result};
+use crate::reduce::ReduceOp;
+use crate::transport::thread::MockBackend;
+use crate::work::{Work, WorkQueue};
+
+/// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
+pub fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<usize>> {
+    if ranks.is_empty() {
+        return Err(Error::invalid("a group needs at least one rank"));
+    }
+    if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
+        return Err(Error::invalid(format!("rank {bad} is out of range for a world of {world_size} ranks")));
+    }
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::invalid(format!("rank {} appears twice in the group {ranks:?}", w[0])));
+    }
+    Ok(sorted)
+}
+
+/// A group of ranks, as seen from one rank (which may or may not be a member).
+pub struct ProcessGroup {
+    backend: Arc<dyn Backend>,
+    /// The communicator over `ranks`; `None` when this rank is not a member.
+    comm: Option<Arc<dyn Backend>>,
+    ranks: Vec<usize>,
+    queue: WorkQueue,
+}
+
+impl ProcessGroup {
+    /// The group of every rank the backend's communicator spans.
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        let ranks = backend.members().to_vec();
+        ProcessGroup { comm: Some(backend.clone()), backend, ranks, queue: WorkQueue::default() }
+    }
+
+    /// The group of `ranks` (global). Every member must create it (same ranks, same order of creation);
+    /// on a non-member it is a handle whose collectives fail.
+    pub fn with_ranks(backend: Arc<dyn Backend>, ranks: &[usize]) -> Result<Self> {
+        let ranks = validate_ranks(ranks, backend.world_size())?;
+        let comm = if ranks == backend.members() {
+            Some(backend.clone())
+        } else if ranks.contains(&backend.rank()) {
+            Some(backend.split(&ranks)?)
+        } else {
+            None
+        };
+        Ok(ProcessGroup { backend, comm, ranks, queue: WorkQueue::default() })
+    }
+
+    /// A world of one rank (the seed's `ProcessGroup::mock`).
+    pub fn mock() -> Self {
+        Self::new(Arc::new(MockBackend::single()))
+    }
+
+    /// The world backend this group was made from.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+    /// This process's global rank.
+    pub fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+    /// Number of ranks in the world.
+    pub fn world_size(&self) -> usize {
+        self.backend.world_size()
+    }
+    /// Number of ranks in this group.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+    /// Global ranks of the members, ascending.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+    /// Whether global rank `rank` is a member.
+    pub fn contains(&self, rank: usize) -> bool {
+        self.ranks.contains(&rank)
+    }
+    /// Position of global rank `rank` in the group.
+    pub fn group_rank(&self, rank: usize) -> Option<usize> {
+        self.ranks.iter().position(|&r| r == rank)
+    }
+
+    /// The communicator, or an error (which aborts the world, so members are not left waiting) when
+    /// this rank is not a member.
+    pub fn comm(&self) -> Result<&Arc<dyn Backend>> {
+        self.comm.as_ref().ok_or_else(|| {
+            let e = Error::invalid(format!(
+                "rank {} is not a member of the group {:?} and cannot take part in its collectives",
+                self.rank(),
+                self.ranks
+            ));
+            self.backend.abort(&e.to_string());
+            e
+        })
+    }
+
+    /// Queue `job` to run on this group's worker thread, after every job queued before it.
+    pub fn submit(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
+        self.queue.submit(job)
+    }
+
+    /// Wait until every queued job has finished (so a blocking call keeps issue order).
+    pub fn flush(&self) {
+        self.queue.flush()
+    }
+
+    /// All-reduce `buf` in place.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.flush();
+        self.comm()?.all_reduce(BufMut::new(buf), op)
+    }
+    /// Copy global rank `root`'s `buf` into every member's.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.flush();
+        self.comm()?.broadcast(BufMut::new(buf), root)
+    }
+    /// Every member's `send`, concatenated in group order.
+    pub fn all_gather<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
+        self.flush();
+        let mut out = send.repeat(self.size());
+        self.comm()?.all_gather(Buf::new(send), BufMut::new(&mut out))?;
+        Ok(out)
+    }
+    /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        self.flush();
+        let n = self.size();
+        let mut out = send[..send.len() / n].to_vec();
+        self.comm()?.reduce_scatter(Buf::new(send), BufMut::new(&mut out), op)?;
+        Ok(out)
+    }
+    /// Reduce `buf` into global rank `root`'s `buf`.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        self.flush();
+        self.comm()?.reduce(BufMut::new(buf), root, op)
+    }
+    /// Block until every member arrives.
+    pub fn barrier(&self) -> Result<()> {
+        self.flush();
+        self.comm()?.barrier()
+    }
+    /// Send `buf` to global rank `dst`.
+    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
+        self.flush();
+        self.comm()?.send(Buf::new(buf), dst, tag)
+    }
+    /// Receive into `buf` from global rank `src`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+        self.flush();
+        self.comm()?.recv(BufMut::new(buf), src, tag)
+    }
+}
+
+/// The world: the default group over every rank, and the factory of subgroups.
+pub struct World {
+    group: ProcessGroup,
+}
+
+impl World {
+    /// The world of `backend` (the seed's `World::init`).
+    pub fn init(backend: Arc<dyn Backend>) -> Self {
+        World { group: ProcessGroup::new(backend) }
+    }
+    /// A world of one rank.
+    pub fn mock() -> Self {
+        World { group: ProcessGroup::mock() }
+    }
+    /// The group of every rank.
+    pub fn default_group(&self) -> &ProcessGroup {
+        &self.group
+    }
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.group.world_size()
+    }
+    /// True on rank 0.
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+    /// Block until every rank arrives.
+    pub fn barrier(&self) -> Result<()> {
+        self.group.barrier()
+    }
+    /// A subgroup of `ranks` (see [`ProcessGroup::with_ranks`]).
+    pub fn new_group(&self, ranks: &[usize]) -> Result<ProcessGroup> {
+        ProcessGroup::with_ranks(self.group.backend.clone(), ranks)
+    }
+}

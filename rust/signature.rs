@@ -1,0 +1,114 @@
+//! The fingerprint of one collective call. Every rank publishes its own before any data moves; ranks
+//! whose fingerprints differ all fail with a mismatch error naming who called what.
+
+use std::fmt;
+
+use crate::dtype::DType;
+use crate::reduce::ReduceOp;
+
+/// Which collective a rank called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum CollKind {
+    /// all_reduce
+    AllReduce = 1,
+    /// broadcast
+    Broadcast = 2,
+    /// all_gather
+    AllGather = 3,
+    /// reduce_scatter
+    ReduceScatter = 4,
+    /// gather
+    Gather = 5,
+    /// scatter
+    Scatter = 6,
+    /// reduce
+    Reduce = 7,
+    /// barrier
+    Barrier = 8,
+}
+
+impl CollKind {
+    /// The name users call it by.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollKind::AllReduce => "all_reduce",
+            CollKind::Broadcast => "broadcast",
+            CollKind::AllGather => "all_gather",
+            CollKind::ReduceScatter => "reduce_scatter",
+            CollKind::Gather => "gather",
+            CollKind::Scatter => "scatter",
+            CollKind::Reduce => "reduce",
+            CollKind::Barrier => "barrier",
+        }
+    }
+}
+
+/// One rank's description of the collective it entered. Plain data (`repr(C)`, `Copy`), so it can be
+/// published in shared memory as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C)]
+pub struct Signature {
+    /// Per-group sequence number of this call (1 for the first collective in the group).
+    pub seq: u64,
+    /// Elements each rank contributes (the per-rank part for all_gather/gather/scatter/reduce_scatter).
+    pub count: u64,
+    /// Global rank of the root, for rooted collectives.
+    pub root: Option<u32>,
+    /// The collective.
+    pub kind: CollKind,
+    /// Element type, if the collective carries data.
+    pub dtype: Option<DType>,
+    /// Reduction operator, for reducing collectives.
+    pub op: Option<ReduceOp>,
+}
+
+impl Signature {
+    /// A signature with no dtype, op or root set.
+    pub fn new(kind: CollKind, seq: u64, count: usize) -> Self {
+        Signature { seq, count: count as u64, root: None, kind, dtype: None, op: None }
+    }
+    /// With the element type.
+    pub fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = Some(dtype);
+        self
+    }
+    /// With the reduction operator.
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = Some(op);
+        self
+    }
+    /// With the root's global rank.
+    pub fn root(mut self, root: usize) -> Self {
+        self.root = Some(root as u32);
+        self
+    }
+}
+
+impl fmt::Display for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(#{}", self.kind.name(), self.seq)?;
+        if let Some(d) = self.dtype {
+            write!(f, ", {} x {d}", self.count)?;
+        }
+        if let Some(op) = self.op {
+            write!(f, ", op={op}")?;
+        }
+        if let Some(r) = self.root {
+            write!(f, ", root={r}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// Compare every member's signature; `None` when they all agree, else a message naming who differs
+/// from the first member and how.
+pub(crate) fn describe_mismatch(calls: &[(usize, Signature)]) -> Option<String> {
+    let (r0, s0) = calls.first()?;
+    let odd: Vec<String> = calls
+        .iter()
+        .filter(|(_, s)| s != s0)
+        .map(|(r, s)| format!("rank {r} called {s}"))
+        .collect();
+    (!odd.is_empty()).then(|| format!("rank {r0} called {s0}, but {}", odd.join(", ")))
+}

@@ -1,0 +1,146 @@
+//! Point-to-point messages in the in-process world.
+//!
+//! A send posts a letter (the address of the sender's buffer) under (source, destination, tag) and waits
+//! until the receiver has copied it: one copy, straight between the two buffers, and FIFO order per key.
+//! The receiver checks dtype and length before copying; a mismatch fails both sides.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU8, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::thread::World;
+use super::wait::SLICE;
+use crate::dtype::{Buf, BufMut, DType};
+use crate::error::{Error, Result};
+
+const QUEUED: u8 = 0;
+const COPYING: u8 = 1;
+const DELIVERED: u8 = 2;
+const REFUSED: u8 = 3;
+
+struct Letter {
+    dtype: DType,
+    len: usize,
+    data: *const u8,
+    state: AtomicU8,
+}
+
+// SAFETY: `data` is the sender's buffer, which the sender keeps alive (blocked in `send`) until the
+// letter leaves the QUEUED/COPYING states.
+unsafe impl Send for Letter {}
+// SAFETY: as above; the state is atomic and the data only read.
+unsafe impl Sync for Letter {}
+
+type Key = (usize, usize, u64);
+type Guard<'a> = MutexGuard<'a, HashMap<Key, VecDeque<Arc<Letter>>>>;
+type Nap<'a> = std::result::Result<Guard<'a>, (Option<Error>, Guard<'a>)>;
+
+/// Every pending message of a world.
+#[derive(Default)]
+pub(crate) struct Mailbox {
+    queues: Mutex<HashMap<Key, VecDeque<Arc<Letter>>>>,
+    changed: Condvar,
+}
+
+impl Mailbox {
+    fn lock(&self) -> Guard<'_> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn wake_all(&self) {
+        drop(self.lock());
+        self.changed.notify_all();
+    }
+
+    /// Sleep one slice on the condition variable. Fails with the reason (`None`: the deadline passed)
+    /// and gives the guard back.
+    fn nap<'a>(&'a self, world: &World, guard: Guard<'a>, deadline: Instant, op: &str) -> Nap<'a> {
+        if let Err(e) = world.check_abort() {
+            return Err((Some(e), guard));
+        }
+        if super::wait::interrupted() {
+            return Err((Some(Error::Interrupted { op: op.to_string() }), guard));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err((None, guard));
+        }
+        let (g, _) = self.changed.wait_timeout(guard, SLICE.min(deadline - now)).unwrap_or_else(|e| e.into_inner());
+        Ok(g)
+    }
+
+    pub(crate) fn send(&self, world: &World, src: usize, dst: usize, tag: u64, buf: Buf<'_>) -> Result<()> {
+        let letter =
+            Arc::new(Letter { dtype: buf.dtype(), len: buf.len(), data: buf.as_ptr(), state: AtomicU8::new(QUEUED) });
+        let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
+        let deadline = Instant::now() + world.timeout();
+        let mut q = self.lock();
+        q.entry((src, dst, tag)).or_default().push_back(letter.clone());
+        self.changed.notify_all();
+        loop {
+            match letter.state.load(Acquire) {
+                DELIVERED => return Ok(()),
+                REFUSED => {
+                    return Err(Error::invalid(format!(
+                        "rank {src}: {op} was refused by the receiver: dtype or length differ from its recv"
+                    )))
+                }
+                COPYING => {
+                    // The receiver is copying from our buffer right now: wait it out, whatever the deadline.
+                    q = self.changed.wait_timeout(q, SLICE).unwrap_or_else(|e| e.into_inner()).0;
+                    continue;
+                }
+                _ => {}
+            }
+            q = match self.nap(world, q, deadline, &op) {
+                Ok(g) => g,
+                Err((e, mut g)) => {
+                    if letter.state.load(Acquire) != QUEUED {
+                        q = g;
+                        continue;
+                    }
+                    if let Some(queue) = g.get_mut(&(src, dst, tag)) {
+                        queue.retain(|l| !Arc::ptr_eq(l, &letter));
+                    }
+                    return Err(e.unwrap_or_else(|| timeout(src, op, world, dst)));
+                }
+            };
+        }
+    }
+
+    pub(crate) fn recv(&self, world: &World, src: usize, dst: usize, tag: u64, mut buf: BufMut<'_>) -> Result<()> {
+        let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
+        let deadline = Instant::now() + world.timeout();
+        let mut q = self.lock();
+        let letter = loop {
+            if let Some(l) = q.get_mut(&(src, dst, tag)).and_then(VecDeque::pop_front) {
+                l.state.store(COPYING, Release);
+                break l;
+            }
+            q = match self.nap(world, q, deadline, &op) {
+                Ok(g) => g,
+                Err((e, _)) => return Err(e.unwrap_or_else(|| timeout(dst, op, world, src))),
+            };
+        };
+        drop(q);
+        let result = if letter.dtype != buf.dtype() || letter.len != buf.len() {
+            letter.state.store(REFUSED, Release);
+            Err(Error::invalid(format!(
+                "rank {dst}: {op} got a message of {} x {} from rank {src}: dtype or length differ",
+                letter.len, letter.dtype
+            )))
+        } else {
+            // SAFETY: same dtype and length, checked above; the sender is blocked until DELIVERED.
+            unsafe { std::ptr::copy_nonoverlapping(letter.data, buf.as_mut_ptr(), buf.byte_len()) };
+            letter.state.store(DELIVERED, Release);
+            Ok(())
+        };
+        self.wake_all();
+        result
+    }
+}
+
+fn timeout(rank: usize, op: String, world: &World, peer: usize) -> Error {
+    Error::Timeout { rank, op, waited: world.timeout(), missing: vec![peer], group: vec![rank, peer] }
+}

@@ -1,0 +1,145 @@
+//! The one way a rank waits for its peers.
+//!
+//! Spin briefly (only when ranks do not outnumber cores: on an oversubscribed machine spinning starves the
+//! rank being waited for), then yield, then sleep on a futex in slices. Each slice checks the deadline and
+//! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
+//! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
+//! makes no system call.
+
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rustix::thread::futex;
+
+use crate::error::{Error, Result};
+
+/// How long one futex sleep lasts before the slow checks run again.
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+/// Busy-poll budget when every rank has a core: covers a peer that is a few microseconds behind.
+const SPIN: Duration = Duration::from_micros(60);
+/// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
+const YIELD: Duration = Duration::from_micros(400);
+
+/// A futex word peers bump when they publish progress, plus a count of sleepers. `repr(C)` so it can
+/// live in a shared-memory segment.
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct Event {
+    seq: AtomicU32,
+    sleepers: AtomicU32,
+}
+
+impl Event {
+    /// Wake everyone waiting on this event. Call after publishing the new state.
+    pub(crate) fn notify(&self, shared: bool) {
+        self.seq.fetch_add(1, SeqCst);
+        if self.sleepers.load(SeqCst) > 0 {
+            // A failed wake only means nobody was there to wake.
+            let _ = futex::wake(&self.seq, flags(shared), u32::MAX);
+        }
+    }
+}
+
+fn flags(shared: bool) -> futex::Flags {
+    if shared {
+        futex::Flags::empty()
+    } else {
+        futex::Flags::PRIVATE
+    }
+}
+
+/// Whether spinning is worth it: only when the ranks that wait on each other each have a core.
+pub(crate) fn may_spin(ranks: usize) -> bool {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    ranks <= *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+type InterruptHook = fn() -> bool;
+static INTERRUPT: OnceLock<InterruptHook> = OnceLock::new();
+
+/// Install a check, run once per sleep slice, that returns true when the wait should be abandoned
+/// (the Python bindings use it for Ctrl-C). Only the first call takes effect.
+pub fn set_interrupt_hook(hook: fn() -> bool) {
+    let _ = INTERRUPT.set(hook);
+}
+
+/// True when the interrupt hook asks waits to stop.
+pub(crate) fn interrupted() -> bool {
+    INTERRUPT.get().is_some_and(|hook| hook())
+}
+
+/// What to wait for, and how.
+pub(crate) struct Wait<'a> {
+    /// The event peers bump when `ready` may have become true.
+    pub event: &'a Event,
+    /// True when the event lives in memory shared between processes.
+    pub shared: bool,
+    /// Whether to busy-poll first.
+    pub spin: bool,
+    /// When to give up.
+    pub deadline: Instant,
+    /// The operation, for error messages.
+    pub op: &'a str,
+}
+
+/// Why a wait ended without its condition.
+pub(crate) enum Stop {
+    /// The deadline passed.
+    TimedOut,
+    /// A check failed (abort, dead peer, interrupt).
+    Failed(Error),
+}
+
+impl Wait<'_> {
+    /// Wait until `ready()` holds. `quick` runs on every poll (cheap: an abort flag), `slow` once per sleep
+    /// slice (liveness). `ready` is checked before either, so a condition already met always wins.
+    pub(crate) fn until(
+        &self,
+        mut ready: impl FnMut() -> bool,
+        mut quick: impl FnMut() -> Result<()>,
+        mut slow: impl FnMut() -> Result<()>,
+    ) -> std::result::Result<(), Stop> {
+        let start = Instant::now();
+        if self.spin {
+            while start.elapsed() < SPIN {
+                for _ in 0..64 {
+                    if ready() {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+                quick().map_err(Stop::Failed)?;
+            }
+        }
+        while start.elapsed() < YIELD {
+            if ready() {
+                return Ok(());
+            }
+            quick().map_err(Stop::Failed)?;
+            std::thread::yield_now();
+        }
+        loop {
+            let seen = self.event.seq.load(SeqCst);
+            if ready() {
+                return Ok(());
+            }
+            quick().map_err(Stop::Failed)?;
+            slow().map_err(Stop::Failed)?;
+            if interrupted() {
+                return Err(Stop::Failed(Error::Interrupted { op: self.op.to_string() }));
+            }
+            let now = Instant::now();
+            if now >= self.deadline {
+                return Err(Stop::TimedOut);
+            }
+            let nap = SLICE.min(self.deadline - now);
+            let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
+            self.event.sleepers.fetch_add(1, SeqCst);
+            // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the
+            // futex returns at once instead of sleeping through it.
+            let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
+            self.event.sleepers.fetch_sub(1, SeqCst);
+        }
+    }
+}
