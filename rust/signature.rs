@@ -66,7 +66,14 @@ pub struct Signature {
 impl Signature {
     /// A signature with no dtype, op or root set.
     pub fn new(kind: CollKind, seq: u64, count: usize) -> Self {
-        Signature { seq, count: count as u64, root: None, kind, dtype: None, op: None }
+        Signature {
+            seq,
+            count: count as u64,
+            root: None,
+            kind,
+            dtype: None,
+            op: None,
+        }
     }
     /// With the element type.
     pub fn dtype(mut self, dtype: DType) -> Self {

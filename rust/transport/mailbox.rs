@@ -66,17 +66,37 @@ impl Mailbox {
         if now >= deadline {
             return Err((None, guard));
         }
-        let (g, _) = self.changed.wait_timeout(guard, SLICE.min(deadline - now)).unwrap_or_else(|e| e.into_inner());
+        let (g, _) = self
+            .changed
+            .wait_timeout(guard, SLICE.min(deadline - now))
+            .unwrap_or_else(|e| e.into_inner());
         Ok(g)
     }
 
-    pub(crate) fn send(&self, world: &World, src: usize, dst: usize, tag: u64, buf: Buf<'_>) -> Result<()> {
-        let letter =
-            Arc::new(Letter { dtype: buf.dtype(), len: buf.len(), data: buf.as_ptr(), state: AtomicU8::new(QUEUED) });
-        let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
+    pub(crate) fn send(
+        &self,
+        world: &World,
+        src: usize,
+        dst: usize,
+        tag: u64,
+        buf: Buf<'_>,
+    ) -> Result<()> {
+        let letter = Arc::new(Letter {
+            dtype: buf.dtype(),
+            len: buf.len(),
+            data: buf.as_ptr(),
+            state: AtomicU8::new(QUEUED),
+        });
+        let op = format!(
+            "send({} x {} to rank {dst}, tag {tag})",
+            buf.len(),
+            buf.dtype()
+        );
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
-        q.entry((src, dst, tag)).or_default().push_back(letter.clone());
+        q.entry((src, dst, tag))
+            .or_default()
+            .push_back(letter.clone());
         self.changed.notify_all();
         loop {
             match letter.state.load(Acquire) {
@@ -109,8 +129,19 @@ impl Mailbox {
         }
     }
 
-    pub(crate) fn recv(&self, world: &World, src: usize, dst: usize, tag: u64, mut buf: BufMut<'_>) -> Result<()> {
-        let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
+    pub(crate) fn recv(
+        &self,
+        world: &World,
+        src: usize,
+        dst: usize,
+        tag: u64,
+        mut buf: BufMut<'_>,
+    ) -> Result<()> {
+        let op = format!(
+            "recv({} x {} from rank {src}, tag {tag})",
+            buf.len(),
+            buf.dtype()
+        );
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
         let letter = loop {
@@ -142,5 +173,11 @@ impl Mailbox {
 }
 
 fn timeout(rank: usize, op: String, world: &World, peer: usize) -> Error {
-    Error::Timeout { rank, op, waited: world.timeout(), missing: vec![peer], group: vec![rank, peer] }
+    Error::Timeout {
+        rank,
+        op,
+        waited: world.timeout(),
+        missing: vec![peer],
+        group: vec![rank, peer],
+    }
 }

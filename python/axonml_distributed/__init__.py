@@ -1,0 +1,76 @@
+"""axonml-distributed: data-parallel training on CPUs.
+
+Real collectives (every rank waits for every other, results bitwise identical on all ranks) over an
+in-process world of threads (`spawn`, `MockBackend`), a shared-memory world of processes on one host
+(`init_process_group("shm")` under `axonml-run`), or MPI (`init_process_group("mpi")` under mpiexec);
+process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules.
+"""
+
+from axonml_distributed._core import Backend, MockBackend, ProcessGroup, ReduceOp, Work, World, __version__
+from axonml_distributed.comm import (
+    all_gather,
+    all_reduce_max,
+    all_reduce_mean,
+    all_reduce_min,
+    all_reduce_product,
+    all_reduce_sum,
+    barrier,
+    broadcast,
+    broadcast_from,
+    gather_tensor,
+    is_main_process,
+    rank,
+    reduce_scatter_mean,
+    reduce_scatter_sum,
+    scatter_tensor,
+    sync_gradient,
+    sync_gradients,
+    world_size,
+)
+from axonml_distributed.exceptions import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
+    PeerFailureError,
+    SpawnError,
+)
+from axonml_distributed.init import destroy_process_group, get_default_group, init_process_group, is_initialized
+from axonml_distributed.spawn import spawn
+
+__all__ = [
+    "Backend",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedError",
+    "MockBackend",
+    "PeerFailureError",
+    "ProcessGroup",
+    "ReduceOp",
+    "SpawnError",
+    "Work",
+    "World",
+    "__version__",
+    "all_gather",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "all_reduce_min",
+    "all_reduce_product",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast",
+    "broadcast_from",
+    "destroy_process_group",
+    "gather_tensor",
+    "get_default_group",
+    "init_process_group",
+    "is_initialized",
+    "is_main_process",
+    "rank",
+    "reduce_scatter_mean",
+    "reduce_scatter_sum",
+    "scatter_tensor",
+    "spawn",
+    "sync_gradient",
+    "sync_gradients",
+    "world_size",
+]

@@ -1,0 +1,76 @@
+"""The default process group: `init_process_group`, `get_default_group`, `destroy_process_group`.
+
+A process started by the launcher (or by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) calls
+`init_process_group` once. Rank threads under `spawn` get their own group as a thread-local default, so
+code written against the default group runs unchanged in both worlds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+_default: Any = None
+_local = threading.local()
+
+
+def _set_default_group(pg: Any) -> None:
+    """Make `pg` the default group of the calling thread (used by `spawn`), or clear it with None."""
+    _local.group = pg
+
+
+def _env_int(name: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"{name} is not set: pass it to init_process_group or start the job with axonml-run")
+    return int(value)
+
+
+def init_process_group(
+    backend: str = "shm",
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """Join the job's world and make its group the default; returns the group.
+
+    ``backend``: "shm" (processes on one host, through shared memory) or "mpi" (under mpiexec, any
+    number of hosts). ``rank``/``world_size`` default to the RANK/WORLD_SIZE environment variables
+    (ignored by "mpi", which asks MPI). ``timeout`` bounds every wait (seconds, default 300).
+    """
+    global _default
+    if _default is not None:
+        raise RuntimeError("the default process group is already initialised; call destroy_process_group first")
+    if backend == "mpi":
+        from axonml_distributed.mpi import init_mpi_process_group
+
+        _default = init_mpi_process_group(timeout=timeout)
+    elif backend == "shm":
+        from axonml_distributed.shm import init_shm_process_group
+
+        _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), timeout)
+    else:
+        raise ValueError(f"unknown backend {backend!r}: use 'shm' or 'mpi' (threads: use spawn())")
+    return _default
+
+
+def is_initialized() -> bool:
+    """True when the calling thread has a default group."""
+    return getattr(_local, "group", None) is not None or _default is not None
+
+
+def get_default_group() -> Any:
+    """The calling thread's default group (set by `spawn`), else the process's (`init_process_group`)."""
+    pg = getattr(_local, "group", None) or _default
+    if pg is None:
+        raise RuntimeError("no default process group: call init_process_group() first, or run under spawn()")
+    return pg
+
+
+def destroy_process_group() -> None:
+    """Forget the process's default group (its resources go with the last reference)."""
+    global _default
+    _default = None

@@ -1,0 +1,180 @@
+//! numpy arrays in and out: dtype dispatch, borrow-checked views, and the checks in-place operations
+//! need (C-contiguous, writable, aligned). Errors: TypeError for a dtype or type we cannot take,
+//! ValueError for a layout or borrow we cannot use.
+
+use half::f16;
+use numpy::{
+    BorrowError, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::dtype::{Buf, BufMut, DType};
+
+/// Run `$body` with `$t` bound to the Rust type of `$dtype`.
+macro_rules! with_type {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+        }
+    };
+}
+
+/// The address and extent of an array's data, for work that outlives the borrow guard (async jobs,
+/// detached closures). Whoever uses it must keep the array alive.
+#[derive(Clone, Copy)]
+pub(crate) struct RawArray {
+    pub dtype: DType,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a plain address; the users below document how they keep the memory alive.
+unsafe impl Send for RawArray {}
+// SAFETY: as above; sharing the address does not access the memory.
+unsafe impl Sync for RawArray {}
+
+impl RawArray {
+    /// # Safety
+    /// The array must be alive, and not accessed by anyone else while the view is used.
+    pub unsafe fn buf_mut<'a>(self) -> BufMut<'a> {
+        // SAFETY: forwarded.
+        unsafe { BufMut::from_raw(self.dtype, self.ptr, self.len) }
+    }
+    /// # Safety
+    /// The array must be alive and not written while the view is used.
+    pub unsafe fn buf<'a>(self) -> Buf<'a> {
+        // SAFETY: forwarded.
+        unsafe { Buf::from_raw(self.dtype, self.ptr, self.len) }
+    }
+}
+
+/// Anything kept alive only for its `Drop` (a typed numpy borrow guard, whatever its element type).
+trait Held {}
+impl<T> Held for T {}
+
+/// A borrowed array: the numpy borrow flag is held until this is dropped.
+pub(crate) struct Array<'py> {
+    pub raw: RawArray,
+    pub obj: Bound<'py, PyAny>,
+    pub shape: Vec<usize>,
+    _guard: Box<dyn Held + 'py>,
+}
+
+fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
+    let py = arr.py();
+    let d = arr.dtype();
+    macro_rules! is {
+        ($t:ty) => {
+            d.is_equiv_to(&numpy::dtype::<$t>(py))
+        };
+    }
+    let found = DType::ALL
+        .into_iter()
+        .find(|dt| with_type!(*dt, T => is!(T)));
+    found.ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "{what} has dtype {d}, which is not supported; use one of float16, float32, float64, int8, uint8, \
+             int32, int64 (native byte order)"
+        ))
+    })
+}
+
+fn untyped<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        PyTypeError::new_err(format!("{what} must be a numpy.ndarray, got {ty}"))
+    })?;
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be C-contiguous (got strides {:?}); use numpy.ascontiguousarray and copy the result back",
+            arr.strides()
+        )));
+    }
+    Ok(arr)
+}
+
+fn borrow_error(what: &str, e: BorrowError) -> PyErr {
+    match e {
+        BorrowError::NotWriteable => {
+            PyValueError::new_err(format!("{what} is read-only; an in-place collective needs a writable array"))
+        }
+        _ => PyValueError::new_err(format!(
+            "{what} is already in use (the same array passed twice, or used by another running operation)"
+        )),
+    }
+}
+
+fn misaligned(what: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{what} is not aligned for its dtype; copy it into a fresh array"
+    ))
+}
+
+/// Borrow `obj` for reading and writing.
+pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
+    let arr = untyped(obj, what)?;
+    let dtype = dtype_of(arr, what)?;
+    let shape = arr.shape().to_vec();
+    with_type!(dtype, T => {
+        let typed = obj.cast::<PyArrayDyn<T>>()?;
+        let mut guard: PyReadwriteArrayDyn<'py, T> = typed.try_readwrite().map_err(|e| borrow_error(what, e))?;
+        let slice = guard.as_slice_mut().map_err(|_| misaligned(what))?;
+        let raw = RawArray { dtype, ptr: slice.as_mut_ptr().cast(), len: slice.len() };
+        Ok(Array { raw, obj: obj.clone(), shape, _guard: Box::new(guard) })
+    })
+}
+
+/// Borrow `obj` for reading.
+pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
+    let arr = untyped(obj, what)?;
+    let dtype = dtype_of(arr, what)?;
+    let shape = arr.shape().to_vec();
+    with_type!(dtype, T => {
+        let typed = obj.cast::<PyArrayDyn<T>>()?;
+        let guard: PyReadonlyArrayDyn<'py, T> = typed.try_readonly().map_err(|e| borrow_error(what, e))?;
+        let slice = guard.as_slice().map_err(|_| misaligned(what))?;
+        let raw = RawArray { dtype, ptr: slice.as_ptr().cast_mut().cast(), len: slice.len() };
+        Ok(Array { raw, obj: obj.clone(), shape, _guard: Box::new(guard) })
+    })
+}
+
+/// A new zero-filled array of `dtype` and `shape`.
+pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> Bound<'py, PyAny> {
+    with_type!(dtype, T => PyArrayDyn::<T>::zeros(py, shape, false).into_any())
+}

@@ -1,0 +1,48 @@
+//! The Python exception hierarchy, and the one place core errors become Python exceptions.
+
+use pyo3::exceptions::{PyKeyboardInterrupt, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::{create_exception, PyErr};
+
+use crate::error::Error;
+
+create_exception!(
+    axonml_distributed,
+    DistributedError,
+    PyRuntimeError,
+    "Base of every collective failure."
+);
+create_exception!(
+    axonml_distributed,
+    CollectiveMismatchError,
+    DistributedError,
+    "Ranks called different collectives (kind, shape, dtype, op or root). No buffer was changed."
+);
+create_exception!(
+    axonml_distributed,
+    CollectiveTimeoutError,
+    DistributedError,
+    "Some ranks never arrived before the timeout; the message names them. The world is aborted."
+);
+create_exception!(
+    axonml_distributed,
+    PeerFailureError,
+    DistributedError,
+    "A peer died, or the world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."
+);
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            Error::UnsupportedDtype(_) => PyTypeError::new_err(msg),
+            Error::Mismatch { .. } => CollectiveMismatchError::new_err(msg),
+            Error::Timeout { .. } => CollectiveTimeoutError::new_err(msg),
+            Error::PeerDied { .. } | Error::Aborted { .. } => PeerFailureError::new_err(msg),
+            Error::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
+            Error::Os { source, .. } => {
+                PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg))
+            }
+        }
+    }
+}

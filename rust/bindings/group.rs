@@ -1,0 +1,585 @@
+//! `ProcessGroup`, `World` and `Work` for Python.
+//!
+//! Every collective validates and borrows its arrays while attached, then either runs detached (the GIL
+//! released for the whole wait) or, with `async_op=True`, is queued on the group's worker thread and
+//! returns a `Work`. Queued jobs hold references to their arrays until they finish. Bad arguments abort
+//! the world, so the other ranks fail at once instead of waiting for this one until the timeout.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::array::{readable, writable, zeros, Array};
+use super::backend::{parse_op, PyBackend};
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::group::{ProcessGroup, World};
+use crate::transport::thread::MockBackend;
+use crate::work::Work;
+
+/// The handle of an asynchronous collective.
+#[pyclass(name = "Work", module = "axonml_distributed", frozen)]
+pub(crate) struct PyWork {
+    work: Work,
+    result: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyWork {
+    /// Block (GIL released) until the collective finished; re-raise its error, or return its result
+    /// (None for in-place collectives, the new array for the `*_tensor` ones).
+    fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let w = self.work.clone();
+        py.detach(|| w.wait())?;
+        Ok(self.result.as_ref().map(|r| r.clone_ref(py)))
+    }
+    /// True once the collective has finished (successfully or not).
+    fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+}
+
+/// A group of ranks as seen from this rank: collectives involve only its members.
+#[pyclass(name = "ProcessGroup", module = "axonml_distributed", frozen)]
+pub(crate) struct PyProcessGroup {
+    pub(crate) inner: Arc<ProcessGroup>,
+}
+
+type Job = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send>;
+
+impl PyProcessGroup {
+    /// Abort the world when `r` is an argument error: a rank that cannot enter a collective must not
+    /// leave its peers waiting.
+    fn checked<T>(&self, r: PyResult<T>) -> PyResult<T> {
+        if let Err(e) = &r {
+            Python::attach(|py| {
+                if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) {
+                    self.inner.backend().abort(&format!(
+                        "rank {} passed bad arguments: {e}",
+                        self.inner.rank()
+                    ));
+                }
+            });
+        }
+        r
+    }
+
+    /// Run `job` now with the GIL released (the borrow guards in `arrays` outlive it), or queue it.
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        async_op: bool,
+        arrays: Vec<Array<'py>>,
+        result: Option<Bound<'py, PyAny>>,
+        job: Job,
+    ) -> PyResult<Py<PyAny>> {
+        let comm = self
+            .checked(self.inner.comm().map_err(PyErr::from))?
+            .clone();
+        if !async_op {
+            let pg = self.inner.clone();
+            py.detach(move || {
+                pg.flush();
+                job(&*comm)
+            })?;
+            drop(arrays);
+            return Ok(result.map_or_else(|| py.None(), Bound::unbind));
+        }
+        // The job keeps the arrays alive; it drops those references attached, once it is done.
+        let mut keep: Option<Vec<Py<PyAny>>> =
+            Some(arrays.into_iter().map(|a| a.obj.unbind()).collect());
+        let work = self.inner.submit(move || {
+            let r = job(&*comm);
+            Python::try_attach(|_| drop(keep.take()));
+            r
+        });
+        let w = PyWork {
+            work,
+            result: result.map(Bound::unbind),
+        };
+        Ok(Bound::new(py, w)?.into_any().unbind())
+    }
+
+    fn root_or_first(&self, root: Option<usize>) -> usize {
+        root.unwrap_or(self.inner.ranks()[0])
+    }
+
+    /// A C-ordered copy of `t`, for the `*_tensor` collectives that return new arrays.
+    fn copy_of<'py>(t: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let np = t.py().import("numpy")?;
+        np.call_method1("array", (t,))?.call_method1("copy", ("C",))
+    }
+}
+
+// SAFETY (every `unsafe { raw.buf*() }` below): the RawArray comes from an `Array` whose guard (sync) or
+// object reference (async) is kept until the job has finished, and the collective is its only user.
+#[pymethods]
+impl PyProcessGroup {
+    /// The group of every rank of `backend`'s world (`ranks=None`), or of `ranks` (global; every member
+    /// must create it, in the same order as its other groups).
+    #[new]
+    #[pyo3(signature = (backend, ranks=None))]
+    fn new(backend: &PyBackend, ranks: Option<Vec<usize>>) -> PyResult<Self> {
+        let b = backend.inner.clone();
+        let inner = match ranks {
+            None => ProcessGroup::new(b),
+            Some(r) => ProcessGroup::with_ranks(b, &r)?,
+        };
+        Ok(PyProcessGroup {
+            inner: Arc::new(inner),
+        })
+    }
+    /// Same as `ProcessGroup(backend, ranks)`.
+    #[staticmethod]
+    fn with_ranks(backend: &PyBackend, ranks: Vec<usize>) -> PyResult<Self> {
+        Self::new(backend, Some(ranks))
+    }
+    /// A group over a world of one rank.
+    #[staticmethod]
+    fn mock() -> Self {
+        PyProcessGroup {
+            inner: Arc::new(ProcessGroup::mock()),
+        }
+    }
+    /// The world backend this group was made from.
+    fn backend(&self) -> PyBackend {
+        PyBackend {
+            inner: self.inner.backend().clone(),
+        }
+    }
+    /// This rank's global rank.
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    /// Number of ranks in this group.
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    /// Global ranks of the members, ascending (the group order).
+    fn ranks(&self) -> Vec<usize> {
+        self.inner.ranks().to_vec()
+    }
+    /// Whether global rank `rank` is a member.
+    fn contains(&self, rank: usize) -> bool {
+        self.inner.contains(rank)
+    }
+    /// Position of global rank `rank` in the group.
+    fn group_rank(&self, rank: usize) -> PyResult<usize> {
+        self.inner.group_rank(rank).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "rank {rank} is not a member of the group {:?}",
+                self.inner.ranks()
+            ))
+        })
+    }
+    /// An uninitialised array suited for collectives on this group.
+    fn empty<'py>(
+        &self,
+        py: Python<'py>,
+        shape: &Bound<'py, PyAny>,
+        dtype: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        py.import("numpy")?.call_method1("empty", (shape, dtype))
+    }
+
+    /// Reduce `buf` across the group in place.
+    #[pyo3(signature = (buf, op=None, *, async_op=false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
+        )
+    }
+    /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
+    #[pyo3(signature = (buf, src=None, *, async_op=false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        src: Option<usize>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let a = self.checked(writable(buf, "buf"))?;
+        let (raw, root) = (a.raw, self.root_or_first(src));
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
+        )
+    }
+    /// Concatenate every member's `send` into `recv` (shape `(size, *send.shape)`).
+    #[pyo3(signature = (send, recv, *, async_op=false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (s, r) =
+            self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
+        let (sr, rr) = (s.raw, r.raw);
+        self.run(
+            py,
+            async_op,
+            vec![s, r],
+            None,
+            Box::new(move |c| c.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() })),
+        )
+    }
+    /// Reduce `send` across the group; chunk i (of `size` equal chunks) lands in the i-th member's `recv`.
+    #[pyo3(signature = (send, recv, op=None, *, async_op=false))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (op, s, r) = self.checked(
+            parse_op(op).and_then(|op| Ok((op, readable(send, "send")?, writable(recv, "recv")?))),
+        )?;
+        let (sr, rr) = (s.raw, r.raw);
+        self.run(
+            py,
+            async_op,
+            vec![s, r],
+            None,
+            Box::new(move |c| c.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op)),
+        )
+    }
+    /// Concatenate every member's `send` into `dst`'s `recv` (pass None elsewhere).
+    #[pyo3(signature = (send, recv, dst, *, async_op=false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: Option<&Bound<'_, PyAny>>,
+        dst: usize,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (s, r) = self.checked(
+            readable(send, "send")
+                .and_then(|s| Ok((s, recv.map(|r| writable(r, "recv")).transpose()?))),
+        )?;
+        let (sr, rr) = (s.raw, r.as_ref().map(|r| r.raw));
+        let arrays = std::iter::once(s).chain(r).collect();
+        self.run(
+            py,
+            async_op,
+            arrays,
+            None,
+            Box::new(move |c| {
+                c.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst)
+            }),
+        )
+    }
+    /// Split `src`'s `send` (None elsewhere) into one chunk per member's `recv`.
+    #[pyo3(signature = (send, recv, src, *, async_op=false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+        src: usize,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (s, r) = self.checked(
+            send.map(|s| readable(s, "send"))
+                .transpose()
+                .and_then(|s| Ok((s, writable(recv, "recv")?))),
+        )?;
+        let (sr, rr) = (s.as_ref().map(|s| s.raw), r.raw);
+        let arrays = s.into_iter().chain(std::iter::once(r)).collect();
+        self.run(
+            py,
+            async_op,
+            arrays,
+            None,
+            Box::new(move |c| {
+                c.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src)
+            }),
+        )
+    }
+    /// Reduce `buf` into global rank `dst`'s `buf`; the other members' buffers are left unchanged.
+    #[pyo3(signature = (buf, dst, op=None, *, async_op=false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dst: usize,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)),
+        )
+    }
+    /// Block until every member arrives.
+    #[pyo3(signature = (*, async_op=false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
+        self.run(py, async_op, vec![], None, Box::new(|c| c.barrier()))
+    }
+    /// Send `buf` to global rank `dst`; returns once the receiver has it.
+    #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dst: usize,
+        tag: u64,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let a = self.checked(readable(buf, "buf"))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)),
+        )
+    }
+    /// Receive into `buf` from global rank `src` (dtype and size must match the send).
+    #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        src: usize,
+        tag: u64,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let a = self.checked(writable(buf, "buf"))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
+        )
+    }
+
+    /// A new array: `t` reduced across the group.
+    #[pyo3(signature = (t, op=None, *, async_op=false))]
+    fn all_reduce_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (op, out) = self.checked(parse_op(op).and_then(|op| Ok((op, Self::copy_of(t)?))))?;
+        let a = self.checked(writable(&out, "t"))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            Some(out.clone()),
+            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
+        )
+    }
+    /// A new array: `src`'s `t` (default: the group's first rank).
+    #[pyo3(signature = (t, src=None, *, async_op=false))]
+    fn broadcast_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        src: Option<usize>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let out = self.checked(Self::copy_of(t))?;
+        let a = self.checked(writable(&out, "t"))?;
+        let (raw, root) = (a.raw, self.root_or_first(src));
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            Some(out.clone()),
+            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
+        )
+    }
+    /// A new array of shape `(size, *t.shape)`: every member's `t`, in group order.
+    #[pyo3(signature = (t, *, async_op=false))]
+    fn all_gather_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let s = self.checked(readable(t, "t"))?;
+        let shape: Vec<usize> = std::iter::once(self.inner.size())
+            .chain(s.shape.iter().copied())
+            .collect();
+        let out = zeros(py, s.raw.dtype, &shape);
+        let r = writable(&out, "out")?;
+        let (sr, rr) = (s.raw, r.raw);
+        self.run(
+            py,
+            async_op,
+            vec![s, r],
+            Some(out.clone()),
+            Box::new(move |c| c.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() })),
+        )
+    }
+    /// A new array: this member's chunk of `t` reduced across the group (dimension 0 split in `size`).
+    #[pyo3(signature = (t, op=None, *, async_op=false))]
+    fn reduce_scatter_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (op, s) = self.checked(parse_op(op).and_then(|op| Ok((op, readable(t, "t")?))))?;
+        let n = self.inner.size();
+        let first = s.shape.first().copied().unwrap_or(0);
+        if s.shape.is_empty() || first % n != 0 {
+            return self.checked(Err(PyValueError::new_err(format!(
+                "reduce_scatter_tensor: dimension 0 of shape {:?} must divide by the group size {n}",
+                s.shape
+            ))));
+        }
+        let shape: Vec<usize> = std::iter::once(first / n)
+            .chain(s.shape[1..].iter().copied())
+            .collect();
+        let out = zeros(py, s.raw.dtype, &shape);
+        let r = writable(&out, "out")?;
+        let (sr, rr) = (s.raw, r.raw);
+        self.run(
+            py,
+            async_op,
+            vec![s, r],
+            Some(out.clone()),
+            Box::new(move |c| c.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op)),
+        )
+    }
+    /// Send `t` to global rank `dst`.
+    #[pyo3(signature = (t, dst, tag=0, *, async_op=false))]
+    fn send_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+        dst: usize,
+        tag: u64,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.send(py, t, dst, tag, async_op)
+    }
+    /// A new array of `shape` and `dtype` received from global rank `src`.
+    #[pyo3(signature = (shape, dtype, src, tag=0, *, async_op=false))]
+    fn recv_tensor(
+        &self,
+        py: Python<'_>,
+        shape: &Bound<'_, PyAny>,
+        dtype: &Bound<'_, PyAny>,
+        src: usize,
+        tag: u64,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let out = self.checked(py.import("numpy")?.call_method1("empty", (shape, dtype)))?;
+        let a = self.checked(writable(&out, "out"))?;
+        let raw = a.raw;
+        self.run(
+            py,
+            async_op,
+            vec![a],
+            Some(out.clone()),
+            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
+        )
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "ProcessGroup(rank={}, ranks={:?}, backend={:?})",
+            self.inner.rank(),
+            self.inner.ranks(),
+            self.inner.backend().name()
+        )
+    }
+}
+
+/// The world: the default group over every rank, and the factory of subgroups.
+#[pyclass(name = "World", module = "axonml_distributed", frozen)]
+pub(crate) struct PyWorld {
+    inner: World,
+}
+
+#[pymethods]
+impl PyWorld {
+    /// The world of `backend` (the seed's `World::init`).
+    #[new]
+    fn new(backend: &PyBackend) -> Self {
+        PyWorld {
+            inner: World::init(backend.inner.clone()),
+        }
+    }
+    /// Same as `World(backend)`.
+    #[staticmethod]
+    fn init(backend: &PyBackend) -> Self {
+        Self::new(backend)
+    }
+    /// A world of one rank.
+    #[staticmethod]
+    fn mock() -> Self {
+        PyWorld {
+            inner: World::init(Arc::new(MockBackend::single())),
+        }
+    }
+    /// The group of every rank.
+    fn default_group(&self) -> PyProcessGroup {
+        PyProcessGroup {
+            inner: self.inner.default_group().clone(),
+        }
+    }
+    /// This process's rank.
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    /// Number of ranks.
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    /// True on rank 0.
+    fn is_main(&self) -> bool {
+        self.inner.is_main()
+    }
+    /// Block until every rank arrives.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.inner.default_group().clone();
+        Ok(py.detach(move || g.barrier())?)
+    }
+    /// A subgroup of `ranks` (global). Every member must create it, in the same order as its other
+    /// groups; on a non-member it is a handle whose collectives raise ValueError.
+    fn new_group(&self, ranks: Vec<usize>) -> PyResult<PyProcessGroup> {
+        Ok(PyProcessGroup {
+            inner: Arc::new(self.inner.new_group(&ranks)?),
+        })
+    }
+}
