@@ -8,7 +8,11 @@ use axonml_distributed::reduce::reduce_slices;
 use axonml_distributed::{Backend, Error, MockBackend, ProcessGroup, ReduceOp, World};
 
 /// Run `f(pg)` on one thread per rank of a fresh world and return the results in rank order.
-fn run<R: Send + 'static>(n: usize, timeout: Duration, f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static) -> Vec<R> {
+fn run<R: Send + 'static>(
+    n: usize,
+    timeout: Duration,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let f = Arc::new(f);
     let threads: Vec<_> = MockBackend::create_world_with_timeout(n, timeout)
         .into_iter()
@@ -23,7 +27,9 @@ fn run<R: Send + 'static>(n: usize, timeout: Duration, f: impl Fn(ProcessGroup) 
 const LONG: Duration = Duration::from_secs(30);
 
 fn input(rank: usize, len: usize) -> Vec<f32> {
-    (0..len).map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0).collect()
+    (0..len)
+        .map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0)
+        .collect()
 }
 
 #[test]
@@ -60,20 +66,28 @@ fn rooted_and_gathering_collectives_deliver_the_right_parts() {
         let mut b = input(me, len);
         pg.broadcast(&mut b, 1).unwrap();
         let gathered = pg.all_gather(&input(me, 10)).unwrap();
-        let scattered = pg.reduce_scatter(&input(me, 3 * len), ReduceOp::Max).unwrap();
+        let scattered = pg
+            .reduce_scatter(&input(me, 3 * len), ReduceOp::Max)
+            .unwrap();
         let mut red = input(me, len);
         pg.reduce(&mut red, 2, ReduceOp::Sum).unwrap();
         (b, gathered, scattered, red)
     });
     for (r, (b, gathered, scattered, red)) in got.into_iter().enumerate() {
         assert_eq!(b, input(1, len));
-        assert_eq!(gathered, (0..n).flat_map(|j| input(j, 10)).collect::<Vec<_>>());
+        assert_eq!(
+            gathered,
+            (0..n).flat_map(|j| input(j, 10)).collect::<Vec<_>>()
+        );
         let full: Vec<Vec<f32>> = (0..n).map(|j| input(j, 3 * len)).collect();
-        let want: Vec<f32> =
-            (r * len..(r + 1) * len).map(|i| full.iter().map(|v| v[i]).fold(f32::MIN, f32::max)).collect();
+        let want: Vec<f32> = (r * len..(r + 1) * len)
+            .map(|i| full.iter().map(|v| v[i]).fold(f32::MIN, f32::max))
+            .collect();
         assert_eq!(scattered, want);
         if r == 2 {
-            let want: Vec<f32> = (0..len).map(|i| (0..n).map(|j| input(j, len)[i]).fold(0.0, |a, b| a + b)).collect();
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..n).map(|j| input(j, len)[i]).fold(0.0, |a, b| a + b))
+                .collect();
             assert_eq!(red, want);
         } else {
             assert_eq!(red, input(r, len), "non-root buffers stay unchanged");
@@ -99,7 +113,10 @@ fn subgroups_are_independent_and_concurrent() {
     assert_eq!(got[0].0, 1 + 3);
     assert_eq!(got[1].0, 2 + 4);
     assert_eq!(got[1].1, vec![1, 3]);
-    assert!(matches!(got[0].2, Error::InvalidArgument(_) | Error::Aborted { .. }));
+    assert!(matches!(
+        got[0].2,
+        Error::InvalidArgument(_) | Error::Aborted { .. }
+    ));
 }
 
 #[test]
@@ -128,12 +145,18 @@ fn send_recv_match_by_source_and_tag_in_order() {
 fn mismatched_calls_fail_on_every_rank_before_touching_buffers() {
     let got = run(3, LONG, |pg| {
         let mut x = vec![pg.rank() as f32; 100];
-        let r = if pg.rank() == 2 { pg.all_reduce(&mut x, ReduceOp::Max) } else { pg.all_reduce(&mut x, ReduceOp::Sum) };
+        let r = if pg.rank() == 2 {
+            pg.all_reduce(&mut x, ReduceOp::Max)
+        } else {
+            pg.all_reduce(&mut x, ReduceOp::Sum)
+        };
         (r, x)
     });
     for (r, (res, x)) in got.into_iter().enumerate() {
         match res {
-            Err(Error::Mismatch { details, .. }) => assert!(details.contains("rank 2"), "{details}"),
+            Err(Error::Mismatch { details, .. }) => {
+                assert!(details.contains("rank 2"), "{details}")
+            }
             other => panic!("rank {r}: expected a mismatch, got {other:?}"),
         }
         assert!(x.iter().all(|&v| v == r as f32), "buffers untouched");
@@ -158,7 +181,11 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
         _ => false,
     });
     assert!(named, "{got:?}");
-    assert!(matches!(got[1], Some(Error::Aborted { .. })), "the late rank fails at once: {:?}", got[1]);
+    assert!(
+        matches!(got[1], Some(Error::Aborted { .. })),
+        "the late rank fails at once: {:?}",
+        got[1]
+    );
 }
 
 #[test]
@@ -173,7 +200,9 @@ fn abort_wakes_every_waiter_with_the_aborting_rank() {
         }
     });
     for e in got.into_iter().skip(1) {
-        assert!(matches!(e, Some(Error::Aborted { by: 0, ref reason }) if reason.contains("user code raised")));
+        assert!(
+            matches!(e, Some(Error::Aborted { by: 0, ref reason }) if reason.contains("user code raised"))
+        );
     }
 }
 
@@ -181,7 +210,10 @@ fn abort_wakes_every_waiter_with_the_aborting_rank() {
 fn bad_arguments_are_refused() {
     let pg = ProcessGroup::mock();
     let mut x = [1i32; 4];
-    assert!(matches!(pg.all_reduce(&mut x, ReduceOp::Average), Err(Error::UnsupportedDtype(_))));
+    assert!(matches!(
+        pg.all_reduce(&mut x, ReduceOp::Average),
+        Err(Error::UnsupportedDtype(_))
+    ));
     let b = MockBackend::single();
     assert!(ProcessGroup::with_ranks(Arc::new(b), &[0, 0]).is_err());
     let b = MockBackend::single();
@@ -197,7 +229,8 @@ fn async_work_completes_in_issue_order() {
                 let p = pg.clone();
                 pg.submit(move || {
                     let mut v = vec![i as f64; 10];
-                    p.comm()?.all_reduce(axonml_distributed::BufMut::new(&mut v), ReduceOp::Sum)?;
+                    p.comm()?
+                        .all_reduce(axonml_distributed::BufMut::new(&mut v), ReduceOp::Sum)?;
                     assert_eq!(v[0], 2.0 * i as f64);
                     Ok(())
                 })
