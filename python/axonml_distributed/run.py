@@ -1,0 +1,286 @@
+"""Single-host launcher: ``python -m axonml_distributed.run --nproc-per-node N script.py [args...]``.
+
+Starts N worker processes with torchrun's environment and runs them as a gang: the first worker that
+fails, or a signal to the launcher, ends all of them. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+_Worker = subprocess.Popen[bytes]
+
+# Every worker runs in its own process group (see `_spawn`), so the signals a terminal sends to its
+# foreground group (Ctrl-C, Ctrl-\, hangup) reach the workers only through the launcher: forward them all.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# A worker's exit is noticed within this long. Polling is simpler than waiting on child exits and signals
+# at once, and 20 wake-ups a second cost nothing measurable.
+_POLL_INTERVAL = 0.05
+# How long to drain a finished worker's output: a descendant that outlived it may keep the pipe open.
+_DRAIN_TIMEOUT = 1.0
+# One lock for all output pumps, so that lines of different ranks never interleave mid-line.
+_OUTPUT_LOCK = threading.Lock()
+
+_EPILOG = """\
+environment of each worker (torchrun-compatible):
+  RANK, LOCAL_RANK          0 .. N-1
+  WORLD_SIZE, LOCAL_WORLD_SIZE
+                            N
+  GROUP_RANK                0 (one host)
+  MASTER_ADDR, MASTER_PORT  127.0.0.1 and --master-port, or a port that was free at launch
+  AXONML_JOB_ID             128 random bits in hex, new for every job
+  AXONML_LAUNCHER_PID       the launcher's pid
+  OMP_NUM_THREADS           1 if unset and N > 1 (as torchrun does), so N workers do not oversubscribe cores
+
+lifecycle:
+  Workers run in their own process groups with stdin from /dev/null. SIGINT, SIGTERM, SIGHUP and SIGQUIT
+  sent to the launcher (Ctrl-C in a terminal reaches the launcher only) are forwarded once to every
+  worker. When a worker exits non-zero or is killed, the others get SIGTERM. Workers still running
+  --grace-period seconds after that signal are killed with SIGKILL. The job's shared-memory segment is
+  removed at the end in any case.
+
+exit status:
+  0 when every worker exits 0, 1 when a worker fails; a signalled launcher dies by that same signal.
+"""
+
+
+def segment_name(job_id: str) -> str:
+    """The ``shm_open`` name of job ``job_id``'s shared-memory segment, for the launcher and backend."""
+    return f"/axonml-{os.getuid()}-{job_id}"
+
+
+def launch(argv: Sequence[str] | None = None) -> int:
+    """Run the job described by the command line ``argv`` (default: ``sys.argv[1:]``).
+
+    Returns 0 on success, 1 when a worker failed, and ``128 + signal`` when the launcher received a
+    forwarded signal. Must be called from the main thread, which owns signal handlers.
+    """
+    args = _parser().parse_args(argv)
+    job_id = secrets.token_hex(16)
+    nproc: int = args.nproc_per_node
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
+    env = _job_env(nproc, args.master_port or _free_port(), job_id, prefix_output=args.prefix_output)
+
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _FORWARDED}
+    workers: list[_Worker] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for rank in range(nproc):
+            workers.append(_spawn(command, env, rank, prefix_output=args.prefix_output))
+            if args.prefix_output:
+                pumps += _start_pumps(workers[-1], rank)
+        return _supervise(workers, received, args.grace_period)
+    finally:
+        # The normal paths have reaped every worker; this only matters if the launcher itself failed.
+        _signal_running(workers, signal.SIGKILL, range(len(workers)))
+        for worker in workers:
+            worker.wait()
+        for pump in pumps:
+            pump.join(_DRAIN_TIMEOUT)
+        # Usually the backend has unlinked it already; a rank killed during init may have left it behind.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/dev/shm" + segment_name(job_id))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main() -> None:
+    """Entry point of ``axonml-run`` and ``python -m axonml_distributed.run``."""
+    status = launch()
+    if status - 128 in _FORWARDED:
+        # Die by the same signal, as Python does on an unhandled KeyboardInterrupt, so that a calling
+        # shell sees it (a `for` loop over jobs stops on Ctrl-C instead of starting the next one).
+        signal.signal(status - 128, signal.SIG_DFL)
+        os.kill(os.getpid(), status - 128)
+    sys.exit(status)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="axonml-run",
+        description="Run SCRIPT (or a module, with -m) as N data-parallel worker processes on this host.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_at_least(1), default=1, metavar="N",
+                        help="number of workers (default: 1)")
+    parser.add_argument("--master-port", "--master_port", type=_at_least(1), metavar="P",
+                        help="MASTER_PORT for the workers (default: a port that is free at launch)")
+    parser.add_argument("--prefix-output", action="store_true",
+                        help="prefix each line the workers write to stdout/stderr with '[rank N] ' "
+                             "(default: workers write straight to the launcher's stdout/stderr)")
+    parser.add_argument("--grace-period", type=_at_least(0.0), default=5.0, metavar="S",
+                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default: 5)")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module name, run like 'python -m SCRIPT'")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                        help="arguments passed to every worker")
+    return parser
+
+
+def _at_least(low: float) -> Callable[[str], float]:
+    """An argparse type: a number of `low`'s type, at least `low`."""
+    kind = type(low)
+
+    def convert(text: str) -> float:
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__  # argparse names the type in "invalid int value" messages
+    return convert
+
+
+def _free_port() -> int:
+    # The kernel hands out a port no socket is using. It is closed again before the workers start, so
+    # another program may take it in between (torchrun has the same race), but as soon as rank 0 listens
+    # on it no other launch can be given it.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _job_env(nproc: int, port: int, job_id: str, *, prefix_output: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if prefix_output:
+        # Python block-buffers stdout into a pipe; the merged log should show lines as they are written.
+        env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        AXONML_JOB_ID=job_id,
+        AXONML_LAUNCHER_PID=str(os.getpid()),
+    )
+    return env
+
+
+def _spawn(command: list[str], env: dict[str, str], rank: int, *, prefix_output: bool) -> _Worker:
+    # Own process group: a terminal's Ctrl-C then reaches the launcher alone, and each worker gets exactly
+    # one forwarded SIGINT. In the launcher's group (torchrun's way) it would get the terminal's SIGINT and
+    # the forwarded one, the second interrupting its cleanup. A group also lets teardown reach the
+    # worker's own children. Its cost: the workers are a background job of the terminal, so a read from
+    # it would stop them (SIGTTIN) and hang the job; stdin is /dev/null instead.
+    pipe = subprocess.PIPE if prefix_output else None
+    return subprocess.Popen(
+        command,
+        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        stdin=subprocess.DEVNULL,
+        stdout=pipe,
+        stderr=pipe,
+        process_group=0,
+    )
+
+
+def _start_pumps(worker: _Worker, rank: int) -> list[threading.Thread]:
+    prefix = f"[rank {rank}] ".encode()
+    pumps = []
+    for source, sink in ((worker.stdout, sys.stdout.buffer), (worker.stderr, sys.stderr.buffer)):
+        assert source is not None  # piped by _spawn
+        pump = threading.Thread(target=_pump, args=(source, sink, prefix), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    return pumps
+
+
+def _pump(source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+    with source:
+        for line in source:
+            # A last line without a newline still gets one, so the next rank's prefix starts a line.
+            text = prefix + line if line.endswith(b"\n") else prefix + line + b"\n"
+            # If our own output is gone (`axonml-run ... | head`), keep draining: a worker writing into a
+            # full pipe would block forever.
+            with _OUTPUT_LOCK, contextlib.suppress(OSError):
+                sink.write(text)
+                sink.flush()
+
+
+def _supervise(workers: list[_Worker], received: list[int], grace: float) -> int:
+    """Wait until every worker exits 0 (returns 0), one fails (1), or a signal arrives (128 + signal)."""
+    everyone = range(len(workers))
+    while True:
+        if received:
+            sig = signal.Signals(received[0])
+            ranks = _signal_running(workers, sig, everyone)
+            _say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
+            _reap(workers, ranks, sig, grace)
+            return 128 + sig
+        codes = [worker.poll() for worker in workers]
+        failed = next(((rank, code) for rank, code in enumerate(codes) if code), None)
+        if failed is not None:
+            ranks = _signal_running(workers, signal.SIGTERM, everyone)
+            _say(f"rank {failed[0]} failed ({_describe(failed[1])})"
+                 + (f"; terminated {_ranks(ranks)}" if ranks else ""))
+            _reap(workers, ranks, signal.SIGTERM, grace)
+            return 1
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(_POLL_INTERVAL)
+
+
+def _reap(workers: list[_Worker], ranks: list[int], sent: signal.Signals, grace: float) -> None:
+    """Give `ranks`, just sent `sent`, `grace` seconds to exit, then SIGKILL them."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(workers[rank].poll() is None for rank in ranks):
+        time.sleep(_POLL_INTERVAL)
+    stubborn = _signal_running(workers, signal.SIGKILL, ranks)
+    if stubborn:
+        _say(f"{_ranks(stubborn)} still running {grace:g} s after {sent.name}; sent SIGKILL")
+    for rank in ranks:
+        workers[rank].wait()
+
+
+def _signal_running(workers: list[_Worker], sig: int, ranks: Sequence[int]) -> list[int]:
+    """Send `sig` to the process group of each of `ranks` still running; return those ranks."""
+    running = [rank for rank in ranks if workers[rank].poll() is None]
+    for rank in running:
+        # Only groups of unreaped workers are signalled: their pid, which names the group, cannot have
+        # been reused by an unrelated process.
+        try:
+            os.killpg(workers[rank].pid, sig)
+        except ProcessLookupError:  # the worker moved to another group; reach it at least
+            workers[rank].send_signal(sig)
+    return running
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-code}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _say(message: str) -> None:
+    # After SIGHUP, stderr may be a terminal that is gone; the teardown must go on regardless.
+    with contextlib.suppress(OSError):
+        print(f"axonml-run: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
