@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reference import data, reduce_ref, same_bits
 
 import axonml_distributed as ad
+from reference import data, reduce_ref, same_bits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +28,9 @@ def test_async_collectives_complete_in_issue_order_with_results() -> None:
     res = ad.spawn(fn, 3)
     for xs, gathered, sync in res:
         for i, x in enumerate(xs):
-            assert same_bits(x, reduce_ref([data(r, 5000 + i, np.float32) for r in range(3)], ad.ReduceOp.SUM))
+            assert same_bits(
+                x, reduce_ref([data(r, 5000 + i, np.float32) for r in range(3)], ad.ReduceOp.SUM)
+            )
         assert gathered.ravel().tolist() == [0, 1, 2]
         assert sync.tolist() == [3.0, 3.0]
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import DTYPES, OPS, data, reduce_ref, same_bits, valid
 
 import axonml_distributed as ad
+from reference import DTYPES, OPS, data, reduce_ref, same_bits, valid
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,9 @@ def test_rooted_and_gathering_collectives(world: int) -> None:
         assert same_bits(out["gathered"], np.stack([data(j, n, np.int32) for j in range(world)]))
         assert same_bits(out["rs"], reduce_ref([f[r * n : (r + 1) * n] for f in full], ad.ReduceOp.MAX))
         if r == root:
-            assert same_bits(out["red"], reduce_ref([data(j, n, np.float16) for j in range(world)], ad.ReduceOp.SUM))
+            assert same_bits(
+                out["red"], reduce_ref([data(j, n, np.float16) for j in range(world)], ad.ReduceOp.SUM)
+            )
             assert same_bits(out["g"], np.stack([data(j, 5, np.uint8) for j in range(world)]))
         else:
             assert same_bits(out["red"], data(r, n, np.float16)), "non-root buffers are left unchanged"
@@ -94,7 +96,11 @@ def test_tensor_variants_return_new_arrays_and_leave_inputs() -> None:
 
 def test_nan_propagates_through_min_and_max() -> None:
     def rank_fn(pg: ad.ProcessGroup) -> tuple[np.ndarray, np.ndarray]:
-        x = np.array([np.nan, 1.0, 2.0], np.float32) if pg.rank() == 0 else np.array([1.0, np.nan, 0.5], np.float32)
+        x = (
+            np.array([np.nan, 1.0, 2.0], np.float32)
+            if pg.rank() == 0
+            else np.array([1.0, np.nan, 0.5], np.float32)
+        )
         y = x.copy()
         pg.all_reduce(x, ad.ReduceOp.MIN)
         pg.all_reduce(y, ad.ReduceOp.MAX)

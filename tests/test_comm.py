@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reference import data, reduce_ref, same_bits
 
 import axonml_distributed as ad
+from reference import data, reduce_ref, same_bits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reference import data, same_bits
 
 import axonml_distributed as ad
+from reference import data, same_bits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,10 @@ BAD_INPUTS: dict[str, tuple[type[Exception], Callable[[ad.ProcessGroup, np.ndarr
     "average of ints": (TypeError, lambda pg, x: pg.all_reduce(np.ones(4, np.int32), ad.ReduceOp.AVERAGE)),
     "unknown op": (ValueError, lambda pg, x: pg.all_reduce(x, "median")),
     "root out of range": (ValueError, lambda pg, x: pg.broadcast(x, 7)),
-    "reduce_scatter does not divide": (ValueError, lambda pg, x: pg.reduce_scatter_tensor(np.ones(5, np.float32))),
+    "reduce_scatter does not divide": (
+        ValueError,
+        lambda pg, x: pg.reduce_scatter_tensor(np.ones(5, np.float32)),
+    ),
     "all_gather output too small": (ValueError, lambda pg, x: pg.all_gather(x, np.zeros(3, np.float32))),
     "dtype of output differs": (ValueError, lambda pg, x: pg.all_gather(x, np.zeros((2, 64), np.float64))),
     "same array twice": (ValueError, lambda pg, x: pg.all_gather(x, x)),

@@ -27,6 +27,7 @@ from axonml_distributed.comm import (
     sync_gradients,
     world_size,
 )
+from axonml_distributed.ddp import DDP, DistributedDataParallel
 from axonml_distributed.exceptions import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -34,13 +35,20 @@ from axonml_distributed.exceptions import (
     PeerFailureError,
     SpawnError,
 )
-from axonml_distributed.init import destroy_process_group, get_default_group, init_process_group, is_initialized
+from axonml_distributed.init import (
+    destroy_process_group,
+    get_default_group,
+    init_process_group,
+    is_initialized,
+)
 from axonml_distributed.spawn import spawn
 
 __all__ = [
     "Backend",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DDP",
+    "DistributedDataParallel",
     "DistributedError",
     "MockBackend",
     "PeerFailureError",

@@ -9,7 +9,6 @@ __version__: str
 INLINE_BYTES: int
 
 _Array = npt.NDArray[Any]
-_Op = ReduceOp | str | None
 
 class DistributedError(RuntimeError):
     """Base of every collective failure."""
@@ -33,6 +32,8 @@ class ReduceOp:
     MAX: ClassVar[ReduceOp]
     AVERAGE: ClassVar[ReduceOp]
     def __int__(self) -> int: ...
+
+_Op = ReduceOp | str | None
 
 @final
 class Backend:
@@ -92,8 +93,12 @@ class ProcessGroup:
     def reduce_scatter(
         self, send: _Array, recv: _Array, op: _Op = None, *, async_op: bool = False
     ) -> Work | None: ...
-    def gather(self, send: _Array, recv: _Array | None, dst: int, *, async_op: bool = False) -> Work | None: ...
-    def scatter(self, send: _Array | None, recv: _Array, src: int, *, async_op: bool = False) -> Work | None: ...
+    def gather(
+        self, send: _Array, recv: _Array | None, dst: int, *, async_op: bool = False
+    ) -> Work | None: ...
+    def scatter(
+        self, send: _Array | None, recv: _Array, src: int, *, async_op: bool = False
+    ) -> Work | None: ...
     def reduce(self, buf: _Array, dst: int, op: _Op = None, *, async_op: bool = False) -> Work | None: ...
     def barrier(self, *, async_op: bool = False) -> Work | None: ...
     def send(self, buf: _Array, dst: int, tag: int = 0, *, async_op: bool = False) -> Work | None: ...
