@@ -6,7 +6,18 @@ in-process world of threads (`spawn`, `MockBackend`), a shared-memory world of p
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules.
 """
 
-from axonml_distributed._core import Backend, MockBackend, ProcessGroup, ReduceOp, Work, World, __version__
+from axonml_distributed._core import (
+    Backend,
+    GradientBucket,
+    GradientSynchronizer,
+    GradSyncStrategy,
+    MockBackend,
+    ProcessGroup,
+    ReduceOp,
+    Work,
+    World,
+    __version__,
+)
 from axonml_distributed.comm import (
     all_gather,
     all_reduce_max,
@@ -50,6 +61,9 @@ __all__ = [
     "DDP",
     "DistributedDataParallel",
     "DistributedError",
+    "GradSyncStrategy",
+    "GradientBucket",
+    "GradientSynchronizer",
     "MockBackend",
     "PeerFailureError",
     "ProcessGroup",

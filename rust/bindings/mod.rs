@@ -2,20 +2,31 @@
 
 mod array;
 mod backend;
+mod bucket;
 mod exceptions;
 mod group;
 
+use std::sync::OnceLock;
+use std::thread::ThreadId;
+
 use pyo3::prelude::*;
+
+/// The thread that imported the module: Python runs signal handlers only there, so only its waits
+/// need to look (and take the GIL to do so).
+static MAIN_THREAD: OnceLock<ThreadId> = OnceLock::new();
 
 /// Ctrl-C while a rank waits: run Python's signal handlers; a raised KeyboardInterrupt ends the wait.
 fn python_interrupted() -> bool {
-    Python::try_attach(|py| py.check_signals().is_err()).unwrap_or(false)
+    MAIN_THREAD.get() == Some(&std::thread::current().id())
+        && Python::try_attach(|py| py.check_signals().is_err()).unwrap_or(false)
 }
 
 #[pymodule]
 mod _core {
     #[pymodule_export]
     use super::backend::{PyBackend, PyMockBackend, PyReduceOp};
+    #[pymodule_export]
+    use super::bucket::{PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer};
     #[pymodule_export]
     use super::exceptions::{
         CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
@@ -27,6 +38,7 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        let _ = super::MAIN_THREAD.set(std::thread::current().id());
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::transport::thread::INLINE)?;
