@@ -52,6 +52,7 @@ from axonml_distributed.init import (
     init_process_group,
     is_initialized,
 )
+from axonml_distributed.sampler import DistributedSampler
 from axonml_distributed.spawn import spawn
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "DDP",
     "DistributedDataParallel",
     "DistributedError",
+    "DistributedSampler",
     "GradSyncStrategy",
     "GradientBucket",
     "GradientSynchronizer",
