@@ -110,3 +110,9 @@ def test_recv_from_a_silent_peer_times_out() -> None:
                 pg.recv(np.zeros(1, np.float32), 0)
 
     ad.spawn(fn, 2, timeout=0.3)
+
+
+def test_sending_to_oneself_is_refused() -> None:
+    pg = ad.ProcessGroup(ad.MockBackend.create_world(2)[0])
+    with pytest.raises(ValueError, match="itself"):
+        pg.send(np.ones(100_000, np.float32), 0)

@@ -417,7 +417,7 @@ impl Backend for MockBackend {
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-        call::index_of(self.members(), dst, "destination").map_err(|e| self.fail(e))?;
+        call::peer(self.members(), self.rank, dst, "send to").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
         self.world
             .mailbox
@@ -425,7 +425,7 @@ impl Backend for MockBackend {
             .map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-        call::index_of(self.members(), src, "source").map_err(|e| self.fail(e))?;
+        call::peer(self.members(), self.rank, src, "receive from").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
         self.world
             .mailbox
