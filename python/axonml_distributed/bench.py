@@ -137,9 +137,8 @@ def run_threads(args: argparse.Namespace) -> dict[str, Any]:
                 ranks=n, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (n - 1) / n, fraction_of_bound=bound / t
             )
             report["all_reduce"].append(row)
-            print(
-                f"{human(int(s)):>10} {t * 1e6:>10.1f}us {algbw:>11.2f} {row['busbw_gbps']:>11.2f} {bound / t:>8.0%}"
-            )
+            busbw = row["busbw_gbps"]
+            print(f"{human(int(s)):>10} {t * 1e6:>10.1f}us {algbw:>11.2f} {busbw:>11.2f} {bound / t:>8.0%}")
     if args.ddp_params:
         print(f"\nDDP sync_gradients vs one flat all_reduce, {args.ddp_params:,} float32 parameters")
         for n in args.ranks:
