@@ -5,6 +5,8 @@ mod backend;
 mod bucket;
 mod exceptions;
 mod group;
+mod work;
+mod world;
 
 use std::sync::OnceLock;
 use std::thread::ThreadId;
@@ -32,7 +34,11 @@ mod _core {
         CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
     };
     #[pymodule_export]
-    use super::group::{PyProcessGroup, PyWork, PyWorld};
+    use super::group::PyProcessGroup;
+    #[pymodule_export]
+    use super::work::PyWork;
+    #[pymodule_export]
+    use super::world::PyWorld;
 
     use pyo3::prelude::*;
 
