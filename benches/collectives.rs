@@ -1,4 +1,5 @@
-//! Criterion benchmarks: the reduction kernels, and all_reduce on the in-process world.
+//! Criterion benchmarks: the reduction kernels, gradient bucket pack/unpack, and all_reduce on the
+//! in-process world.
 //!
 //! `cargo bench` runs all; `cargo bench -- allreduce/4` one group. The all-reduce timing is the
 //! slowest rank's, for `iters` back-to-back collectives on persistent rank threads.
@@ -8,7 +9,7 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use axonml_distributed::reduce::reduce_slices;
-use axonml_distributed::{MockBackend, ProcessGroup, ReduceOp};
+use axonml_distributed::{GradientBucket, MockBackend, ProcessGroup, ReduceOp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 fn kernels(c: &mut Criterion) {
@@ -24,6 +25,28 @@ fn kernels(c: &mut Criterion) {
             })
         });
     }
+    g.finish();
+}
+
+fn buckets(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bucket");
+    // 16 gradients of 64K f32 each (4 MiB): pack them into one bucket, then unpack.
+    let grads: Vec<Vec<f32>> = (0..16).map(|i| vec![i as f32; 1 << 16]).collect();
+    g.throughput(Throughput::Bytes((16 << 16) * 4));
+    g.bench_function("pack_16x256KiB", |b| {
+        let mut bucket = GradientBucket::new(16 << 16);
+        b.iter(|| {
+            bucket.clear();
+            for gr in &grads {
+                assert!(bucket.add(black_box(gr)).unwrap());
+            }
+        })
+    });
+    let mut full = GradientBucket::new(16 << 16);
+    grads.iter().for_each(|gr| assert!(full.add(gr).unwrap()));
+    g.bench_function("unpack_16x256KiB", |b| {
+        b.iter(|| black_box(full.extract::<f32>().unwrap()))
+    });
     g.finish();
 }
 
@@ -86,5 +109,5 @@ fn allreduce(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, kernels, allreduce);
+criterion_group!(benches, kernels, buckets, allreduce);
 criterion_main!(benches);
