@@ -8,6 +8,7 @@ MPI collectives cannot be cancelled, so every operation is issued non-blocking (
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ OPS: tuple[tuple[ReduceOp, str, MPI.Op], ...] = (
 OP_NAMES = {code: name for code, (_, name, _) in enumerate(OPS, 1)}
 # Names accepted in place of a member, as by the native groups (case-insensitive).
 OP_CODES = {**{name: code for code, name in OP_NAMES.items()}, "MEAN": 5}
+SUM_CODE = OP_CODES["SUM"]
 AVERAGE_CODE = OP_CODES["AVERAGE"]
 
 KIND_NAMES = {
@@ -66,23 +68,24 @@ KIND_NAMES = {
 KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
 
 
-def transport_dtype(arr: np.ndarray, what: str) -> MPI.Datatype:
-    """The MPI datatype for `arr`'s elements; TypeError for dtypes the native backends do not support."""
+def transport_dtype(arr: np.ndarray, what: str) -> tuple[int, MPI.Datatype]:
+    """The signature code of `arr`'s dtype and the MPI datatype that carries its elements; TypeError for
+    dtypes the native backends do not support."""
     entry = DTYPES.get(arr.dtype)
     if entry is None:
         supported = ", ".join(dt.name for dt in DTYPES)
         raise TypeError(f"{what}: unsupported dtype {arr.dtype}; supported: {supported}")
-    return entry[1]
-
-
-def dtype_code(arr: np.ndarray) -> int:
-    return DTYPES[arr.dtype][0]
+    return entry
 
 
 # What an operation returns: None for in-place ones, the new array for the *_tensor ones.
 Result = np.ndarray | None
-# Run once the MPI request completed, given its status; returns the operation's result.
-Finish = Callable[[MPI.Status], Result]
+# Post-processing once the MPI request completed, given its status (AVERAGE's division, float16's
+# rounding, a receive's size check); None when there is nothing to do, the common case.
+Finish = Callable[[MPI.Status], None] | None
+# Builds an operation's description for error messages; called only when one is raised, so the
+# common path never formats strings.
+Describe = Callable[[], str]
 # A reduce op as the native groups accept it: a ReduceOp, None (SUM), or a name such as "sum" or "mean".
 OpArg = ReduceOp | str | None
 
@@ -94,24 +97,29 @@ class Op:
     average: bool
 
 
+# Built once: resolving an op is on every reduction's path.
+OP_TABLE = tuple(Op(code, mpi_op, code == AVERAGE_CODE) for code, (_, _, mpi_op) in enumerate(OPS, 1))
+
+
 def resolve_op(op: OpArg, dtype: np.dtype, what: str) -> Op:
     code = _op_code(op, what)
     if code == AVERAGE_CODE and dtype.kind != "f":
         # An integer mean would have to truncate; the native backends refuse it too.
         raise ValueError(f"{what}: AVERAGE needs a floating dtype, got {dtype}; use SUM and divide")
-    return Op(code, OPS[code - 1][2], code == AVERAGE_CODE)
+    return OP_TABLE[code - 1]
 
 
 def _op_code(op: OpArg, what: str) -> int:
     if op is None:
-        return OP_CODES["SUM"]
+        return SUM_CODE
     if isinstance(op, str):
         code = OP_CODES.get(op.upper())
         if code is None:
             raise ValueError(f'{what}: unknown reduce op "{op}"; use a ReduceOp member')
         return code
     for code, (member, _, _) in enumerate(OPS, 1):
-        if op == member:
+        # The class attributes are singletons: `is` settles the usual case without a native __eq__.
+        if op is member or op == member:
             return code
     raise TypeError(f"{what}: op must be a ReduceOp, got {type(op).__name__}")
 
@@ -128,21 +136,23 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def readable(arr: object, what: str) -> MPI.Datatype:
+def readable(arr: object, what: str) -> tuple[int, MPI.Datatype]:
+    """Validate an array MPI reads; returns its `transport_dtype`."""
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"{what}: expected a numpy array, got {type(arr).__name__}")
-    dt = transport_dtype(arr, what)
+    entry = transport_dtype(arr, what)
     if not arr.flags.c_contiguous:
         raise ValueError(f"{what}: the array must be C-contiguous (pass np.ascontiguousarray(a))")
-    return dt
+    return entry
 
 
-def writable(arr: object, what: str) -> MPI.Datatype:
-    dt = readable(arr, what)
+def writable(arr: object, what: str) -> tuple[int, MPI.Datatype]:
+    """Validate an array MPI writes; returns its `transport_dtype`."""
+    entry = readable(arr, what)
     assert isinstance(arr, np.ndarray)  # readable() raised otherwise
     if not arr.flags.writeable:
         raise ValueError(f"{what}: the array is read-only")
-    return dt
+    return entry
 
 
 def companion(ref: np.ndarray, other: object, size: int, what: str, write: bool) -> None:
@@ -156,65 +166,74 @@ def companion(ref: np.ndarray, other: object, size: int, what: str, write: bool)
 
 
 def reduction_buffer(
-    buf: np.ndarray, rop: Op, size: int, copy_in: bool, write_back: bool, result: Result = None
+    buf: np.ndarray, dt: MPI.Datatype, rop: Op, size: int, copy_in: bool, write_back: bool
 ) -> tuple[np.ndarray, MPI.Datatype, Finish]:
     """The array MPI reduces into (float16 is widened to a float32 copy) and the step that divides for
-    AVERAGE and writes the result back to `buf`."""
+    AVERAGE and writes the result back to `buf` (None when MPI's result needs nothing more). `dt` is
+    `buf`'s transport datatype."""
     if reduce_via_float32(buf.dtype):
         wide = buf.astype(np.float32) if copy_in else np.empty(buf.shape, np.float32)
 
-        def narrow(_status: MPI.Status) -> Result:
+        def narrow(_status: MPI.Status) -> None:
             if write_back:
                 if rop.average:
                     np.divide(wide, size, out=wide)
                 np.copyto(buf, wide)  # the only rounding to float16
-            return result
 
         return wide, MPI.FLOAT, narrow
+    if not (write_back and rop.average):
+        return buf, dt, None
 
-    def scale(_status: MPI.Status) -> Result:
-        if write_back and rop.average:
-            np.divide(buf, size, out=buf)
-        return result
+    def scale(_status: MPI.Status) -> None:
+        np.divide(buf, size, out=buf)
 
-    return buf, transport_dtype(buf, "reduction"), scale
+    return buf, dt, scale
 
 
 # --- waiting -----------------------------------------------------------------------------------------
 
-# Spin on Test (yielding the CPU between tests) for 2 ms plus 1 ns per byte moved, then sleep. Measured
-# on 2 cores with MPICH: back-to-back 8-byte all_reduces cost 6 us with a yielding spin but 64 us with a
-# tight one, and sleeping after a short spin (0.1 ms) made them 40x slower at 2 and 4 ranks: once one
-# rank sleeps, its peers time out of their spins too. A transfer also progresses only inside MPI calls,
-# so sleeping while the bytes could still be flowing slows large messages.
+# Three phases, measured on 2 cores with MPICH:
+# - Tight: Test back to back for TIGHT_SPIN_S. A small collective whose peers are already in it completes
+#   within microseconds: an 8-byte Iallreduce completed by tight Tests took 1.7 us, the blocking Allreduce
+#   2-8 us, and a spin that yields between Tests 3-7 us (each sched_yield may hand the core away).
+# - Yielding: Test with sched_yield between tests for 2 ms plus 1 ns per byte moved. With more ranks than
+#   cores, a rank that spins tightly for long starves the peer it waits for (back-to-back 8-byte
+#   all_reduces at 4 ranks: 64 us with a tight spin, 6 us yielding). A transfer also progresses only
+#   inside MPI calls, so sleeping while the bytes could still be flowing slows large messages.
+# - Sleeping: past the spin the peers are late; sleep, doubling up to 1 ms, so an idle rank leaves its core
+#   free but notices its peers within a millisecond. Sleeping sooner (after 0.1 ms) made small all_reduces
+#   40x slower at 2 and 4 ranks: once one rank sleeps, its peers time out of their spins too.
+TIGHT_SPIN_S = 20e-6
 SPIN_BASE_S = 2e-3
 SPIN_PER_BYTE_S = 1e-9
 SPIN_MAX_S = 0.25
-# Past the spin the peers are late: sleep, doubling up to 1 ms, so an idle rank leaves its core free but
-# notices its peers within a millisecond.
 SLEEP_FIRST_S = 50e-6
 SLEEP_MAX_S = 1e-3
 
 
 def wait_until(req: MPI.Request, deadline: float, nbytes: int, status: MPI.Status | None = None) -> bool:
     """Test `req` until it completes (True) or `deadline` (time.monotonic) passes (False)."""
-    if req.Test(status):
-        return True
+    test = req.Test
     now = time.monotonic()
+    tight_until = min(deadline, now + TIGHT_SPIN_S)
+    while now < tight_until:
+        if test(status):
+            return True
+        now = time.monotonic()
     spin_until = min(deadline, now + min(SPIN_BASE_S + nbytes * SPIN_PER_BYTE_S, SPIN_MAX_S))
     while now < spin_until:
         os.sched_yield()
-        if req.Test(status):
+        if test(status):
             return True
         now = time.monotonic()
     pause = SLEEP_FIRST_S
     while now < deadline:
         time.sleep(min(pause, deadline - now))
-        if req.Test(status):
+        if test(status):
             return True
         pause = min(2 * pause, SLEEP_MAX_S)
         now = time.monotonic()
-    return req.Test(status)
+    return bool(test(status))
 
 
 def abort_job(comm: MPI.Intracomm, error: DistributedError) -> DistributedError:
@@ -251,7 +270,14 @@ class MpiWork:
     )
 
     def __init__(
-        self, queue: OpQueue, req: MPI.Request, buffers: object, finish: Finish, nbytes: int, describe: str
+        self,
+        queue: OpQueue,
+        req: MPI.Request,
+        buffers: object,
+        finish: Finish,
+        result: Result,
+        nbytes: int,
+        describe: Describe,
     ) -> None:
         self._queue = queue
         self.req = req
@@ -260,23 +286,26 @@ class MpiWork:
         self.buffers = buffers
         self.status = MPI.Status()
         self.finish = finish
+        self.result = result
         self.nbytes = nbytes
         self.describe = describe
         self.done = False
-        self.result: Result = None
         self.error: BaseException | None = None
 
     def wait(self) -> Result:
         """Block until this and every earlier operation of the group completed; return the op's result
         (None for in-place ops, the array for *_tensor ops) or re-raise its error."""
         self._queue.complete(self, block=True)
-        if self.error is not None:
-            raise self.error
-        return self.result
+        return self.outcome()
 
     def is_completed(self) -> bool:
         self._queue.complete(self, block=False)
         return self.done
+
+    def outcome(self) -> Result:
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class OpQueue:
@@ -291,42 +320,71 @@ class OpQueue:
         self.lock = threading.Lock()
         self.seq = 0
         self._pending: deque[MpiWork] = deque()
+        # The signature check's buffer, reused: checks are serialized by `lock`, and each completes
+        # before the lock is released.
+        self.signature = bytearray(SIGNATURE.size)
 
-    def submit(
-        self, req: MPI.Request, buffers: object, finish: Finish, nbytes: int, describe: str
-    ) -> MpiWork:
-        work = MpiWork(self, req, buffers, finish, nbytes, describe)
-        self._pending.append(work)
-        return work
+    def run(
+        self,
+        req: MPI.Request,
+        buffers: object,
+        finish: Finish,
+        result: Result,
+        nbytes: int,
+        describe: Describe,
+        async_op: bool,
+    ) -> MpiWork | Result:
+        """Take over a request just issued, with `lock` held: with `async_op` its handle, else its result
+        once it and every earlier operation completed."""
+        if async_op or self._pending:
+            work = MpiWork(self, req, buffers, finish, result, nbytes, describe)
+            self._pending.append(work)
+            if async_op:
+                return work
+            self._complete(work, block=True)
+            return work.outcome()
+        # Blocking with nothing queued ahead, the usual case: completed here, without a handle (the
+        # caller holds the buffers until this returns).
+        status = None if finish is None else MPI.Status()
+        try:
+            if not wait_until(req, time.monotonic() + self.timeout, nbytes, status):
+                raise abort_job(self.comm, self._timeout_error(describe()))
+            if finish is not None:
+                finish(status)
+        except MPI.Exception as exc:
+            raise mpi_error(describe(), exc) from exc
+        return result
 
-    def wait_request(self, req: MPI.Request, nbytes: int, describe: str) -> None:
+    def wait_request(self, req: MPI.Request, nbytes: int, describe: Describe) -> None:
         """Complete a request issued outside the queue (the signature check) or abort the job."""
-        deadline = time.monotonic() + self.timeout
-        if not wait_until(req, deadline, nbytes):
-            raise abort_job(self.comm, self._timeout_error(describe))
+        if not wait_until(req, time.monotonic() + self.timeout, nbytes):
+            raise abort_job(self.comm, self._timeout_error(describe()))
 
     def complete(self, work: MpiWork, block: bool) -> None:
         with self.lock:
-            deadline = time.monotonic() + self.timeout
-            while not work.done:
-                front = self._pending[0]
-                try:
-                    if block:
-                        finished = wait_until(front.req, deadline, front.nbytes, front.status)
-                    else:
-                        finished = front.req.Test(front.status)
-                    if finished:
-                        front.result = front.finish(front.status)
-                except MPI.Exception as exc:
-                    finished, front.error = True, mpi_error(front.describe, exc)
-                except DistributedError as exc:
-                    finished, front.error = True, exc
-                if not finished:
-                    if not block:
-                        return
-                    raise abort_job(self.comm, self._timeout_error(front.describe))
-                self._pending.popleft()
-                front.done, front.buffers = True, None
+            self._complete(work, block)
+
+    def _complete(self, work: MpiWork, block: bool) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not work.done:
+            front = self._pending[0]
+            try:
+                if block:
+                    finished = wait_until(front.req, deadline, front.nbytes, front.status)
+                else:
+                    finished = front.req.Test(front.status)
+                if finished and front.finish is not None:
+                    front.finish(front.status)
+            except MPI.Exception as exc:
+                finished, front.error = True, mpi_error(front.describe(), exc)
+            except DistributedError as exc:
+                finished, front.error = True, exc
+            if not finished:
+                if not block:
+                    return
+                raise abort_job(self.comm, self._timeout_error(front.describe()))
+            self._pending.popleft()
+            front.done, front.buffers = True, None
 
     def _timeout_error(self, describe: str) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
@@ -349,33 +407,39 @@ def mpi_error(describe: str, exc: MPI.Exception) -> DistributedError:
 # valid, kind, dtype, count, root, op, seq. Unused fields are -1; a rank whose own arguments were invalid
 # sends valid = 0 and only kind and seq, so that peers fail at once instead of waiting for it.
 SIGNATURE_FIELDS = 7
+# A signature travels with its negation, packed without numpy (see check_signatures).
+SIGNATURE = struct.Struct(f"={2 * SIGNATURE_FIELDS}q")
 
 
-def signature(kind: int, dtype: int, count: int, root: int, op: int, seq: int) -> list[int]:
-    return [1, kind, dtype, count, root, op, seq]
+def signature(valid: int, kind: int, dtype: int, count: int, root: int, op: int, seq: int) -> tuple[int, ...]:
+    """The call signature followed by its negation. Spelled out: this is on every checked call's path."""
+    return (valid, kind, dtype, count, root, op, seq, -valid, -kind, -dtype, -count, -root, -op, -seq)
 
 
-def invalid_signature(kind: int, seq: int) -> list[int]:
-    return [0, kind, -1, -1, -1, -1, seq]
+def invalid_signature(kind: int, seq: int) -> tuple[int, ...]:
+    return signature(0, kind, -1, -1, -1, -1, seq)
 
 
-def check_signatures(queue: OpQueue, mine: list[int], ranks: list[int], what: str) -> bool:
-    """Agree on the call signature before any data moves. Returns whether all ranks agree; on
-    disagreement every rank learns every signature and raises CollectiveMismatchError, except that a
-    rank whose own arguments were invalid returns False so it can raise its own TypeError/ValueError."""
-    # One MAX-allreduce of [x, -x] yields max(x) and -min(x): all equal iff max == min everywhere.
-    both = np.array(mine + [-v for v in mine], dtype=np.int64)
-    queue.wait_request(queue.comm.Iallreduce(MPI.IN_PLACE, [both, MPI.INT64_T], MPI.MAX), 0, what)
-    top = both.tolist()
-    if top[:SIGNATURE_FIELDS] == [-v for v in top[SIGNATURE_FIELDS:]]:
+def check_signatures(queue: OpQueue, both: tuple[int, ...], ranks: list[int], describe: Describe) -> bool:
+    """Agree on the call signature (`both`, from `signature`) before any data moves. Returns whether all
+    ranks agree; on disagreement every rank learns every signature and raises CollectiveMismatchError,
+    except that a rank whose own arguments were invalid returns False so it can raise its own
+    TypeError/ValueError."""
+    # One MAX-allreduce of [x, -x] yields max(x) and -min(x): every rank sent x exactly when the vector
+    # comes back unchanged.
+    packed = queue.signature
+    SIGNATURE.pack_into(packed, 0, *both)
+    queue.wait_request(queue.comm.Iallreduce(MPI.IN_PLACE, [packed, MPI.INT64_T], MPI.MAX), 0, describe)
+    if SIGNATURE.unpack_from(packed) == both:
         return True
     # Failure path only: gather everyone's signature so the error can name who differs.
+    mine = both[:SIGNATURE_FIELDS]
     every = np.empty((len(ranks), SIGNATURE_FIELDS), dtype=np.int64)
     sent = np.array(mine, dtype=np.int64)
-    queue.wait_request(queue.comm.Iallgather([sent, MPI.INT64_T], [every, MPI.INT64_T]), 0, what)
+    queue.wait_request(queue.comm.Iallgather([sent, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
     if mine[0] == 0:
         return False
-    raise CollectiveMismatchError(mismatch_message(every, ranks, what))
+    raise CollectiveMismatchError(mismatch_message(every, ranks, describe()))
 
 
 def mismatch_message(every: np.ndarray, ranks: list[int], what: str) -> str:
