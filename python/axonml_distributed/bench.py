@@ -51,20 +51,22 @@ def copy_traffic_rate(nbytes: int = 64 << 20) -> float:
 
 
 def iterations(nbytes: int) -> int:
-    """Enough repetitions for a stable median without making large sizes slow."""
-    return max(5, min(2000, (256 << 20) // max(nbytes, 1)))
+    """Calls per timed loop: enough to amortise the loop's start without making large sizes slow."""
+    return max(2, min(1000, (64 << 20) // max(nbytes, 1)))
 
 
-def time_op(pg: ProcessGroup, op: Callable[[], Any], iters: int) -> float:
-    """Median seconds per call on this rank, after a warm-up; ranks start each call together."""
+def time_op(pg: ProcessGroup, op: Callable[[], Any], iters: int, rounds: int = 5) -> float:
+    """Seconds per call on this rank: the median over `rounds` of back-to-back loops of `iters` calls
+    (as nccl-tests time them), after a warm-up; the ranks start each loop together."""
     for _ in range(min(iters, 10)):
         op()
     times = []
-    for _ in range(iters):
+    for _ in range(rounds):
         pg.barrier()
         t = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t)
+        for _ in range(iters):
+            op()
+        times.append((time.perf_counter() - t) / iters)
     return statistics.median(times)
 
 
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
     p.add_argument("--ddp-params", type=int, default=25_000_000, help="0 skips the DDP comparison")
-    p.add_argument("--ddp-iters", type=int, default=10)
+    p.add_argument("--ddp-iters", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
     args, rest = p.parse_known_args(argv)
