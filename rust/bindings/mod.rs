@@ -4,6 +4,7 @@ mod array;
 mod backend;
 mod exceptions;
 mod group;
+mod shm;
 
 use pyo3::prelude::*;
 
@@ -22,6 +23,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::group::{PyProcessGroup, PyWork, PyWorld};
+    #[pymodule_export]
+    use super::shm::{PyShmBackend, SegmentMemory};
 
     use pyo3::prelude::*;
 
