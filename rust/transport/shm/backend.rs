@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 
 use super::segment::{Ctrl, Page, NOT_SHARED};
 use super::staged::Staged;
-use super::world::Shared;
+use super::world::{Cause, Shared};
 use super::{rendezvous, wire, ShmOptions};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::{Backend, SharedMem};
@@ -102,9 +102,12 @@ impl ShmBackend {
 
     /// Abort on behalf of this rank and return `err`: a failing rank must not leave its peers waiting.
     fn fail(&self, err: Error) -> Error {
-        if !matches!(err, Error::Aborted { .. } | Error::PeerDied { .. }) {
-            self.world.abort(&err.to_string(), None);
-        }
+        let cause = match &err {
+            Error::Aborted { .. } | Error::PeerDied { .. } => return err,
+            Error::Timeout { missing, .. } => Cause::Missing(missing),
+            _ => Cause::Other,
+        };
+        self.world.abort(&err.to_string(), cause);
         err
     }
 
@@ -185,7 +188,7 @@ impl ShmBackend {
         let mut sig = call.sig;
         sig.seq = k;
         let op = sig.to_string();
-        self.world.check_abort(&op)?;
+        self.world.check_abort(&op, None)?;
         local.seq = k;
         let (n, me, p) = (self.members.len(), self.index, &self.world.layout.params);
         let bytes = call.count * call.dtype.size();
@@ -358,12 +361,12 @@ impl Backend for ShmBackend {
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
         call::index_of(&self.members, dst, "destination").map_err(|e| self.fail(e))?;
-        self.world.check_abort("send")?;
+        self.world.check_abort("send", None)?;
         super::p2p::send(&self.world, buf, dst, tag).map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
         call::index_of(&self.members, src, "source").map_err(|e| self.fail(e))?;
-        self.world.check_abort("recv")?;
+        self.world.check_abort("recv", None)?;
         super::p2p::recv(&self.world, buf, src, tag).map_err(|e| self.fail(e))
     }
 
@@ -383,7 +386,7 @@ impl Backend for ShmBackend {
     }
 
     fn abort(&self, reason: &str) {
-        self.world.abort(reason, None);
+        self.world.abort(reason, Cause::Other);
     }
 
     fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {

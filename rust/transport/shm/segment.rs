@@ -33,7 +33,7 @@ pub const MAX_RANKS: usize = 64;
 /// Communicators per job (the world plus subgroups; slots are never freed).
 pub(crate) const MAX_COMMS: usize = 32;
 /// Bytes of an abort reason kept in the header.
-const REASON: usize = 448;
+pub(crate) const REASON: usize = 448;
 const PAGE: usize = 4096;
 
 /// The sizes that determine the layout. Chosen by rank 0, stored in the header, checked by everyone.
@@ -176,6 +176,8 @@ pub(crate) struct Header {
     pub abort_len: AtomicU32,
     /// Next free subgroup staging block.
     pub pool_next: AtomicU32,
+    /// When a timeout aborted the world: the ranks that never arrived (bitmask), else 0.
+    pub abort_missing: AtomicU64,
     pub abort_reason: UnsafeCell<[u8; REASON]>,
     pub event: Event,
     pub pids: [AtomicU32; MAX_RANKS],
@@ -403,7 +405,8 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
             (*h).arena = layout.params.arena as u64;
             (*h).cell = layout.params.cell as u64;
             (*h).pool = layout.params.pool as u64;
-            (*h).abort_peer = AtomicU32::new(u32::MAX);
+            (*h).abort_peer
+                .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(m)
     })();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::liveness::Liveness;
 use super::rendezvous::Joined;
-use super::segment::{ChanHead, CommHead, Ctrl, Header, Layout, Mapping, MAX_COMMS};
+use super::segment::{ChanHead, CommHead, Ctrl, Header, Layout, Mapping, MAX_COMMS, REASON};
 use crate::error::{Error, Result};
 use crate::transport::wait::{may_spin, Event, Stop, Wait};
 
@@ -39,6 +39,16 @@ pub(crate) struct Shared {
 /// Lock ignoring poisoning: the guarded counters stay consistent across a panic in a copy.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why the world is being aborted, as far as the other ranks need to know.
+pub(crate) enum Cause<'a> {
+    /// An error on the aborting rank, or an explicit abort.
+    Other,
+    /// This rank's process died.
+    Dead(usize),
+    /// These ranks never arrived before the deadline.
+    Missing(&'a [usize]),
 }
 
 const FREE: u32 = 0;
@@ -162,8 +172,9 @@ impl Shared {
         }
     }
 
-    /// Fails when the world was aborted: with the dead peer when that is why, else with who and why.
-    pub(crate) fn check_abort(&self, op: &str) -> Result<()> {
+    /// Fails when the world was aborted: a dead peer or missing ranks are reported as such to every
+    /// rank waiting in a collective (`waiting`: the members it waits for); otherwise who aborted and why.
+    pub(crate) fn check_abort(&self, op: &str, waiting: Option<&[usize]>) -> Result<()> {
         let h = self.header();
         if h.abort_state.load(Acquire) == 0 {
             return Ok(());
@@ -176,7 +187,8 @@ impl Shared {
         }
         let by = h.abort_by.load(Acquire) as usize;
         let peer = h.abort_peer.load(Acquire);
-        let len = (h.abort_len.load(Acquire) as usize).min(448);
+        let missing = h.abort_missing.load(Acquire);
+        let len = (h.abort_len.load(Acquire) as usize).min(REASON);
         // SAFETY: the reason is written once, before state 2 (acquired above); a torn read of a dead
         // writer's bytes is only a garbled message.
         let bytes = unsafe { std::ptr::read_volatile(h.abort_reason.get()) };
@@ -188,18 +200,27 @@ impl Shared {
                 detail: Some(reason),
             });
         }
-        Err(Error::Aborted { by, reason })
+        match waiting {
+            Some(group) if missing != 0 => Err(Error::Timeout {
+                rank: self.rank,
+                op: op.to_string(),
+                waited: self.timeout,
+                missing: (0..self.size).filter(|r| missing >> r & 1 == 1).collect(),
+                group: group.to_vec(),
+            }),
+            _ => Err(Error::Aborted { by, reason }),
+        }
     }
 
     /// Abort the world on behalf of this rank (the first abort wins) and wake every waiter.
-    pub(crate) fn abort(&self, reason: &str, dead: Option<usize>) {
+    pub(crate) fn abort(&self, reason: &str, cause: Cause) {
         let h = self.header();
         if h.abort_state
             .compare_exchange(0, 1, AcqRel, Acquire)
             .is_ok()
         {
             let bytes = reason.as_bytes();
-            let len = bytes.len().min(448);
+            let len = bytes.len().min(REASON);
             // SAFETY: only the CAS winner writes the reason, once, before publishing state 2.
             unsafe {
                 std::ptr::copy_nonoverlapping(
@@ -209,8 +230,13 @@ impl Shared {
                 )
             };
             h.abort_by.store(self.rank as u32, Relaxed);
-            h.abort_peer
-                .store(dead.map_or(u32::MAX, |d| d as u32), Relaxed);
+            if let Cause::Dead(peer) = cause {
+                h.abort_peer.store(peer as u32, Relaxed);
+            }
+            if let Cause::Missing(ranks) = cause {
+                h.abort_missing
+                    .store(ranks.iter().fold(0, |m, r| m | 1 << r), Relaxed);
+            }
             h.abort_len.store(len as u32, Relaxed);
             h.abort_state.store(2, Release);
         }
@@ -234,7 +260,7 @@ impl Shared {
             None => Ok(()),
             Some((peer, pid)) => {
                 let detail = format!("rank {peer} (pid {pid}) exited during {op}");
-                self.abort(&detail, Some(peer));
+                self.abort(&detail, Cause::Dead(peer));
                 Err(Error::PeerDied {
                     peer,
                     op: op.to_string(),
@@ -262,7 +288,7 @@ impl Shared {
         };
         match w.until(
             ready,
-            || self.check_abort(op),
+            || self.check_abort(op, Some(ranks)),
             || self.check_alive(ranks, op),
         ) {
             Ok(()) => Ok(()),
