@@ -144,7 +144,16 @@ fn serve(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
     } else {
         None
     };
-    let layout = Layout::new(Params::new(n, opts.arena_bytes)).map_err(Error::invalid)?;
+    let mut params = Params::new(n, opts.arena_bytes);
+    // A tuning knob for benchmarks: the pipeline round size (the others learn it from the header).
+    if let Some(kib) = std::env::var("AXONML_SHM_CHUNK_KIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        params.chunk = kib << 10;
+    }
+    let layout = Layout::new(params)
+        .map_err(|p| Error::invalid(format!("unusable shared-memory layout parameter: {p}")))?;
     let nonce = segment::nonce()?;
     let (name, mapping) = match segment_name(opts)? {
         Some(name) => (name.clone(), segment::create(&name, &layout, nonce)?),

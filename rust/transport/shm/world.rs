@@ -347,6 +347,15 @@ impl Shared {
                 if first == NO_BLOCKS {
                     return Err(no_blocks());
                 }
+                // Written by a peer: check it before addressing staging with it.
+                if (first as usize)
+                    .checked_add(n)
+                    .is_none_or(|end| end > self.size + self.layout.params.pool)
+                {
+                    return Err(Error::invalid(format!(
+                        "{op}: communicator slot {slot} names staging blocks outside the segment (corrupted?)"
+                    )));
+                }
                 return Ok((slot, first));
             }
         }
