@@ -350,9 +350,24 @@ def w_loop(rank, n, ports, job, timeout, q, size, segment):
 
 def w_simple(rank, n, ports, job, timeout, q):
     pg = _connect(rank, n, ports[0], timeout, job)
+    # Once every rank has joined, the segment has no name left to leak.
+    assert job is None or not os.path.exists(f"{SHM}/{PREFIX}{job}")
     x = np.full(10, rank + 1, np.float32)
     pg.all_reduce(x)
     return float(x[0])
+
+
+def w_crowd(rank, n, ports, job, timeout, q):
+    """More ranks than cores: waits must yield and sleep, not spin each other out."""
+    pg = _connect(rank, n, ports[0], timeout)
+    x = np.empty(64 << 10, np.float32)
+    t = time.time()
+    for i in range(30):
+        x[:] = rank + i
+        pg.all_reduce(x)
+        assert x[0] == sum(range(n)) + n * i
+    pg.barrier()
+    return time.time() - t
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -417,9 +432,15 @@ def test_a_stale_segment_of_a_killed_job_does_not_break_the_next_job():
         f.write(b"\0" * 8192)
     os.chmod(stale, 0o600)
     try:
-        assert _ok(_run(2, "w_simple")) == [3.0, 3.0]
+        assert _ok(_run(2, "w_simple", job=secrets.token_hex(16))) == [3.0, 3.0]
     finally:
         os.unlink(stale)
+
+
+@pytest.mark.timeout(60)
+def test_more_ranks_than_cores_make_progress():
+    took = _ok(_run(6, "w_crowd", timeout=20))
+    assert max(took) < 15, took
 
 
 @pytest.mark.timeout(30)

@@ -95,11 +95,17 @@ impl Staged<'_> {
         let b = (g % 2) as usize;
         let region = self.region();
         let len = hi - lo;
-        // SAFETY (every pointer helper): offsets stay within the buffers sized by the call and the
-        // staging regions (len <= region / e per owner, or <= chunk / e for whole-buffer kinds).
+        // SAFETY: o < n regions of `region` bytes fit in a pipeline buffer.
         let stage = |j: usize, o: usize| unsafe { self.bufs[j][b].add(o * region) };
+        // SAFETY: called only on members that have the buffer, with element offsets below the
+        // buffer's length for this call (the round's range of the part or message).
         let src = |el: usize| unsafe { self.send.add(el * e) };
+        // SAFETY: as for `src`.
         let dst = |el: usize| unsafe { self.recv.add(el * e) };
+        // SAFETY: every copy below moves at most the round's elements between a staging region (which
+        // holds len <= region / e elements per owner, or <= chunk / e for whole-buffer kinds) and the
+        // matching range of a private buffer; the steps order it against peers' accesses. `copy`
+        // tolerates the in-place overlap of all_gather's own part.
         let copy = |from: *const u8, to: *mut u8, elems: usize| unsafe {
             std::ptr::copy(from, to, elems * e)
         };
