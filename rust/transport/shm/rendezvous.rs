@@ -116,6 +116,16 @@ fn read_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<
     Ok((head[0], body))
 }
 
+/// Ctrl-C while waiting for the other ranks ends the rendezvous.
+fn interrupted() -> Result<()> {
+    if crate::transport::wait::interrupted() {
+        return Err(Error::Interrupted {
+            op: "rendezvous".into(),
+        });
+    }
+    Ok(())
+}
+
 fn timeout(opts: &ShmOptions, missing: Vec<usize>) -> Error {
     Error::Timeout {
         rank: opts.rank,
@@ -214,6 +224,7 @@ fn admit(
         let mut s = match listener.accept() {
             Ok((s, _)) => s,
             Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+                interrupted()?;
                 if Instant::now() >= deadline {
                     return Err(timeout(
                         opts,
@@ -291,6 +302,7 @@ fn connect(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         }) {
             break s;
         }
+        interrupted()?;
         if Instant::now() >= deadline {
             return Err(timeout(opts, vec![0]));
         }
