@@ -14,6 +14,8 @@ import secrets
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -525,3 +527,40 @@ def test_a_single_rank_world_works_and_leaves_nothing():
     pg.broadcast(x, 0)
     assert pg.backend().name() == "shm"
     assert ReduceOp.SUM is not None
+
+
+_SCRIPT = """\
+import os, sys
+import numpy as np
+import axonml_distributed as ad
+
+pg = ad.init_process_group("shm", timeout=20)
+assert ad.world_size() == int(os.environ["WORLD_SIZE"]) and pg.backend().name() == "shm"
+x = np.full(5, ad.rank() + 1.0, np.float32)
+ad.all_reduce_sum(x)
+g = pg.empty(1000, np.float64)
+g[:] = ad.rank()
+ad.all_reduce_mean(g)
+ad.barrier()
+print("RESULT", x[0], g[0], flush=True)
+ad.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_runs_init_process_group_shm_and_cleans_up(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "axonml_distributed.run",
+        "--nproc-per-node",
+        "3",
+        "--prefix-output",
+        str(script),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    results = sorted(line for line in out.stdout.splitlines() if "RESULT" in line)
+    assert results == [f"[rank {r}] RESULT 6.0 1.0" for r in range(3)], out.stdout

@@ -29,8 +29,8 @@ pub(crate) struct Shared {
     liveness: Liveness,
     /// How many times this rank has split each rank set (the n-th split of a set is one communicator).
     splits: Mutex<HashMap<u64, u32>>,
-    /// Free ranges of this rank's arena, sorted by offset, coalesced.
-    free: Mutex<Vec<Range<usize>>>,
+    /// Free ranges of this rank's arena.
+    free: Mutex<FreeList>,
     /// Per peer: this rank's send side and receive side of the channels with it.
     pub sends: Vec<Mutex<ChanState>>,
     pub recvs: Vec<Mutex<ChanState>>,
@@ -69,11 +69,7 @@ impl Shared {
             timeout,
             liveness: j.liveness,
             splits: Mutex::new(HashMap::new()),
-            free: Mutex::new(
-                std::iter::once(0..arena)
-                    .filter(|r| !r.is_empty())
-                    .collect(),
-            ),
+            free: Mutex::new(FreeList::new(arena)),
             sends: (0..size).map(|_| Mutex::default()).collect(),
             recvs: (0..size).map(|_| Mutex::default()).collect(),
         }
@@ -143,33 +139,15 @@ impl Shared {
             .then(|| unsafe { self.map.base().add(off) })
     }
 
-    /// Take `bytes` (rounded up to 64) from this rank's arena: an offset into the segment.
+    /// Take `bytes` from this rank's arena: an offset into the segment.
     pub(crate) fn alloc(&self, bytes: usize) -> Option<usize> {
-        let want = bytes.checked_next_multiple_of(64)?.max(64);
-        let mut free = lock(&self.free);
-        let i = free.iter().position(|r| r.len() >= want)?;
-        let start = free[i].start;
-        free[i].start += want;
-        if free[i].is_empty() {
-            free.remove(i);
-        }
+        let start = lock(&self.free).take(bytes)?;
         Some(self.arena(self.rank).start + start)
     }
 
     /// Give back a range from [`Shared::alloc`].
     pub(crate) fn release(&self, off: usize, bytes: usize) {
-        let len = bytes.next_multiple_of(64).max(64);
-        let start = off - self.arena(self.rank).start;
-        let mut free = lock(&self.free);
-        let i = free.partition_point(|r| r.start < start);
-        free.insert(i, start..start + len);
-        // Coalesce with the neighbours so large arrays fit again after small ones are freed.
-        if i + 1 < free.len() && free[i].end == free[i + 1].start {
-            free[i].end = free.remove(i + 1).end;
-        }
-        if i > 0 && free[i - 1].end == free[i].start {
-            free[i - 1].end = free.remove(i).end;
-        }
+        lock(&self.free).give(off - self.arena(self.rank).start, bytes);
     }
 
     /// Fails when the world was aborted: a dead peer or missing ranks are reported as such to every
@@ -370,4 +348,76 @@ fn no_blocks() -> Error {
         "new_group: the job's shared segment has no staging space left for another subgroup; \
          create fewer groups",
     )
+}
+
+/// First-fit allocator over an arena of `len` bytes: free ranges sorted by offset and coalesced, so
+/// large arrays fit again once the small ones around them are dropped. Sizes round up to 64 bytes,
+/// which keeps every allocation cache-line aligned.
+#[derive(Debug)]
+pub(crate) struct FreeList(Vec<Range<usize>>);
+
+impl FreeList {
+    pub(crate) fn new(len: usize) -> FreeList {
+        FreeList(std::iter::once(0..len).filter(|r| !r.is_empty()).collect())
+    }
+
+    fn size(bytes: usize) -> Option<usize> {
+        Some(bytes.checked_next_multiple_of(64)?.max(64))
+    }
+
+    /// The start of `bytes` of free space, now taken.
+    pub(crate) fn take(&mut self, bytes: usize) -> Option<usize> {
+        let want = Self::size(bytes)?;
+        let i = self.0.iter().position(|r| r.len() >= want)?;
+        let start = self.0[i].start;
+        self.0[i].start += want;
+        if self.0[i].is_empty() {
+            self.0.remove(i);
+        }
+        Some(start)
+    }
+
+    /// Return what [`FreeList::take`] gave for `bytes` at `start`.
+    pub(crate) fn give(&mut self, start: usize, bytes: usize) {
+        let Some(len) = Self::size(bytes) else { return };
+        let free = &mut self.0;
+        let i = free.partition_point(|r| r.start < start);
+        free.insert(i, start..start + len);
+        if i + 1 < free.len() && free[i].end == free[i + 1].start {
+            free[i].end = free.remove(i + 1).end;
+        }
+        if i > 0 && free[i - 1].end == free[i].start {
+            free[i - 1].end = free.remove(i).end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeList;
+
+    #[test]
+    fn the_arena_allocator_reuses_and_coalesces_freed_space() {
+        let mut f = FreeList::new(1024);
+        let a = f.take(100).unwrap();
+        let b = f.take(64).unwrap();
+        let c = f.take(1).unwrap();
+        assert_eq!((a, b, c), (0, 128, 192));
+        assert_eq!(f.take(1024), None, "full");
+        f.give(b, 64);
+        assert_eq!(
+            f.take(65),
+            Some(256),
+            "a freed 64-byte hole does not fit 128"
+        );
+        assert_eq!(f.take(64), Some(128), "but fits 64");
+        f.give(128, 64);
+        f.give(a, 100);
+        f.give(c, 1);
+        f.give(256, 65);
+        assert_eq!(f.0, vec![0..1024], "everything coalesced");
+        assert_eq!(f.take(1024), Some(0));
+        assert_eq!(FreeList::new(0).take(1), None);
+        assert_eq!(FreeList::new(4096).take(usize::MAX), None);
+    }
 }
