@@ -54,15 +54,22 @@ pub(crate) struct Params {
 }
 
 impl Params {
-    /// Defaults for `world` ranks, with `arena` bytes of segment arrays per rank.
+    /// Defaults for `world` ranks, with `arena` bytes of segment arrays per rank. Staging grows with
+    /// the world (a block per member and communicator, a channel per pair), so large worlds get
+    /// smaller buffers to keep the segment within a few hundred MiB.
     pub(crate) fn new(world: usize, arena: usize) -> Params {
+        let large = world > 8;
         Params {
             world,
-            chunk: 1 << 20,
-            small: 64 << 10,
+            chunk: if large {
+                (world * 4096).max(256 << 10)
+            } else {
+                1 << 20
+            },
+            small: if large { 16 << 10 } else { 64 << 10 },
             arena: arena.div_ceil(PAGE) * PAGE,
-            cell: 64 << 10,
-            pool: 2 * world.max(2),
+            cell: if large { 8 << 10 } else { 64 << 10 },
+            pool: if large { world } else { 2 * world.max(2) },
         }
     }
 
@@ -383,7 +390,8 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
         check_file(&fd, name)?;
         rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total as u64).map_err(os(
             format!(
-                "reserving {} MiB for {name} in /dev/shm (too small? containers: --shm-size)",
+                "reserving {} MiB for {name} in /dev/shm (too small? lower AXONML_SHM_ARENA_MB, or give \
+             containers more: --shm-size)",
                 layout.total >> 20
             ),
         ))?;

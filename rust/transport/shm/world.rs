@@ -260,7 +260,8 @@ impl Shared {
         let w = Wait {
             event,
             shared: true,
-            spin: may_spin(ranks.len().max(2)),
+            // Every rank of the world is a process on this host competing for its cores.
+            spin: may_spin(self.size),
             deadline: Instant::now() + self.timeout,
             op,
         };
