@@ -564,3 +564,28 @@ def test_the_launcher_runs_init_process_group_shm_and_cleans_up(tmp_path):
     assert out.returncode == 0, out.stderr
     results = sorted(line for line in out.stdout.splitlines() if "RESULT" in line)
     assert results == [f"[rank {r}] RESULT 6.0 1.0" for r in range(3)], out.stdout
+
+
+@pytest.mark.timeout(30)
+def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
+    from axonml_distributed.run import segment_name
+
+    job = secrets.token_hex(16)
+    code = (
+        "from axonml_distributed._core import ShmBackend\n"
+        f"ShmBackend.connect(0, 2, '127.0.0.1', {_free_port()}, timeout=20, job_id='{job}')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    path = SHM + segment_name(job)
+    try:
+        deadline = time.time() + 10
+        while not os.path.exists(path) and time.time() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(path), "rank 0 creates the job's segment while it waits for rank 1"
+        st = os.stat(path)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+    finally:
+        proc.kill()
+        proc.wait()
+    # What axonml-run does at the end of every job:
+    os.unlink(path)
