@@ -1,1 +1,113 @@
-fn main() {}
+//! Criterion benchmarks: the reduction kernels, gradient bucket pack/unpack, and all_reduce on the
+//! in-process world.
+//!
+//! `cargo bench` runs all; `cargo bench -- allreduce/4` one group. The all-reduce timing is the
+//! slowest rank's, for `iters` back-to-back collectives on persistent rank threads.
+
+use std::hint::black_box;
+use std::sync::{mpsc, Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use axonml_distributed::reduce::reduce_slices;
+use axonml_distributed::{GradientBucket, MockBackend, ProcessGroup, ReduceOp};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+fn kernels(c: &mut Criterion) {
+    let mut g = c.benchmark_group("reduce_kernel");
+    for len in [1 << 10, 1 << 20] {
+        let a: Vec<f32> = (0..len).map(|i| i as f32).collect();
+        let b = a.clone();
+        let mut out = vec![0.0f32; len];
+        g.throughput(Throughput::Bytes((len * 4 * 3) as u64));
+        g.bench_with_input(BenchmarkId::new("sum_f32_2in", len), &len, |bench, _| {
+            bench.iter(|| {
+                reduce_slices(ReduceOp::Sum, &[black_box(&a), black_box(&b)], &mut out).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+fn buckets(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bucket");
+    // 16 gradients of 64K f32 each (4 MiB): pack them into one bucket, then unpack.
+    let grads: Vec<Vec<f32>> = (0..16).map(|i| vec![i as f32; 1 << 16]).collect();
+    g.throughput(Throughput::Bytes((16 << 16) * 4));
+    g.bench_function("pack_16x256KiB", |b| {
+        let mut bucket = GradientBucket::new(16 << 16);
+        b.iter(|| {
+            bucket.clear();
+            for gr in &grads {
+                assert!(bucket.add(black_box(gr)).unwrap());
+            }
+        })
+    });
+    let mut full = GradientBucket::new(16 << 16);
+    grads.iter().for_each(|gr| assert!(full.add(gr).unwrap()));
+    g.bench_function("unpack_16x256KiB", |b| {
+        b.iter(|| black_box(full.extract::<f32>().unwrap()))
+    });
+    g.finish();
+}
+
+/// Rank threads that run `iters` all-reduces of `len` f32 on command and report their elapsed time.
+struct Ranks {
+    go: Vec<mpsc::Sender<u64>>,
+    done: mpsc::Receiver<Duration>,
+}
+
+impl Ranks {
+    fn new(n: usize, len: usize) -> Ranks {
+        let (done_tx, done) = mpsc::channel();
+        let start = Arc::new(Barrier::new(n));
+        let go = MockBackend::create_world(n)
+            .into_iter()
+            .map(|b| {
+                let (tx, rx) = mpsc::channel::<u64>();
+                let (done_tx, start) = (done_tx.clone(), start.clone());
+                std::thread::spawn(move || {
+                    let pg = ProcessGroup::new(Arc::new(b));
+                    let mut x = vec![1.0f32; len];
+                    for iters in rx {
+                        start.wait();
+                        let t = Instant::now();
+                        for _ in 0..iters {
+                            pg.all_reduce_tensor(&mut x, ReduceOp::Average).unwrap();
+                        }
+                        done_tx.send(t.elapsed()).unwrap();
+                    }
+                });
+                tx
+            })
+            .collect();
+        Ranks { go, done }
+    }
+
+    fn time(&self, iters: u64) -> Duration {
+        self.go.iter().for_each(|g| g.send(iters).unwrap());
+        (0..self.go.len())
+            .map(|_| self.done.recv().unwrap())
+            .max()
+            .unwrap()
+    }
+}
+
+fn allreduce(c: &mut Criterion) {
+    for n in [2usize, 4] {
+        let mut g = c.benchmark_group(format!("allreduce/{n}"));
+        g.sample_size(10)
+            .measurement_time(Duration::from_secs(3))
+            .warm_up_time(Duration::from_millis(500));
+        for bytes in [8usize, 64 << 10, 64 << 20] {
+            let ranks = Ranks::new(n, bytes / 4);
+            g.throughput(Throughput::Bytes(bytes as u64));
+            g.bench_function(BenchmarkId::new("threads/f32", bytes), |b| {
+                b.iter_custom(|iters| ranks.time(iters))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, kernels, buckets, allreduce);
+criterion_main!(benches);

@@ -32,6 +32,16 @@ pub(crate) fn index_of(members: &[usize], rank: usize, what: &str) -> Result<usi
     })
 }
 
+/// Check the peer of a send or recv: a member of the group, and not the caller (a blocking send to
+/// oneself could never complete).
+pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Result<()> {
+    index_of(members, peer, what)?;
+    if peer == me {
+        return Err(Error::invalid(format!("rank {me} cannot {what} itself")));
+    }
+    Ok(())
+}
+
 fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut u8) -> Call {
     Call {
         sig: Signature::new(kind, 0, count).dtype(dtype),

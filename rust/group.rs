@@ -132,18 +132,18 @@ impl ProcessGroup {
         self.queue.flush()
     }
 
-    /// All-reduce `buf` in place.
-    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    /// All-reduce `buf` in place (the seed's `all_reduce_tensor`, on a slice).
+    pub fn all_reduce_tensor<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.flush();
         self.comm()?.all_reduce(BufMut::new(buf), op)
     }
     /// Copy global rank `root`'s `buf` into every member's.
-    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+    pub fn broadcast_tensor<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.flush();
         self.comm()?.broadcast(BufMut::new(buf), root)
     }
     /// Every member's `send`, concatenated in group order.
-    pub fn all_gather<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
+    pub fn all_gather_tensor<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
         self.flush();
         let mut out = send.repeat(self.size());
         self.comm()?
@@ -151,7 +151,7 @@ impl ProcessGroup {
         Ok(out)
     }
     /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
+    pub fn reduce_scatter_tensor<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
         self.flush();
         let n = self.size();
         let mut out = send[..send.len() / n].to_vec();
@@ -170,12 +170,12 @@ impl ProcessGroup {
         self.comm()?.barrier()
     }
     /// Send `buf` to global rank `dst`.
-    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
+    pub fn send_tensor<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
         self.flush();
         self.comm()?.send(Buf::new(buf), dst, tag)
     }
     /// Receive into `buf` from global rank `src`.
-    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+    pub fn recv_tensor<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.flush();
         self.comm()?.recv(BufMut::new(buf), src, tag)
     }

@@ -15,7 +15,7 @@
 //!     .map(|b| std::thread::spawn(move || {
 //!         let pg = ProcessGroup::new(Arc::new(b));
 //!         let mut x = vec![pg.rank() as f32 + 1.0; 3];
-//!         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+//!         pg.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
 //!         x
 //!     }))
 //!     .collect();
@@ -27,12 +27,14 @@
 
 mod algo;
 pub mod backend;
+pub mod bucket;
 mod call;
 pub mod dtype;
 pub mod error;
 pub mod group;
 pub mod reduce;
 pub mod signature;
+pub mod synchronizer;
 pub mod transport;
 pub mod work;
 
@@ -40,10 +42,12 @@ pub mod work;
 mod bindings;
 
 pub use backend::Backend;
+pub use bucket::GradientBucket;
 pub use dtype::{Buf, BufMut, DType, Element};
 pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};
 pub use reduce::ReduceOp;
+pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
 pub use transport::thread::MockBackend;
 pub use transport::wait::set_interrupt_hook;
 pub use work::Work;

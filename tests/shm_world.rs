@@ -78,7 +78,7 @@ fn all_reduce_matches_the_rank_order_reference_on_private_and_segment_buffers() 
             for len in lens {
                 for op in ReduceOp::ALL {
                     let mut x = input(pg.rank(), len);
-                    pg.all_reduce(&mut x, op).unwrap();
+                    pg.all_reduce_tensor(&mut x, op).unwrap();
                     let m = in_segment(&**pg.backend(), &input(pg.rank(), len));
                     // SAFETY: `m` holds len floats and only this call uses it.
                     let seg = unsafe {
@@ -110,10 +110,10 @@ fn rooted_and_gathering_collectives_deliver_the_right_parts() {
         let got = run(n, LONG, move |pg| {
             let me = pg.rank();
             let mut b = input(me, len);
-            pg.broadcast(&mut b, 1).unwrap();
-            let gathered = pg.all_gather(&input(me, len)).unwrap();
+            pg.broadcast_tensor(&mut b, 1).unwrap();
+            let gathered = pg.all_gather_tensor(&input(me, len)).unwrap();
             let scattered = pg
-                .reduce_scatter(&input(me, 3 * len), ReduceOp::Max)
+                .reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max)
                 .unwrap();
             let mut red = input(me, len);
             pg.reduce(&mut red, 2, ReduceOp::Sum).unwrap();
@@ -157,11 +157,11 @@ fn subgroups_are_independent_and_concurrent() {
         let odds = world.new_group(&[3, 1]).unwrap();
         let mine = if pg.rank() % 2 == 0 { &evens } else { &odds };
         let mut x = vec![pg.rank() as i64 + 1; 90_000];
-        mine.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        mine.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
         let again = world.new_group(&[0, 2]).unwrap();
         let mut y = vec![1i32; 10];
         if pg.rank() % 2 == 0 {
-            again.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+            again.all_reduce_tensor(&mut y, ReduceOp::Sum).unwrap();
         }
         pg.barrier().unwrap();
         (x[0], x[89_999], y[0])
@@ -174,25 +174,25 @@ fn subgroups_are_independent_and_concurrent() {
 fn send_recv_match_by_source_and_tag_in_order() {
     let got = run(2, LONG, |pg| {
         if pg.rank() == 0 {
-            pg.send(&[1i32, 2], 1, 7).unwrap();
-            pg.send(&[3i32, 4], 1, 7).unwrap();
-            pg.send(&[9i32, 9], 1, 8).unwrap();
+            pg.send_tensor(&[1i32, 2], 1, 7).unwrap();
+            pg.send_tensor(&[3i32, 4], 1, 7).unwrap();
+            pg.send_tensor(&[9i32, 9], 1, 8).unwrap();
             let big: Vec<i32> = (0..100_003).collect();
-            pg.send(&big, 1, 1).unwrap();
+            pg.send_tensor(&big, 1, 1).unwrap();
             let mut back = vec![0i32; 5];
-            pg.recv(&mut back, 1, 2).unwrap();
+            pg.recv_tensor(&mut back, 1, 2).unwrap();
             back
         } else {
             let mut a = [0i32; 2];
             let mut b = [0i32; 2];
             let mut c = [0i32; 2];
-            pg.recv(&mut a, 0, 7).unwrap();
-            pg.recv(&mut b, 0, 7).unwrap();
-            pg.recv(&mut c, 0, 8).unwrap();
+            pg.recv_tensor(&mut a, 0, 7).unwrap();
+            pg.recv_tensor(&mut b, 0, 7).unwrap();
+            pg.recv_tensor(&mut c, 0, 8).unwrap();
             let mut big = vec![0i32; 100_003];
-            pg.recv(&mut big, 0, 1).unwrap();
+            pg.recv_tensor(&mut big, 0, 1).unwrap();
             assert!(big.iter().enumerate().all(|(i, &v)| v == i as i32));
-            pg.send(&[5i32; 5], 0, 2).unwrap();
+            pg.send_tensor(&[5i32; 5], 0, 2).unwrap();
             [a, b, c].concat()
         }
     });
@@ -205,9 +205,9 @@ fn mismatched_calls_fail_on_every_rank_before_touching_buffers() {
     let got = run(3, LONG, |pg| {
         let mut x = vec![pg.rank() as f32; 100_000];
         let r = if pg.rank() == 2 {
-            pg.all_reduce(&mut x, ReduceOp::Max)
+            pg.all_reduce_tensor(&mut x, ReduceOp::Max)
         } else {
-            pg.all_reduce(&mut x, ReduceOp::Sum)
+            pg.all_reduce_tensor(&mut x, ReduceOp::Sum)
         };
         (r, x)
     });

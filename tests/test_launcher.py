@@ -57,7 +57,11 @@ def _script(tmp_path: Path, body: str) -> Path:
 def _start(*args: str | Path, cwd: Path | None = None, process_group: int = -1) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "axonml_distributed.run", *map(str, args)],
-        env=_ENV, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_ENV,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         process_group=None if process_group < 0 else process_group,
     )
 
@@ -86,12 +90,15 @@ def _alive(pid: str) -> bool:
 
 
 def test_every_worker_gets_the_torchrun_environment(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "AXONML_JOB_ID", "AXONML_LAUNCHER_PID", "OMP_NUM_THREADS"]
         env = {key: os.environ.get(key) for key in keys}
         (OUT / f"env.{RANK}.json").write_text(json.dumps({"env": env, "argv": sys.argv[2:]}))
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "3", script, tmp_path, "--lr", "0.1", "-m", "x")
     _finish(launcher)
     assert launcher.returncode == 0
@@ -104,23 +111,32 @@ def test_every_worker_gets_the_torchrun_environment(tmp_path: Path) -> None:
     int(shared["AXONML_JOB_ID"], 16)
     for rank, worker in enumerate(seen):
         assert worker["env"] == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": shared["MASTER_PORT"],
-            "AXONML_JOB_ID": shared["AXONML_JOB_ID"], "AXONML_LAUNCHER_PID": str(launcher.pid),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": shared["MASTER_PORT"],
+            "AXONML_JOB_ID": shared["AXONML_JOB_ID"],
+            "AXONML_LAUNCHER_PID": str(launcher.pid),
             "OMP_NUM_THREADS": "1",
         }
 
 
 def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
     # Job "a" keeps listening on its MASTER_PORT, as a rank 0 store would, until job "b" has run.
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import socket
         with socket.create_server(("127.0.0.1", int(os.environ["MASTER_PORT"]))):
             keys = ["MASTER_PORT", "AXONML_JOB_ID"]
             (OUT / f"{sys.argv[2]}.json").write_text(json.dumps({key: os.environ[key] for key in keys}))
             while not (OUT / "b.json").exists():
                 time.sleep(0.01)
-    """)
+    """,
+    )
     first = _start(script, tmp_path, "a")
     _wait_for(tmp_path / "a.json")
     second = _start(script, tmp_path, "b")
@@ -134,13 +150,16 @@ def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
 
 
 def test_failed_worker_ends_the_job_quickly(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         ready()
         if RANK == 1:
             wait_all_ready()
             sys.exit(3)
         time.sleep(60)
-    """)
+    """,
+    )
     started = time.monotonic()
     launcher = _start("--nproc-per-node", "3", script, tmp_path)
     _, err = _finish(launcher)
@@ -150,7 +169,9 @@ def test_failed_worker_ends_the_job_quickly(tmp_path: Path) -> None:
 
 
 def test_teardown_reaches_the_children_of_workers(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import subprocess
         if RANK == 1:
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -160,7 +181,8 @@ def test_teardown_reaches_the_children_of_workers(tmp_path: Path) -> None:
             wait_all_ready()
             sys.exit(3)
         time.sleep(60)
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "2", script, tmp_path)
     _finish(launcher)
     assert launcher.returncode == 1
@@ -172,13 +194,16 @@ def test_teardown_reaches_the_children_of_workers(tmp_path: Path) -> None:
 
 
 def test_worker_killed_by_a_signal_is_named(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         ready()
         if RANK == 0:
             wait_all_ready()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "2", script, tmp_path)
     _, err = _finish(launcher)
     assert launcher.returncode == 1
@@ -186,14 +211,17 @@ def test_worker_killed_by_a_signal_is_named(tmp_path: Path) -> None:
 
 
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         signal.signal(signal.SIGTERM, record)
         ready()
         if RANK == 0:
             wait_all_ready()
             sys.exit(3)
         time.sleep(60)
-    """)
+    """,
+    )
     started = time.monotonic()
     launcher = _start("--nproc-per-node", "2", "--grace-period", "1", script, tmp_path)
     _, err = _finish(launcher)
@@ -208,13 +236,16 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path
 def test_sigint_to_the_launcher_reaches_every_worker_once(tmp_path: Path, from_terminal: bool) -> None:
     # A terminal's Ctrl-C goes to its whole foreground process group: the launcher's. Each worker lingers
     # after its SIGINT, long enough for a duplicate to show up in its log.
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         signal.signal(signal.SIGINT, record)
         ready()
         while not (OUT / f"signals.{RANK}").exists():
             time.sleep(0.01)
         time.sleep(0.5)
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "2", script, tmp_path, process_group=0)
     for rank in range(2):
         _wait_for(tmp_path / f"ready.{rank}")
@@ -230,16 +261,22 @@ def test_sigint_to_the_launcher_reaches_every_worker_once(tmp_path: Path, from_t
 
 
 def test_prefix_output_tags_every_line_with_its_rank(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         print(f"out {RANK}")
         print(f"err {RANK}", file=sys.stderr)
         sys.stdout.write(f"no newline {RANK}")
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "2", "--prefix-output", script, tmp_path)
     out, err = _finish(launcher)
     assert launcher.returncode == 0
     assert sorted(out.splitlines()) == [
-        "[rank 0] no newline 0", "[rank 0] out 0", "[rank 1] no newline 1", "[rank 1] out 1",
+        "[rank 0] no newline 0",
+        "[rank 0] out 0",
+        "[rank 1] no newline 1",
+        "[rank 1] out 1",
     ]
     assert sorted(err.splitlines()) == ["[rank 0] err 0", "[rank 1] err 1"]
 
@@ -247,14 +284,17 @@ def test_prefix_output_tags_every_line_with_its_rank(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_leftover_segment_is_removed_after_sigkilled_workers(tmp_path: Path) -> None:
     # Rank 0 plays a backend killed between creating the segment and unlinking it.
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         segment = f"/dev/shm/axonml-{os.getuid()}-{os.environ['AXONML_JOB_ID']}"
         if RANK == 0:
             os.close(os.open(segment, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             (OUT / "segment.json").write_text(json.dumps([os.environ["AXONML_JOB_ID"], segment]))
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    """)
+    """,
+    )
     launcher = _start("--nproc-per-node", "2", script, tmp_path)
     _finish(launcher)
     assert launcher.returncode == 1
@@ -264,9 +304,12 @@ def test_leftover_segment_is_removed_after_sigkilled_workers(tmp_path: Path) -> 
 
 
 def test_module_mode_runs_a_module(tmp_path: Path) -> None:
-    (tmp_path / "axonml_launcher_test_module.py").write_text(_PRELUDE + textwrap.dedent("""
+    (tmp_path / "axonml_launcher_test_module.py").write_text(
+        _PRELUDE
+        + textwrap.dedent("""
         (OUT / f"module.{RANK}").write_text(json.dumps(sys.argv))
-    """))
+    """)
+    )
     launcher = _start("--nproc-per-node", "2", "-m", "axonml_launcher_test_module", tmp_path, cwd=tmp_path)
     _finish(launcher)
     assert launcher.returncode == 0

@@ -39,7 +39,7 @@ fn all_reduce_matches_sequential_reduction_for_every_op_and_size() {
             for op in ReduceOp::ALL {
                 let got = run(n, LONG, move |pg| {
                     let mut x = input(pg.rank(), len);
-                    pg.all_reduce(&mut x, op).unwrap();
+                    pg.all_reduce_tensor(&mut x, op).unwrap();
                     x
                 });
                 let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, len)).collect();
@@ -64,10 +64,10 @@ fn rooted_and_gathering_collectives_deliver_the_right_parts() {
     let got = run(n, LONG, move |pg| {
         let me = pg.rank();
         let mut b = input(me, len);
-        pg.broadcast(&mut b, 1).unwrap();
-        let gathered = pg.all_gather(&input(me, 10)).unwrap();
+        pg.broadcast_tensor(&mut b, 1).unwrap();
+        let gathered = pg.all_gather_tensor(&input(me, 10)).unwrap();
         let scattered = pg
-            .reduce_scatter(&input(me, 3 * len), ReduceOp::Max)
+            .reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max)
             .unwrap();
         let mut red = input(me, len);
         pg.reduce(&mut red, 2, ReduceOp::Sum).unwrap();
@@ -103,7 +103,7 @@ fn subgroups_are_independent_and_concurrent() {
         let odds = world.new_group(&[3, 1]).unwrap();
         let mine = if pg.rank() % 2 == 0 { &evens } else { &odds };
         let mut x = vec![pg.rank() as i64 + 1; 9000];
-        mine.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        mine.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
         // A non-member's call fails and aborts the world, so only try it once everyone is done.
         pg.barrier().unwrap();
         let other = if pg.rank() % 2 == 0 { &odds } else { &evens };
@@ -123,18 +123,18 @@ fn subgroups_are_independent_and_concurrent() {
 fn send_recv_match_by_source_and_tag_in_order() {
     let got = run(2, LONG, |pg| {
         if pg.rank() == 0 {
-            pg.send(&[1i32, 2], 1, 7).unwrap();
-            pg.send(&[3i32, 4], 1, 7).unwrap_or(());
-            pg.send(&[9i32, 9], 1, 8).unwrap();
+            pg.send_tensor(&[1i32, 2], 1, 7).unwrap();
+            pg.send_tensor(&[3i32, 4], 1, 7).unwrap_or(());
+            pg.send_tensor(&[9i32, 9], 1, 8).unwrap();
             vec![]
         } else {
             let mut a = [0i32; 2];
             let mut b = [0i32; 2];
             let mut c = [0i32; 2];
             // tag 8 was sent last but matches independently of tag 7.
-            pg.recv(&mut a, 0, 7).unwrap();
-            pg.recv(&mut b, 0, 7).unwrap();
-            pg.recv(&mut c, 0, 8).unwrap();
+            pg.recv_tensor(&mut a, 0, 7).unwrap();
+            pg.recv_tensor(&mut b, 0, 7).unwrap();
+            pg.recv_tensor(&mut c, 0, 8).unwrap();
             [a, b, c].concat()
         }
     });
@@ -146,9 +146,9 @@ fn mismatched_calls_fail_on_every_rank_before_touching_buffers() {
     let got = run(3, LONG, |pg| {
         let mut x = vec![pg.rank() as f32; 100];
         let r = if pg.rank() == 2 {
-            pg.all_reduce(&mut x, ReduceOp::Max)
+            pg.all_reduce_tensor(&mut x, ReduceOp::Max)
         } else {
-            pg.all_reduce(&mut x, ReduceOp::Sum)
+            pg.all_reduce_tensor(&mut x, ReduceOp::Sum)
         };
         (r, x)
     });
@@ -211,7 +211,7 @@ fn bad_arguments_are_refused() {
     let pg = ProcessGroup::mock();
     let mut x = [1i32; 4];
     assert!(matches!(
-        pg.all_reduce(&mut x, ReduceOp::Average),
+        pg.all_reduce_tensor(&mut x, ReduceOp::Average),
         Err(Error::UnsupportedDtype(_))
     ));
     let b = MockBackend::single();

@@ -6,7 +6,18 @@ in-process world of threads (`spawn`, `MockBackend`), a shared-memory world of p
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules.
 """
 
-from axonml_distributed._core import Backend, MockBackend, ProcessGroup, ReduceOp, Work, World, __version__
+from axonml_distributed._core import (
+    Backend,
+    GradientBucket,
+    GradientSynchronizer,
+    GradSyncStrategy,
+    MockBackend,
+    ProcessGroup,
+    ReduceOp,
+    Work,
+    World,
+    __version__,
+)
 from axonml_distributed.comm import (
     all_gather,
     all_reduce_max,
@@ -27,6 +38,7 @@ from axonml_distributed.comm import (
     sync_gradients,
     world_size,
 )
+from axonml_distributed.ddp import DDP, DistributedDataParallel
 from axonml_distributed.exceptions import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -34,14 +46,26 @@ from axonml_distributed.exceptions import (
     PeerFailureError,
     SpawnError,
 )
-from axonml_distributed.init import destroy_process_group, get_default_group, init_process_group, is_initialized
+from axonml_distributed.init import (
+    destroy_process_group,
+    get_default_group,
+    init_process_group,
+    is_initialized,
+)
+from axonml_distributed.sampler import DistributedSampler
 from axonml_distributed.spawn import spawn
 
 __all__ = [
     "Backend",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DDP",
+    "DistributedDataParallel",
     "DistributedError",
+    "DistributedSampler",
+    "GradSyncStrategy",
+    "GradientBucket",
+    "GradientSynchronizer",
     "MockBackend",
     "PeerFailureError",
     "ProcessGroup",

@@ -11,6 +11,8 @@ nccl-tests definitions). Results are checked once per size before timing.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import shutil
@@ -77,7 +79,7 @@ def _worker_shm(sizes: list[int]) -> None:
             _fill(a, rank)
             pg.all_reduce(a)
             _check(a, n)
-            t = _time(lambda a=a: pg.all_reduce(a), size, pg.barrier)
+            t = _time(functools.partial(pg.all_reduce, a), size, pg.barrier)
             worst = np.empty(n, np.float64)
             pg.all_gather(np.array([t]), worst)
             out[name].append(float(worst.max()))
@@ -97,15 +99,16 @@ def _worker_mpi(sizes: list[int]) -> None:
         _fill(a, rank)
         comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
         _check(a, n)
-        t = _time(lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM), size, comm.Barrier)
+        t = _time(functools.partial(comm.Allreduce, MPI.IN_PLACE, a, MPI.SUM), size, comm.Barrier)
         res.append(max(comm.allgather(t)))
     if rank == 0:
         print(_RESULT + json.dumps({"mpi4py " + MPI.Get_library_version().split()[0]: res}), flush=True)
 
 
 def _worker_gloo(sizes: list[int]) -> None:
-    import torch
-    import torch.distributed as dist
+    # Imported by name: torch is optional, and without it there are no types to check against.
+    torch: Any = importlib.import_module("torch")
+    dist: Any = importlib.import_module("torch.distributed")
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -115,7 +118,7 @@ def _worker_gloo(sizes: list[int]) -> None:
         _fill(a, rank)
         dist.all_reduce(torch.from_numpy(a))
         _check(a, n)
-        t = _time(lambda a=a: dist.all_reduce(torch.from_numpy(a)), size, dist.barrier)
+        t = _time(functools.partial(dist.all_reduce, torch.from_numpy(a)), size, dist.barrier)
         worst = [0.0] * n
         dist.all_gather_object(worst, t)
         res.append(max(worst))

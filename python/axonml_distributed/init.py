@@ -43,7 +43,9 @@ def init_process_group(
     """
     global _default
     if _default is not None:
-        raise RuntimeError("the default process group is already initialised; call destroy_process_group first")
+        raise RuntimeError(
+            "the default process group is already initialised; call destroy_process_group first"
+        )
     if backend == "mpi":
         from axonml_distributed.mpi import init_mpi_process_group
 

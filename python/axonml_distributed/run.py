@@ -115,20 +115,41 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_at_least(1), default=1, metavar="N",
-                        help="number of workers (default: 1)")
-    parser.add_argument("--master-port", "--master_port", type=_at_least(1), metavar="P",
-                        help="MASTER_PORT for the workers (default: a port that is free at launch)")
-    parser.add_argument("--prefix-output", action="store_true",
-                        help="prefix each line the workers write to stdout/stderr with '[rank N] ' "
-                             "(default: workers write straight to the launcher's stdout/stderr)")
-    parser.add_argument("--grace-period", type=_at_least(0.0), default=5.0, metavar="S",
-                        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default: 5)")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="SCRIPT is a module name, run like 'python -m SCRIPT'")
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="number of workers (default: 1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=_at_least(1),
+        metavar="P",
+        help="MASTER_PORT for the workers (default: a port that is free at launch)",
+    )
+    parser.add_argument(
+        "--prefix-output",
+        action="store_true",
+        help="prefix each line the workers write to stdout/stderr with '[rank N] ' "
+        "(default: workers write straight to the launcher's stdout/stderr)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=_at_least(0.0),
+        default=5.0,
+        metavar="S",
+        help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default: 5)",
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, run like 'python -m SCRIPT'"
+    )
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
-                        help="arguments passed to every worker")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to every worker"
+    )
     return parser
 
 
@@ -229,8 +250,10 @@ def _supervise(workers: list[_Worker], received: list[int], grace: float) -> int
         failed = next(((rank, code) for rank, code in enumerate(codes) if code), None)
         if failed is not None:
             ranks = _signal_running(workers, signal.SIGTERM, everyone)
-            _say(f"rank {failed[0]} failed ({_describe(failed[1])})"
-                 + (f"; terminated {_ranks(ranks)}" if ranks else ""))
+            _say(
+                f"rank {failed[0]} failed ({_describe(failed[1])})"
+                + (f"; terminated {_ranks(ranks)}" if ranks else "")
+            )
             _reap(workers, ranks, signal.SIGTERM, grace)
             return 1
         if all(code == 0 for code in codes):

@@ -38,7 +38,8 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
             backends[rank].abort(f"{type(e).__name__} in rank {rank}: {e}")
 
     threads = [
-        threading.Thread(target=run, args=(r,), name=f"axonml-rank-{r}", daemon=True) for r in range(world_size)
+        threading.Thread(target=run, args=(r,), name=f"axonml-rank-{r}", daemon=True)
+        for r in range(world_size)
     ]
     for t in threads:
         t.start()

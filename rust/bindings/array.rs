@@ -4,7 +4,7 @@
 
 use half::f16;
 use numpy::{
-    BorrowError, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    BorrowError, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -177,4 +177,27 @@ pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Arr
 /// A new zero-filled array of `dtype` and `shape`.
 pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> Bound<'py, PyAny> {
     with_type!(dtype, T => PyArrayDyn::<T>::zeros(py, shape, false).into_any())
+}
+
+/// A 1-D numpy array over `len` elements of `dtype` at `ptr`, keeping `owner` alive as its base.
+///
+/// # Safety
+/// The memory must stay valid, and not move, for as long as `owner` lives.
+pub(crate) unsafe fn view<'py>(
+    owner: Bound<'py, PyAny>,
+    dtype: DType,
+    ptr: *const u8,
+    len: usize,
+    writable: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let arr = with_type!(dtype, T => {
+        // SAFETY: the caller guarantees `len` valid elements at `ptr` for the owner's lifetime.
+        let v = unsafe { numpy::ndarray::ArrayView1::<T>::from_shape_ptr(len, ptr.cast::<T>()) };
+        // SAFETY: as above; `owner` becomes the array's base and keeps the memory alive.
+        unsafe { PyArray1::<T>::borrow_from_array(&v, owner) }.into_any()
+    });
+    if !writable {
+        arr.call_method1("setflags", (false,))?;
+    }
+    Ok(arr)
 }

@@ -18,10 +18,11 @@ use crate::transport::thread::{MockBackend, DEFAULT_TIMEOUT};
     module = "axonml_distributed",
     eq,
     eq_int,
+    hash,
     frozen,
     from_py_object
 )]
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum PyReduceOp {
     /// Elementwise sum.
     #[pyo3(name = "SUM")]

@@ -1,4 +1,4 @@
-//! `ProcessGroup`, `World` and `Work` for Python.
+//! `ProcessGroup` for Python.
 //!
 //! Every collective validates and borrows its arrays while attached, then either runs detached (the GIL
 //! released for the whole wait) or, with `async_op=True`, is queued on the group's worker thread and
@@ -12,33 +12,10 @@ use pyo3::prelude::*;
 
 use super::array::{readable, writable, zeros, Array};
 use super::backend::{parse_op, PyBackend};
+use super::work::PyWork;
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::group::{ProcessGroup, World};
-use crate::transport::thread::MockBackend;
-use crate::work::Work;
-
-/// The handle of an asynchronous collective.
-#[pyclass(name = "Work", module = "axonml_distributed", frozen)]
-pub(crate) struct PyWork {
-    work: Work,
-    result: Option<Py<PyAny>>,
-}
-
-#[pymethods]
-impl PyWork {
-    /// Block (GIL released) until the collective finished; re-raise its error, or return its result
-    /// (None for in-place collectives, the new array for the `*_tensor` ones).
-    fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let w = self.work.clone();
-        py.detach(|| w.wait())?;
-        Ok(self.result.as_ref().map(|r| r.clone_ref(py)))
-    }
-    /// True once the collective has finished (successfully or not).
-    fn is_completed(&self) -> bool {
-        self.work.is_completed()
-    }
-}
+use crate::group::ProcessGroup;
 
 /// A group of ranks as seen from this rank: collectives involve only its members.
 #[pyclass(name = "ProcessGroup", module = "axonml_distributed", frozen)]
@@ -534,64 +511,5 @@ impl PyProcessGroup {
             self.inner.ranks(),
             self.inner.backend().name()
         )
-    }
-}
-
-/// The world: the default group over every rank, and the factory of subgroups.
-#[pyclass(name = "World", module = "axonml_distributed", frozen)]
-pub(crate) struct PyWorld {
-    inner: World,
-}
-
-#[pymethods]
-impl PyWorld {
-    /// The world of `backend` (the seed's `World::init`).
-    #[new]
-    fn new(backend: &PyBackend) -> Self {
-        PyWorld {
-            inner: World::init(backend.inner.clone()),
-        }
-    }
-    /// Same as `World(backend)`.
-    #[staticmethod]
-    fn init(backend: &PyBackend) -> Self {
-        Self::new(backend)
-    }
-    /// A world of one rank.
-    #[staticmethod]
-    fn mock() -> Self {
-        PyWorld {
-            inner: World::init(Arc::new(MockBackend::single())),
-        }
-    }
-    /// The group of every rank.
-    fn default_group(&self) -> PyProcessGroup {
-        PyProcessGroup {
-            inner: self.inner.default_group().clone(),
-        }
-    }
-    /// This process's rank.
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    /// Number of ranks.
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    /// True on rank 0.
-    fn is_main(&self) -> bool {
-        self.inner.is_main()
-    }
-    /// Block until every rank arrives.
-    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let g = self.inner.default_group().clone();
-        Ok(py.detach(move || g.barrier())?)
-    }
-    /// A subgroup of `ranks` (global). Every member must create it, in the same order as its other
-    /// groups; on a non-member it is a handle whose collectives raise ValueError.
-    fn new_group(&self, ranks: Vec<usize>) -> PyResult<PyProcessGroup> {
-        Ok(PyProcessGroup {
-            inner: Arc::new(self.inner.new_group(&ranks)?),
-        })
     }
 }

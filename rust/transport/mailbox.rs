@@ -1,8 +1,11 @@
 //! Point-to-point messages in the in-process world.
 //!
-//! A send posts a letter (the address of the sender's buffer) under (source, destination, tag) and waits
-//! until the receiver has copied it: one copy, straight between the two buffers, and FIFO order per key.
-//! The receiver checks dtype and length before copying; a mismatch fails both sides.
+//! A send posts a letter under (source, destination, tag); receives match letters in FIFO order per key.
+//! Like MPI: messages up to [`EAGER`] bytes are copied into the letter and the send returns at once (so
+//! send-before-receive patterns cannot deadlock on small messages); larger ones carry the address of the
+//! sender's buffer, and the send waits until the receiver has copied straight from it (one copy). The
+//! receiver checks dtype and length before copying; a mismatch fails the receiver, and the sender too
+//! when it is still waiting.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, Ordering::*};
@@ -14,6 +17,9 @@ use super::wait::SLICE;
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 
+/// Messages up to this size are sent eagerly (copied, the send returns at once).
+pub(crate) const EAGER: usize = 64 * 1024;
+
 const QUEUED: u8 = 0;
 const COPYING: u8 = 1;
 const DELIVERED: u8 = 2;
@@ -22,12 +28,15 @@ const REFUSED: u8 = 3;
 struct Letter {
     dtype: DType,
     len: usize,
+    /// The sender's buffer (rendezvous), or the start of `_copy` (eager).
     data: *const u8,
+    /// Owns the eager copy that `data` points into.
+    _copy: Option<Vec<u8>>,
     state: AtomicU8,
 }
 
-// SAFETY: `data` is the sender's buffer, which the sender keeps alive (blocked in `send`) until the
-// letter leaves the QUEUED/COPYING states.
+// SAFETY: `data` points into `_copy`, or into the sender's buffer, which the sender keeps alive (blocked
+// in `send`) until the letter leaves the QUEUED/COPYING states.
 unsafe impl Send for Letter {}
 // SAFETY: as above; the state is atomic and the data only read.
 unsafe impl Sync for Letter {}
@@ -81,10 +90,14 @@ impl Mailbox {
         tag: u64,
         buf: Buf<'_>,
     ) -> Result<()> {
+        let eager = buf.byte_len() <= EAGER;
+        let copy = eager.then(|| buf.bytes().to_vec());
+        let data = copy.as_ref().map_or(buf.as_ptr(), |c| c.as_ptr());
         let letter = Arc::new(Letter {
             dtype: buf.dtype(),
             len: buf.len(),
-            data: buf.as_ptr(),
+            data,
+            _copy: copy,
             state: AtomicU8::new(QUEUED),
         });
         let op = format!(
@@ -98,6 +111,9 @@ impl Mailbox {
             .or_default()
             .push_back(letter.clone());
         self.changed.notify_all();
+        if eager {
+            return Ok(());
+        }
         loop {
             match letter.state.load(Acquire) {
                 DELIVERED => return Ok(()),

@@ -97,13 +97,16 @@ impl Comm {
     }
 }
 
+/// A communicator's members and which of their splits over that rank set made it (0: the world).
+type CommKey = (Vec<usize>, usize);
+
 /// State of the whole in-process world, shared by every rank's handles.
 pub(crate) struct World {
     size: usize,
     timeout: Duration,
     aborted: AtomicBool,
     abort_reason: Mutex<Option<(usize, String)>>,
-    comms: Mutex<HashMap<(Vec<usize>, usize), Arc<Comm>>>,
+    comms: Mutex<HashMap<CommKey, Arc<Comm>>>,
     /// Per rank: how many times it has split each rank set, so the n-th split of a set on every member
     /// finds the same communicator.
     splits: Vec<Mutex<HashMap<Vec<usize>, usize>>>,
@@ -414,7 +417,7 @@ impl Backend for MockBackend {
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-        call::index_of(self.members(), dst, "destination").map_err(|e| self.fail(e))?;
+        call::peer(self.members(), self.rank, dst, "send to").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
         self.world
             .mailbox
@@ -422,7 +425,7 @@ impl Backend for MockBackend {
             .map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-        call::index_of(self.members(), src, "source").map_err(|e| self.fail(e))?;
+        call::peer(self.members(), self.rank, src, "receive from").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
         self.world
             .mailbox

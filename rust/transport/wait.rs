@@ -119,19 +119,25 @@ impl Wait<'_> {
             quick().map_err(Stop::Failed)?;
             std::thread::yield_now();
         }
+        // The slow checks (a syscall, or taking the GIL for signals) run once per slice, not on every
+        // wake-up: with many ranks every counter bump wakes every sleeper.
+        let mut next_slow = Instant::now();
         loop {
             let seen = self.event.seq.load(SeqCst);
             if ready() {
                 return Ok(());
             }
             quick().map_err(Stop::Failed)?;
-            slow().map_err(Stop::Failed)?;
-            if interrupted() {
-                return Err(Stop::Failed(Error::Interrupted {
-                    op: self.op.to_string(),
-                }));
-            }
             let now = Instant::now();
+            if now >= next_slow {
+                slow().map_err(Stop::Failed)?;
+                if interrupted() {
+                    return Err(Stop::Failed(Error::Interrupted {
+                        op: self.op.to_string(),
+                    }));
+                }
+                next_slow = now + SLICE;
+            }
             if now >= self.deadline {
                 return Err(Stop::TimedOut);
             }

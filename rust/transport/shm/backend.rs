@@ -360,12 +360,13 @@ impl Backend for ShmBackend {
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-        call::index_of(&self.members, dst, "destination").map_err(|e| self.fail(e))?;
+        call::peer(&self.members, self.world.rank, dst, "send to").map_err(|e| self.fail(e))?;
         self.world.check_abort("send", None)?;
         super::p2p::send(&self.world, buf, dst, tag).map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-        call::index_of(&self.members, src, "source").map_err(|e| self.fail(e))?;
+        call::peer(&self.members, self.world.rank, src, "receive from")
+            .map_err(|e| self.fail(e))?;
         self.world.check_abort("recv", None)?;
         super::p2p::recv(&self.world, buf, src, tag).map_err(|e| self.fail(e))
     }

@@ -1,0 +1,375 @@
+"""DistributedDataParallel: keep model replicas in step by averaging their gradients over a process group.
+
+Wraps either a numpy duck-typed model (``parameters()`` yields objects with numpy ``.data`` and ``.grad``)
+or a CPU ``torch.nn.Module``. torch stays optional: it is only looked at when the caller has imported it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Protocol
+
+import numpy as np
+
+from axonml_distributed._core import ReduceOp
+from axonml_distributed.init import get_default_group
+
+_MIB = 1024 * 1024
+
+
+class _Work(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Group(Protocol):
+    """The part of the ProcessGroup API that DDP uses (any duck-typed group with these methods works)."""
+
+    def ranks(self) -> list[int]: ...
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray: ...
+
+    def all_reduce(self, buf: np.ndarray, op: Any = ..., *, async_op: bool = ...) -> Any: ...
+
+    def broadcast(self, buf: np.ndarray, src: int | None = ..., *, async_op: bool = ...) -> Any: ...
+
+
+class _ParamRef(Protocol):
+    """One parameter seen as numpy arrays, whatever the framework."""
+
+    requires_grad: bool
+
+    def data(self) -> np.ndarray: ...
+
+    def grad(self) -> np.ndarray | None: ...
+
+    def set_grad(self, grad: np.ndarray) -> None: ...
+
+
+class _NumpyParam:
+    def __init__(self, param: Any) -> None:
+        self._param = param
+        self.requires_grad = bool(getattr(param, "requires_grad", True))
+
+    def data(self) -> np.ndarray:
+        return self._param.data  # type: ignore[no-any-return]
+
+    def grad(self) -> np.ndarray | None:
+        return self._param.grad  # type: ignore[no-any-return]
+
+    def set_grad(self, grad: np.ndarray) -> None:
+        self._param.grad = grad
+
+
+class _TorchParam:
+    def __init__(self, param: Any, torch: ModuleType) -> None:
+        if param.device.type != "cpu":
+            raise ValueError(f"DDP runs on CPU tensors; got a parameter on {param.device}")
+        self._param = param
+        self._torch = torch
+        self.requires_grad = bool(param.requires_grad)
+
+    def data(self) -> np.ndarray:
+        return self._param.detach().numpy()  # type: ignore[no-any-return]  # shares memory
+
+    def grad(self) -> np.ndarray | None:
+        grad = self._param.grad
+        return None if grad is None else grad.detach().numpy()
+
+    def set_grad(self, grad: np.ndarray) -> None:
+        self._param.grad = self._torch.from_numpy(grad)  # shares memory with the bucket
+
+
+class _Slot:
+    """Where one parameter's gradient lives inside its bucket."""
+
+    def __init__(self, index: int, flag: int, ref: _ParamRef, view: np.ndarray) -> None:
+        self.index = index  # position in parameters()
+        self.flag = flag  # position in the has-grad flag vector
+        self.ref = ref
+        self.view = view
+        self.address = _address(view)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _is_view(grad: np.ndarray, slot: _Slot) -> bool:
+    # Torch hands out a fresh numpy object per access, so identity alone misses; the memory decides.
+    view = slot.view
+    return grad is view or (
+        _address(grad) == slot.address
+        and grad.shape == view.shape
+        and grad.strides == view.strides
+        and grad.dtype == view.dtype
+    )
+
+
+def assign_buckets(nbytes: list[int], dtypes: list[np.dtype[Any]], cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets, in the order the buckets are reduced.
+
+    Parameters are taken in reverse order (backward produces gradients roughly last layer first), one open
+    bucket per dtype; a bucket is closed before it would pass ``cap_bytes``, so only a single parameter
+    larger than the cap makes a bucket exceed it. Unlike torch there is no smaller first bucket: that one
+    exists to start communication early during backward, and here syncing starts after backward.
+    """
+    open_buckets: dict[np.dtype[Any], tuple[list[int], int]] = {}
+    closed: list[list[int]] = []
+    for i in reversed(range(len(nbytes))):
+        members, size = open_buckets.get(dtypes[i], ([], 0))
+        if members and size + nbytes[i] > cap_bytes:
+            closed.append(members)
+            members, size = [], 0
+        members.append(i)
+        open_buckets[dtypes[i]] = (members, size + nbytes[i])
+    closed.extend(members for members, _ in open_buckets.values())
+    # Reduce first the bucket whose first parameter comes latest, i.e. whose gradients are ready first.
+    closed.sort(key=lambda members: -members[0])
+    return closed
+
+
+def _torch_of(module: Any) -> ModuleType | None:
+    # A torch module can only exist if torch is already imported, so DDP never imports it itself.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(module, torch.nn.Module):
+        return torch
+    return None
+
+
+def _contiguous_bytes(array: np.ndarray) -> np.ndarray:
+    # Broadcast moves raw bytes, so buffers of any dtype (bool masks, int16 counters...) can be synced.
+    return array.reshape(-1).view(np.uint8)
+
+
+class DistributedDataParallel:
+    """Data-parallel wrapper: every rank holds a replica; ``sync_gradients()`` averages gradients.
+
+    Typical step: ``out = ddp(x)``, backward, ``ddp.sync_gradients()``, optimizer step. Call
+    ``sync_parameters()`` once after construction so every rank starts from the first rank's weights
+    (torch does this in its constructor; here it is explicit so the builder options apply first).
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        process_group: _Group | None = None,
+        *,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = True,
+    ) -> None:
+        if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        self.module = module
+        self._pg: _Group = get_default_group() if process_group is None else process_group
+        self._torch = _torch_of(module)
+        self._broadcast_buffers = broadcast_buffers
+        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._require_grad_sync = True
+        self._training = bool(getattr(module, "training", True))
+        self._params = self._param_refs()
+        self._buckets, self._slots = self._build_buckets(int(bucket_cap_mb * _MIB))
+        # One flag per bucketed parameter: "this rank has a gradient"; MAX over ranks = "some rank has one".
+        self._has_grad = self._pg.empty((len(self._slots),), np.uint8)
+        if gradient_as_bucket_view:
+            self._install_views()
+
+    # -- builders (the seed's chainable API) --------------------------------------------------------------
+
+    def broadcast_buffers(self, flag: bool) -> DistributedDataParallel:
+        """Whether ``sync_parameters()`` and training forwards also broadcast the module's buffers."""
+        self._broadcast_buffers = flag
+        return self
+
+    def gradient_as_bucket_view(self, flag: bool) -> DistributedDataParallel:
+        """Whether gradients are views into the flat buckets (zero-copy sync) or separate arrays."""
+        if flag != self._gradient_as_bucket_view:
+            self._gradient_as_bucket_view = flag
+            if flag:
+                self._install_views()
+            else:
+                self._detach_views()
+        return self
+
+    # -- accessors ----------------------------------------------------------------------------------------
+
+    def process_group(self) -> _Group:
+        return self._pg
+
+    def parameters(self) -> Iterator[Any]:
+        return iter(self.module.parameters())
+
+    def bucket_assignment(self) -> list[list[int]]:
+        """Parameter indices (positions in ``parameters()``) of each bucket, in reduction order."""
+        return [[slot.index for slot in slots] for _, slots in self._buckets]
+
+    def is_training(self) -> bool:
+        return self._training
+
+    def train(self, mode: bool = True) -> DistributedDataParallel:
+        self._training = mode
+        method = getattr(self.module, "train" if mode else "eval", None)
+        if method is not None:
+            method()
+        return self
+
+    def eval(self) -> DistributedDataParallel:
+        return self.train(False)
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Like torch: buffers (e.g. batch-norm statistics) follow the first rank before each synced
+        # training forward. A module without buffers issues no collective here.
+        if self._broadcast_buffers and self._training and self._require_grad_sync:
+            self._broadcast(self._buffer_arrays())
+        if callable(self.module):
+            return self.module(*args, **kwargs)  # torch modules: __call__ runs their hooks
+        return self.module.forward(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, ``sync_gradients()`` does nothing: gradients accumulate locally (the model must add into
+        them), and the first sync after the block averages the accumulated totals."""
+        previous = self._require_grad_sync
+        self._require_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_grad_sync = previous
+
+    def sync_parameters(self) -> None:
+        """Overwrite every rank's parameters (and buffers, if broadcast_buffers) in place with the first
+        rank's."""
+        arrays = [ref.data() for ref in self._params]
+        if self._broadcast_buffers:
+            arrays += self._buffer_arrays()
+        self._broadcast(arrays)
+
+    def sync_gradients(self) -> None:
+        """Average the gradients over the group, in place (bucketed: one all-reduce per bucket).
+
+        A gradient that is None on every rank stays None; None on some ranks only counts as zeros there.
+        """
+        if not self._require_grad_sync or not self._slots:
+            return
+        grads = [self._fill_bucket(slot) for slot in self._slots]
+        # The flag vector is a few bytes: a direct call costs less than handing it to the group's worker.
+        self._pg.all_reduce(self._has_grad, ReduceOp.MAX)
+        # All buckets but the last go to the worker, which reduces them back to back while this thread issues
+        # the rest; the last one this thread reduces itself (it runs after them: a group keeps issue order),
+        # so a one-bucket model pays no hand-off at all. AVERAGE rather than SUM and a divide here: the core
+        # scales within the pass that reduces, sparing a second sweep over the gradients.
+        *queued, (last, _) = self._buckets
+        works: list[_Work] = [self._pg.all_reduce(f, ReduceOp.AVERAGE, async_op=True) for f, _ in queued]
+        self._pg.all_reduce(last, ReduceOp.AVERAGE)
+        for work in works:
+            work.wait()
+        for slot, grad in zip(self._slots, grads, strict=True):
+            if self._has_grad[slot.flag]:
+                self._write_back(slot, grad)
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _param_refs(self) -> list[_ParamRef]:
+        torch = self._torch
+        seen: set[int] = set()
+        refs: list[_ParamRef] = []
+        for param in self.module.parameters():
+            if id(param) in seen:  # tied weights appear once, or they would be averaged twice
+                continue
+            seen.add(id(param))
+            refs.append(_NumpyParam(param) if torch is None else _TorchParam(param, torch))
+        return refs
+
+    def _build_buckets(self, cap_bytes: int) -> tuple[list[tuple[np.ndarray, list[_Slot]]], list[_Slot]]:
+        trainable = [(i, ref) for i, ref in enumerate(self._params) if ref.requires_grad]
+        datas = [ref.data() for _, ref in trainable]
+        layout = assign_buckets([d.nbytes for d in datas], [d.dtype for d in datas], cap_bytes)
+        buckets: list[tuple[np.ndarray, list[_Slot]]] = []
+        slots: list[_Slot] = []
+        for members in layout:
+            flat = self._pg.empty((sum(datas[k].size for k in members),), datas[members[0]].dtype)
+            flat.fill(0)
+            bucket_slots = []
+            offset = 0
+            for k in members:
+                shape, size = datas[k].shape, datas[k].size
+                view = flat[offset : offset + size].reshape(shape)
+                offset += size
+                slot = _Slot(trainable[k][0], len(slots), trainable[k][1], view)
+                bucket_slots.append(slot)
+                slots.append(slot)
+            buckets.append((flat, bucket_slots))
+        return buckets, slots
+
+    def _install_views(self) -> None:
+        for slot in self._slots:
+            grad = slot.ref.grad()
+            if grad is not None and not _is_view(grad, slot):
+                self._copy_in(slot, grad)
+                slot.ref.set_grad(slot.view)
+
+    def _detach_views(self) -> None:
+        for slot in self._slots:
+            grad = slot.ref.grad()
+            if grad is not None and _is_view(grad, slot):
+                slot.ref.set_grad(slot.view.copy())
+
+    def _fill_bucket(self, slot: _Slot) -> np.ndarray | None:
+        """Put this rank's gradient into the bucket and raise its flag; returns the gradient seen."""
+        grad = slot.ref.grad()
+        self._has_grad[slot.flag] = grad is not None
+        if grad is None:
+            slot.view.fill(0)  # the slot may still hold an older step's average
+        elif not (self._gradient_as_bucket_view and _is_view(grad, slot)):
+            # Copy mode, or the model replaced .grad with a new array instead of writing into the view.
+            self._copy_in(slot, grad)
+            if self._gradient_as_bucket_view:
+                slot.ref.set_grad(slot.view)
+        return grad
+
+    def _write_back(self, slot: _Slot, grad: np.ndarray | None) -> None:
+        if self._gradient_as_bucket_view:
+            if grad is None:
+                slot.ref.set_grad(slot.view)
+        elif grad is None:
+            slot.ref.set_grad(slot.view.copy())
+        else:
+            np.copyto(grad, slot.view)
+
+    def _copy_in(self, slot: _Slot, grad: np.ndarray) -> None:
+        if grad.shape != slot.view.shape:
+            raise ValueError(
+                f"parameter {slot.index}: gradient shape {grad.shape} does not match the parameter's "
+                f"shape {slot.view.shape}"
+            )
+        np.copyto(slot.view, grad)
+
+    def _buffer_arrays(self) -> list[np.ndarray]:
+        buffers = getattr(self.module, "buffers", None)
+        if buffers is None:
+            return []
+        if self._torch is not None:
+            return [b.detach().numpy() for b in buffers()]
+        # A numpy array also has a .data attribute (a memoryview), so test for arrays first.
+        return [b if isinstance(b, np.ndarray) else b.data for b in buffers()]
+
+    def _broadcast(self, arrays: list[np.ndarray]) -> None:
+        src = self._pg.ranks()[0]
+        for array in arrays:
+            # A non-contiguous array (e.g. a transposed weight) travels through a contiguous copy.
+            staging = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            self._pg.broadcast(_contiguous_bytes(staging), src)
+            if staging is not array:
+                np.copyto(array, staging)
+
+
+DDP = DistributedDataParallel

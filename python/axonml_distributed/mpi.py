@@ -1,0 +1,405 @@
+"""MPI process group: the package's ProcessGroup methods, carried by MPI through mpi4py.
+
+For jobs that span hosts (or already live under `mpiexec`). Launch with
+`mpiexec -n N python -m mpi4py train.py`: `-m mpi4py` turns an unhandled exception on any rank into
+MPI_Abort, so the job ends instead of hanging in a collective.
+
+- Only mpi4py's buffer API with `MPI.IN_PLACE`; nothing is pickled.
+- AVERAGE is MPI SUM followed by a division by the group size (floating dtypes only).
+- float16: MPI has no float16 arithmetic, so reductions widen to float32, reduce, and round to float16
+  once; operations that only move bytes send the 16-bit patterns unchanged.
+- Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
+  cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
+  operation and calls MPI_Abort: the whole job dies.
+- Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
+  sequence number) with one small allreduce; on disagreement every rank raises CollectiveMismatchError
+  naming the ranks that differ, no data moves, and the group stays usable. A rank whose arguments are
+  invalid takes part with an "invalid" signature and raises its TypeError/ValueError, so its peers fail
+  at once instead of timing out. Without the check, mismatched calls are undefined behaviour in MPI.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    from mpi4py import MPI
+except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI library to load
+    raise ImportError(
+        'the MPI backend needs mpi4py and an MPI library: pip install "axonml-distributed[mpi]"',
+        name="mpi4py",
+    ) from exc
+
+from axonml_distributed.exceptions import CollectiveMismatchError
+from axonml_distributed.mpi_work import (
+    KIND_CODES,
+    Finish,
+    MpiWork,
+    OpArg,
+    OpQueue,
+    Result,
+    check_signatures,
+    companion,
+    dtype_code,
+    invalid_signature,
+    is_int,
+    readable,
+    reduction_buffer,
+    resolve_op,
+    signature,
+    transport_dtype,
+    writable,
+)
+
+__all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
+    """The group of every rank of the MPI job, on a private duplicate of COMM_WORLD (so our messages never
+    match the application's own MPI calls). `timeout` in seconds, default 300. Collective."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    world = MPI.COMM_WORLD
+    ranks = list(range(world.Get_size()))
+    return MpiProcessGroup(world.Dup(), ranks, world.Get_rank(), timeout, check_signatures)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A validated collective, ready to issue: the MPI call, its post-processing, and its signature."""
+
+    start: Callable[[], MPI.Request]
+    finish: Finish
+    nbytes: int
+    dtype: int = -1
+    count: int = -1
+    root: int = -1
+    op: int = -1
+
+
+def _done(result: Result) -> Finish:
+    return lambda _status: result
+
+
+class MpiProcessGroup:
+    """A list of global ranks with its own MPI communicator. A non-member of a subgroup holds one without a
+    communicator: its accessors work, its operations raise ValueError."""
+
+    def __init__(
+        self, comm: MPI.Intracomm | None, ranks: list[int], rank: int, timeout: float, check: bool
+    ) -> None:
+        self._ranks = ranks
+        self._index = {r: i for i, r in enumerate(ranks)}
+        self._rank = rank
+        self._timeout = timeout
+        self._check = check
+        self._queue = None if comm is None else OpQueue(comm, timeout)
+
+    def __repr__(self) -> str:
+        return f"MpiProcessGroup(rank={self._rank}, ranks={self._ranks})"
+
+    # --- accessors (rank() and world_size() are global, as everywhere in the package) ------------------
+
+    def backend(self) -> MpiProcessGroup:
+        return self
+
+    def name(self) -> str:
+        return "mpi"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world_size(self) -> int:
+        return MPI.COMM_WORLD.Get_size()
+
+    def size(self) -> int:
+        return len(self._ranks)
+
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    def contains(self, rank: int) -> bool:
+        return rank in self._index
+
+    def group_rank(self, global_rank: int) -> int:
+        return self._member_index(global_rank, "group_rank", "rank")
+
+    def empty(self, shape: int | Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        transport_dtype(out, "empty")
+        return out
+
+    def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
+        """A subgroup over `ranks` (global ranks, kept sorted like the native groups: chunk i of a
+        reduce_scatter goes to the i-th smallest). Collective over the members only
+        (MPI_Comm_create_group); a non-member gets a group it can query but not use."""
+        members = sorted(ranks)
+        if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
+            raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
+        indices = [self.group_rank(r) for r in members]
+        comm = None
+        if self._rank in members:
+            parent = self._member_queue("new_group").comm
+            comm = parent.Create_group(parent.Get_group().Incl(indices))
+        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check)
+
+    def abort(self, reason: str) -> None:
+        """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""
+        print(f"axonml_distributed: aborting the MPI job: {reason}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+    # --- collectives -------------------------------------------------------------------------------
+
+    def all_reduce(self, buf: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
+        plan = partial(self._all_reduce, buf=buf, op=op, result=None)
+        return _inplace(self._collective("all_reduce", plan), async_op)
+
+    def broadcast(self, buf: np.ndarray, src: int | None = None, *, async_op: bool = False) -> MpiWork | None:
+        plan = partial(self._broadcast, buf=buf, src=src, result=None)
+        return _inplace(self._collective("broadcast", plan), async_op)
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray, *, async_op: bool = False) -> MpiWork | None:
+        plan = partial(self._all_gather, send=send, recv=recv, result=None)
+        return _inplace(self._collective("all_gather", plan), async_op)
+
+    def reduce_scatter(
+        self, send: np.ndarray, recv: np.ndarray, op: OpArg = None, *, async_op: bool = False
+    ) -> MpiWork | None:
+        plan = partial(self._reduce_scatter, send=send, recv=recv, op=op, result=None)
+        return _inplace(self._collective("reduce_scatter", plan), async_op)
+
+    def gather(
+        self, send: np.ndarray, recv: np.ndarray | None, dst: int, *, async_op: bool = False
+    ) -> MpiWork | None:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            dt = readable(send, "gather send")
+            root = self._member_index(dst, "gather", "dst")
+            recv_spec = None
+            if self._rank == dst:
+                companion(send, recv, self.size() * send.size, "gather recv", write=True)
+                recv_spec = [recv, dt]
+            start = partial(comm.Igather, [send, dt], recv_spec, root)
+            return _Call(start, _done(None), send.nbytes * self.size(), dtype_code(send), send.size, root)
+
+        return _inplace(self._collective("gather", plan), async_op)
+
+    def scatter(
+        self, send: np.ndarray | None, recv: np.ndarray, src: int, *, async_op: bool = False
+    ) -> MpiWork | None:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            dt = writable(recv, "scatter recv")
+            root = self._member_index(src, "scatter", "src")
+            send_spec = None
+            if self._rank == src:
+                companion(recv, send, self.size() * recv.size, "scatter send", write=False)
+                send_spec = [send, dt]
+            start = partial(comm.Iscatter, send_spec, [recv, dt], root)
+            return _Call(start, _done(None), recv.nbytes * self.size(), dtype_code(recv), recv.size, root)
+
+        return _inplace(self._collective("scatter", plan), async_op)
+
+    def reduce(
+        self, buf: np.ndarray, dst: int, op: OpArg = None, *, async_op: bool = False
+    ) -> MpiWork | None:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            writable(buf, "reduce")
+            root = self._member_index(dst, "reduce", "dst")
+            rop = resolve_op(op, buf.dtype, "reduce")
+            # MPI leaves non-root buffers untouched, and so do we.
+            is_root = self._rank == dst
+            data, dt, finish = reduction_buffer(buf, rop, self.size(), copy_in=True, write_back=is_root)
+            send_spec, recv_spec = (MPI.IN_PLACE, [data, dt]) if is_root else ([data, dt], None)
+            start = partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root)
+            return _Call(start, finish, buf.nbytes, dtype_code(buf), buf.size, root, rop.code)
+
+        return _inplace(self._collective("reduce", plan), async_op)
+
+    def barrier(self, *, async_op: bool = False) -> MpiWork | None:
+        return _inplace(
+            self._collective("barrier", lambda comm: _Call(comm.Ibarrier, _done(None), 0)), async_op
+        )
+
+    def send(self, buf: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        queue = self._member_queue("send")
+        dt = readable(buf, "send")
+        peer = self._peer(dst, tag, "send", "dst")
+        describe = f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+        with queue.lock:
+            work = queue.submit(
+                queue.comm.Isend([buf, dt], peer, tag), buf, _done(None), buf.nbytes, describe
+            )
+        return _inplace(work, async_op)
+
+    def recv(self, buf: np.ndarray, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        return _inplace(self._recv(buf, src, tag, None), async_op)
+
+    # --- returning variants (the output is allocated inside the plan, so a bad input still takes part
+    # in the signature check and peers fail at once) ---------------------------------------------------
+
+    def all_reduce_tensor(self, t: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> Any:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            out = np.array(t, order="C")
+            return self._all_reduce(comm, out, op, out)
+
+        return _returning(self._collective("all_reduce", plan), async_op)
+
+    def broadcast_tensor(self, t: np.ndarray, src: int | None = None, *, async_op: bool = False) -> Any:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            arr = np.asarray(t)
+            is_src = self._rank == (self._ranks[0] if src is None else src)
+            # Off the source only shape and dtype matter: skip copying contents about to be overwritten.
+            out = np.array(arr, order="C") if is_src else np.empty(arr.shape, arr.dtype)
+            return self._broadcast(comm, out, src, out)
+
+        return _returning(self._collective("broadcast", plan), async_op)
+
+    def all_gather_tensor(self, t: np.ndarray, *, async_op: bool = False) -> Any:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            send = np.ascontiguousarray(t)
+            out = np.empty((self.size(), *send.shape), send.dtype)
+            return self._all_gather(comm, send, out, out)
+
+        return _returning(self._collective("all_gather", plan), async_op)
+
+    def reduce_scatter_tensor(self, t: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> Any:
+        def plan(comm: MPI.Intracomm) -> _Call:
+            send = np.ascontiguousarray(t)
+            if send.ndim == 0 or send.shape[0] % self.size():
+                raise ValueError(
+                    f"reduce_scatter_tensor: dim 0 of shape {send.shape} does not divide by the group size "
+                    f"{self.size()}"
+                )
+            out = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
+            return self._reduce_scatter(comm, send, out, op, out)
+
+        return _returning(self._collective("reduce_scatter", plan), async_op)
+
+    def send_tensor(self, t: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        return self.send(np.ascontiguousarray(t), dst, tag, async_op=async_op)
+
+    def recv_tensor(
+        self,
+        shape: int | Sequence[int],
+        dtype: npt.DTypeLike,
+        src: int,
+        tag: int = 0,
+        *,
+        async_op: bool = False,
+    ) -> Any:
+        out = np.empty(shape, dtype)
+        return _returning(self._recv(out, src, tag, out), async_op)
+
+    # --- plans: validate, then describe the MPI call -------------------------------------------------
+
+    def _all_reduce(self, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> _Call:
+        writable(buf, "all_reduce")
+        rop = resolve_op(op, buf.dtype, "all_reduce")
+        data, dt, finish = reduction_buffer(
+            buf, rop, self.size(), copy_in=True, write_back=True, result=result
+        )
+        start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
+        return _Call(start, finish, buf.nbytes, dtype_code(buf), buf.size, -1, rop.code)
+
+    def _broadcast(self, comm: MPI.Intracomm, buf: np.ndarray, src: int | None, result: Result) -> _Call:
+        dt = writable(buf, "broadcast")
+        root = 0 if src is None else self._member_index(src, "broadcast", "src")
+        start = partial(comm.Ibcast, [buf, dt], root)
+        return _Call(start, _done(result), buf.nbytes, dtype_code(buf), buf.size, root)
+
+    def _all_gather(self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, result: Result) -> _Call:
+        dt = readable(send, "all_gather send")
+        companion(send, recv, self.size() * send.size, "all_gather recv", write=True)
+        start = partial(comm.Iallgather, [send, dt], [recv, dt])
+        return _Call(start, _done(result), recv.nbytes, dtype_code(send), send.size)
+
+    def _reduce_scatter(
+        self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
+    ) -> _Call:
+        dt = writable(recv, "reduce_scatter recv")
+        companion(recv, send, self.size() * recv.size, "reduce_scatter send", write=False)
+        rop = resolve_op(op, recv.dtype, "reduce_scatter")
+        data, dt, finish = reduction_buffer(
+            recv, rop, self.size(), copy_in=False, write_back=True, result=result
+        )
+        source = send.astype(np.float32) if data is not recv else send
+        start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
+        return _Call(start, finish, send.nbytes, dtype_code(send), send.size, -1, rop.code)
+
+    def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result) -> MpiWork:
+        queue = self._member_queue("recv")
+        dt = writable(buf, "recv")
+        peer = self._peer(src, tag, "recv", "src")
+        describe = f"recv(src={src}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+
+        def finish(status: MPI.Status) -> Result:
+            got = status.Get_count(dt)
+            if got != buf.size:
+                # MPI accepts a shorter message silently; the package treats it as a size mismatch.
+                raise CollectiveMismatchError(f"{describe}: the sender sent {got} elements")
+            return result
+
+        with queue.lock:
+            work = queue.submit(queue.comm.Irecv([buf, dt], peer, tag), buf, finish, buf.nbytes, describe)
+        return work
+
+    def _collective(self, kind: str, plan: Callable[[MPI.Intracomm], _Call]) -> MpiWork:
+        """Validate and issue a collective, after the signature check when it is on."""
+        queue = self._member_queue(kind)
+        with queue.lock:
+            queue.seq += 1
+            what = f"{kind} (seq {queue.seq}) in MPI group {self._ranks}"
+            try:
+                call = plan(queue.comm)
+            except (TypeError, ValueError):
+                if self._check:
+                    check_signatures(queue, invalid_signature(KIND_CODES[kind], queue.seq), self._ranks, what)
+                raise
+            if self._check:
+                mine = signature(KIND_CODES[kind], call.dtype, call.count, call.root, call.op, queue.seq)
+                check_signatures(queue, mine, self._ranks, what)
+            # The call's start partial holds every buffer of the operation.
+            work = queue.submit(call.start(), call.start, call.finish, call.nbytes, what)
+        return work
+
+    def _member_queue(self, what: str) -> OpQueue:
+        if self._queue is None:
+            raise ValueError(f"{what}: rank {self._rank} is not a member of MPI group {self._ranks}")
+        return self._queue
+
+    def _member_index(self, rank: int, what: str, role: str) -> int:
+        index = self._index.get(rank) if is_int(rank) else None
+        if index is None:
+            raise ValueError(f"{what}: {role} {rank!r} is not a member of MPI group {self._ranks}")
+        return index
+
+    def _peer(self, rank: int, tag: int, what: str, role: str) -> int:
+        peer = self._member_index(rank, what, role)
+        if rank == self._rank:
+            raise ValueError(f"{what}: {role} {rank} is this rank itself")
+        tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)  # the MPI standard's minimum
+        if not is_int(tag) or not 0 <= tag <= tag_ub:
+            raise ValueError(f"{what}: tag must be an integer in [0, {tag_ub}], got {tag!r}")
+        return peer
+
+
+# In-place operations return their MpiWork with async_op, else None once complete; the *_tensor ones
+# return the MpiWork or the new array (typed Any, like the native groups).
+def _inplace(work: MpiWork, async_op: bool) -> MpiWork | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _returning(work: MpiWork, async_op: bool) -> Any:
+    return work if async_op else work.wait()

@@ -1,0 +1,69 @@
+//! `World` for Python.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use super::backend::PyBackend;
+use super::group::PyProcessGroup;
+use crate::group::World;
+use crate::transport::thread::MockBackend;
+
+/// The world: the default group over every rank, and the factory of subgroups.
+#[pyclass(name = "World", module = "axonml_distributed", frozen)]
+pub(crate) struct PyWorld {
+    inner: World,
+}
+
+#[pymethods]
+impl PyWorld {
+    /// The world of `backend` (the seed's `World::init`).
+    #[new]
+    fn new(backend: &PyBackend) -> Self {
+        PyWorld {
+            inner: World::init(backend.inner.clone()),
+        }
+    }
+    /// Same as `World(backend)`.
+    #[staticmethod]
+    fn init(backend: &PyBackend) -> Self {
+        Self::new(backend)
+    }
+    /// A world of one rank.
+    #[staticmethod]
+    fn mock() -> Self {
+        PyWorld {
+            inner: World::init(Arc::new(MockBackend::single())),
+        }
+    }
+    /// The group of every rank.
+    fn default_group(&self) -> PyProcessGroup {
+        PyProcessGroup {
+            inner: self.inner.default_group().clone(),
+        }
+    }
+    /// This process's rank.
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    /// Number of ranks.
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    /// True on rank 0.
+    fn is_main(&self) -> bool {
+        self.inner.is_main()
+    }
+    /// Block until every rank arrives.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.inner.default_group().clone();
+        Ok(py.detach(move || g.barrier())?)
+    }
+    /// A subgroup of `ranks` (global). Every member must create it, in the same order as its other
+    /// groups; on a non-member it is a handle whose collectives raise ValueError.
+    fn new_group(&self, ranks: Vec<usize>) -> PyResult<PyProcessGroup> {
+        Ok(PyProcessGroup {
+            inner: Arc::new(self.inner.new_group(&ranks)?),
+        })
+    }
+}

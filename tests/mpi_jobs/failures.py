@@ -1,0 +1,53 @@
+"""Jobs that must end on their own. Usage: failures.py SCENARIO
+
+- raise:            rank 1 raises in user code while rank 0 waits in all_reduce (timeout 120 s); under
+                    `python -m mpi4py` the whole job must end at once with a non-zero exit.
+- timeout:          rank 1 never arrives; rank 0 (timeout 1.5 s) reports CollectiveTimeoutError naming
+                    all_reduce and aborts the job.
+- timeout-unchecked: the same with the signature check off, so the data operation itself times out.
+- late:             rank 1 arrives 2 s late; rank 0 waits without burning a core, and both finish
+                    (exit 0).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from axonml_distributed.mpi import init_mpi_process_group
+
+
+def main(scenario: str) -> None:
+    if scenario == "late":
+        late()
+        return
+    if scenario not in ("raise", "timeout", "timeout-unchecked"):
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    timeout = 120 if scenario == "raise" else 1.5
+    pg = init_mpi_process_group(timeout=timeout, check_signatures=scenario != "timeout-unchecked")
+    if pg.rank() == 1:
+        if scenario == "raise":
+            raise RuntimeError("rank 1 fails in user code")
+        time.sleep(60)
+    pg.all_reduce(np.ones(1000, np.float32))
+    raise SystemExit(f"scenario {scenario}: all_reduce should never have returned")
+
+
+def late() -> None:
+    pg = init_mpi_process_group(timeout=120)
+    buf = np.ones(1000, np.float32)
+    if pg.rank() == 1:
+        time.sleep(2.0)
+    wall, cpu = time.monotonic(), time.process_time()
+    pg.all_reduce(buf)
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    assert buf[0] == pg.size()
+    if pg.rank() == 0:
+        print(f"waited {wall:.2f} s using {cpu:.3f} s of CPU", flush=True)
+        assert wall > 1.5 and cpu < 0.2 * wall, f"waiting burned the CPU: {cpu:.3f} s in {wall:.2f} s"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

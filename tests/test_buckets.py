@@ -1,0 +1,149 @@
+"""GradientBucket and GradientSynchronizer against numpy references."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axonml_distributed as ad
+from axonml_distributed._core import GradientBucket, GradientSynchronizer, GradSyncStrategy
+from reference import DTYPES, data, reduce_ref, same_bits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=1, max_size=6),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_bucket_round_trips_shapes_and_values(shapes: list[list[int]], dtype: type) -> None:
+    grads = [data(i, int(np.prod(s)), dtype).reshape(s) for i, s in enumerate(shapes)]
+    bucket = GradientBucket(sum(g.size for g in grads))
+    assert all(bucket.add(g) for g in grads)
+    assert bucket.is_full() and bucket.size() == sum(g.size for g in grads)
+    out = bucket.extract()
+    assert len(out) == len(grads) and all(same_bits(a, b) for a, b in zip(out, grads, strict=True))
+
+
+def test_bucket_overflow_dtype_mixing_and_views() -> None:
+    b = GradientBucket(5)
+    assert b.is_empty()
+    assert b.add(np.array([0.1, 0.2], np.float32))
+    assert not b.add(np.ones(4, np.float32)), "overflow adds nothing"
+    assert b.size() == 2
+    with pytest.raises(ValueError, match="float32"):
+        b.add(np.ones(1, np.float64))
+    view = b.data_mut()
+    view *= 10
+    assert same_bits(b.extract()[0], np.array([1.0, 2.0], np.float32)), "data_mut is zero-copy"
+    ro = b.data()
+    assert not ro.flags.writeable
+    with pytest.raises(ValueError):
+        ro[0] = 1
+
+
+def test_seed_readme_bucket_flow_averages_in_place() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        b = GradientBucket(1000)
+        b.add(data(pg.rank(), 2, np.float32))
+        b.add(data(pg.rank(), 3, np.float32).reshape(3, 1))
+        pg.backend().all_reduce(b.data_mut(), ad.ReduceOp.AVERAGE)
+        return b.extract()
+
+    res = ad.spawn(fn, 3)
+    want = [
+        reduce_ref([data(r, 2, np.float32) for r in range(3)], ad.ReduceOp.AVERAGE),
+        reduce_ref([data(r, 3, np.float32).reshape(3, 1) for r in range(3)], ad.ReduceOp.AVERAGE),
+    ]
+    for out in res:
+        assert all(same_bits(a, b) for a, b in zip(out, want, strict=True))
+
+
+@pytest.mark.parametrize("strategy", [GradSyncStrategy.SYNCHRONOUS, GradSyncStrategy.OVERLAPPED])
+@pytest.mark.parametrize("bucket_size", [1, 7, 100, 25_000_000])
+def test_synchronizer_writes_averages_back_in_place(strategy: GradSyncStrategy, bucket_size: int) -> None:
+    shapes = [(3,), (2, 2), (5,), (1,)]
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sync = GradientSynchronizer(strategy, bucket_size)
+        out = []
+        for step in range(2):
+            grads = [data(pg.rank() + 10 * step, int(np.prod(s)), np.float32).reshape(s) for s in shapes]
+            sync.prepare(len(grads), pg)
+            bucket, used = 0, 0
+            for g in grads:
+                if used and used + g.size > bucket_size:
+                    bucket, used = bucket + 1, 0
+                sync.add_gradient(bucket, g)
+                used += g.size
+            sync.sync_all(pg)
+            out.append(grads)
+        return out
+
+    res = ad.spawn(fn, 3)
+    for step in range(2):
+        for i, s in enumerate(shapes):
+            n = int(np.prod(s))
+            want = reduce_ref(
+                [data(r + 10 * step, n, np.float32).reshape(s) for r in range(3)], ad.ReduceOp.AVERAGE
+            )
+            assert all(same_bits(res[r][step][i], want) for r in range(3)), (step, i)
+
+
+def test_no_sync_leaves_gradients_alone() -> None:
+    def fn(pg: ad.ProcessGroup) -> np.ndarray:
+        sync = GradientSynchronizer(GradSyncStrategy.NO_SYNC, 10)
+        assert sync.strategy() == GradSyncStrategy.NO_SYNC
+        g = np.full(3, float(pg.rank()), np.float32)
+        sync.prepare(1)
+        sync.add_gradient(0, g)
+        sync.sync_all(pg)
+        return g
+
+    assert [g[0] for g in ad.spawn(fn, 2)] == [0.0, 1.0]
+
+
+def test_overlapped_buckets_start_before_sync_all() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sync = GradientSynchronizer(GradSyncStrategy.OVERLAPPED, 4)
+        sync.prepare(3, pg)
+        a, b, c = (np.full(4, float(pg.rank() + i), np.float64) for i in range(3))
+        sync.add_gradient(0, a)  # full: its all-reduce starts now, while this thread goes on
+        started_early = sync.launched_buckets()
+        sync.add_gradient(1, b)
+        sync.add_gradient(2, c)  # the last announced gradient completes the last bucket
+        launched = sync.launched_buckets()
+        sync.sync_all(pg)
+        return started_early, launched, (a[0], b[0], c[0])
+
+    assert ad.spawn(fn, 2) == [(1, 3, (0.5, 1.5, 2.5))] * 2
+
+
+def test_synchronous_strategy_waits_for_sync_all() -> None:
+    sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 1)
+    sync.prepare(1, ad.ProcessGroup.mock())
+    sync.add_gradient(0, np.ones(1, np.float32))
+    assert sync.launched_buckets() == 0
+
+
+def test_synchronizer_refuses_misuse() -> None:
+    sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 2)
+    sync.prepare(4)
+    sync.add_gradient(0, np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="full"):
+        sync.add_gradient(0, np.ones(3, np.float32))
+    sync.add_gradient(1, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="already complete"):
+        sync.add_gradient(0, np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.ones(1, np.float32)
+        ro.setflags(write=False)
+        sync.add_gradient(2, ro)
+    with pytest.raises(ValueError):
+        GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 0)
+    assert GradientSynchronizer().bucket_size() == 25_000_000

@@ -1,0 +1,204 @@
+"""Failure paths: mismatches, timeouts, aborts, bad input, interrupts, oversubscription."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import axonml_distributed as ad
+from reference import data, same_bits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def outcomes(world: int, fn: Callable[[ad.ProcessGroup], Any], timeout: float = 30) -> list[Any]:
+    """Run `fn` on every rank and return each rank's result or the exception it raised."""
+
+    def wrapped(pg: ad.ProcessGroup) -> Any:
+        try:
+            return fn(pg)
+        except Exception as e:  # noqa: BLE001 - the test inspects every rank's exception
+            return e
+
+    return ad.spawn(wrapped, world, timeout=timeout)
+
+
+MISMATCHES: dict[str, Callable[[ad.ProcessGroup, np.ndarray], Any]] = {
+    "op": lambda pg, x: pg.all_reduce(x, ad.ReduceOp.MAX if pg.rank() == 1 else ad.ReduceOp.SUM),
+    "shape": lambda pg, x: pg.all_reduce(x[: 100 if pg.rank() == 1 else 200]),
+    "dtype": lambda pg, x: pg.all_reduce(x.astype(np.float64) if pg.rank() == 1 else x),
+    "root": lambda pg, x: pg.broadcast(x, 1 if pg.rank() == 1 else 0),
+    "kind": lambda pg, x: pg.broadcast(x, 0) if pg.rank() == 1 else pg.all_reduce(x),
+    "small vs large": lambda pg, x: pg.all_reduce(x[:2] if pg.rank() == 1 else x),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_mismatch_fails_every_rank_and_touches_nothing(case: str) -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        x = data(pg.rank(), 20_000, np.float32)
+        err = None
+        try:
+            MISMATCHES[case](pg, x)
+        except ad.CollectiveMismatchError as e:
+            err = e
+        return err, same_bits(x, data(pg.rank(), 20_000, np.float32))
+
+    for rank, (err, untouched) in enumerate(outcomes(3, fn)):
+        assert isinstance(err, ad.CollectiveMismatchError), f"rank {rank}: {err!r}"
+        assert "rank 1 called" in str(err), str(err)
+        assert untouched, f"rank {rank}'s buffer changed"
+
+
+def test_world_is_unusable_after_a_mismatch() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        with pytest.raises(ad.CollectiveMismatchError):
+            pg.all_reduce(np.ones(3, np.float32), ad.ReduceOp.MAX if pg.rank() else ad.ReduceOp.SUM)
+        with pytest.raises(ad.PeerFailureError):
+            pg.barrier()
+
+    outcomes(2, fn)
+
+
+def test_a_rank_that_never_arrives_is_named_by_a_timeout() -> None:
+    start = time.monotonic()
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 2:
+            time.sleep(1.5)
+        pg.all_reduce(np.ones(10, np.float32))
+
+    res = outcomes(3, fn, timeout=0.5)
+    assert time.monotonic() - start < 10
+    assert any(isinstance(e, ad.CollectiveTimeoutError) and "[2]" in str(e) for e in res[:2]), res
+    assert all(isinstance(e, ad.DistributedError) for e in res)
+    assert isinstance(res[2], ad.PeerFailureError), "the late rank fails at once instead of waiting"
+
+
+def test_a_raising_rank_aborts_the_others_quickly_and_spawn_names_it() -> None:
+    seen: list[BaseException] = []
+
+    def fn(pg: ad.ProcessGroup) -> None:
+        if pg.rank() == 1:
+            time.sleep(0.2)
+            raise KeyError("boom")
+        try:
+            pg.barrier()
+        except ad.DistributedError as e:
+            seen.append(e)
+            raise
+
+    start = time.monotonic()
+    with pytest.raises(ad.SpawnError) as info:
+        ad.spawn(fn, 3, timeout=60)
+    assert time.monotonic() - start < 5, "peers were aborted, not left to time out"
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, KeyError)
+    assert len(seen) == 2 and all(isinstance(e, ad.PeerFailureError) and "rank 1" in str(e) for e in seen)
+
+
+BAD_INPUTS: dict[str, tuple[type[Exception], Callable[[ad.ProcessGroup, np.ndarray], Any]]] = {
+    "non-contiguous": (ValueError, lambda pg, x: pg.all_reduce(x[::2])),
+    "read-only": (ValueError, lambda pg, x: (x.setflags(write=False), pg.all_reduce(x))),
+    "unsupported dtype": (TypeError, lambda pg, x: pg.all_reduce(np.ones(4, np.complex64))),
+    "bool dtype": (TypeError, lambda pg, x: pg.all_reduce(np.ones(4, bool))),
+    "not an array": (TypeError, lambda pg, x: pg.all_reduce([1.0, 2.0])),
+    "average of ints": (TypeError, lambda pg, x: pg.all_reduce(np.ones(4, np.int32), ad.ReduceOp.AVERAGE)),
+    "unknown op": (ValueError, lambda pg, x: pg.all_reduce(x, "median")),
+    "root out of range": (ValueError, lambda pg, x: pg.broadcast(x, 7)),
+    "reduce_scatter does not divide": (
+        ValueError,
+        lambda pg, x: pg.reduce_scatter_tensor(np.ones(5, np.float32)),
+    ),
+    "all_gather output too small": (ValueError, lambda pg, x: pg.all_gather(x, np.zeros(3, np.float32))),
+    "dtype of output differs": (ValueError, lambda pg, x: pg.all_gather(x, np.zeros((2, 64), np.float64))),
+    "same array twice": (ValueError, lambda pg, x: pg.all_gather(x, x)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error_and_aborts_the_peers(case: str) -> None:
+    kind, call = BAD_INPUTS[case]
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        x = data(pg.rank(), 64, np.float32)
+        if pg.rank() == 0:
+            with pytest.raises(kind):
+                call(pg, x)
+            assert same_bits(x, data(0, 64, np.float32)), "nothing lost"
+            return None
+        with pytest.raises(ad.PeerFailureError, match="rank 0"):
+            pg.all_reduce(x)
+        return None
+
+    start = time.monotonic()
+    outcomes(2, fn, timeout=30)
+    assert time.monotonic() - start < 5
+
+
+def test_a_non_member_cannot_call_a_group_collective() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = ad.World(pg.backend()).new_group([0, 1])
+        if pg.rank() == 2:
+            assert not sub.contains(2)
+            with pytest.raises(ValueError, match="not a member"):
+                sub.barrier()
+        else:
+            sub.barrier()
+            with pytest.raises(ad.PeerFailureError, match="rank 2"):
+                pg.barrier()  # rank 2 never gets here: its bad call aborted the world
+
+    outcomes(3, fn)
+
+
+def test_two_threads_on_one_rank_are_refused() -> None:
+    (b,) = ad.MockBackend.create_world(1)
+    pg2 = ad.MockBackend.create_world(2, timeout=2)
+    pg = ad.ProcessGroup(pg2[0])
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            pg.barrier()  # rank 1 never comes: blocks until the timeout
+        except ad.DistributedError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    with pytest.raises(ValueError, match="another collective is already running"):
+        pg.all_reduce(np.ones(2, np.float32))
+    t.join()
+    assert b.world_size() == 1
+
+
+def test_ctrl_c_interrupts_a_waiting_collective() -> None:
+    backends = ad.MockBackend.create_world(2, timeout=60)
+    pg = ad.ProcessGroup(backends[0])
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pg.barrier()  # rank 1 never arrives
+    assert time.monotonic() - start < 3
+    with pytest.raises(ad.PeerFailureError):
+        ad.ProcessGroup(backends[1]).barrier()
+
+
+def test_eight_ranks_on_two_cores_make_progress() -> None:
+    def fn(pg: ad.ProcessGroup) -> float:
+        x = np.ones(8, np.float64)
+        for _ in range(200):
+            pg.all_reduce(x, ad.ReduceOp.AVERAGE)
+        big = np.full(100_000, pg.rank(), np.float32)
+        for _ in range(5):
+            pg.all_reduce(big)
+        return float(x[0] + big[0])
+
+    assert ad.spawn(fn, 8, timeout=30) == [1.0 + 28 * 8**4] * 8

@@ -1,0 +1,118 @@
+"""Process groups, subgroups, the World, and point-to-point messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import axonml_distributed as ad
+from reference import data, reduce_ref, same_bits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_world_api_and_single_rank_mocks() -> None:
+    w = ad.World.mock()
+    assert (w.rank(), w.world_size(), w.is_main()) == (0, 1, True)
+    pg = ad.ProcessGroup.mock()
+    x = np.arange(5, dtype=np.float32)
+    pg.all_reduce(x, ad.ReduceOp.AVERAGE)
+    assert same_bits(x, np.arange(5, dtype=np.float32))
+    assert pg.all_gather_tensor(x).shape == (1, 5)
+    assert ad.MockBackend.single().name() == "threads"
+    w.barrier()
+
+
+def test_subgroups_involve_only_members_and_run_concurrently() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        world = ad.World(pg.backend())
+        evens, odds = world.new_group([0, 2, 4]), world.new_group([5, 3, 1])
+        mine = evens if pg.rank() % 2 == 0 else odds
+        x = data(pg.rank(), 10_000, np.float64)
+        for _ in range(20):  # many rounds: the two groups interleave freely
+            y = x.copy()
+            mine.all_reduce(y)
+        gathered = mine.all_gather_tensor(np.array([pg.rank()], np.int64))
+        return y, gathered.ravel().tolist(), mine.ranks(), mine.group_rank(pg.rank())
+
+    res = ad.spawn(fn, 6)
+    for r, (y, gathered, ranks, grank) in enumerate(res):
+        members = [0, 2, 4] if r % 2 == 0 else [1, 3, 5]
+        assert ranks == members and gathered == members and grank == members.index(r)
+        assert same_bits(y, reduce_ref([data(m, 10_000, np.float64) for m in members], ad.ReduceOp.SUM))
+
+
+def test_group_ranks_are_global_for_roots() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = ad.ProcessGroup.with_ranks(pg.backend(), [1, 3])
+        if not sub.contains(pg.rank()):
+            return None
+        x = np.full(3, pg.rank(), np.int32)
+        sub.broadcast(x, 3)  # global rank 3
+        y = np.full(3, pg.rank(), np.int32)
+        sub.broadcast(y)  # default: the group's first rank, global 1
+        return x[0], y[0]
+
+    assert ad.spawn(fn, 4) == [None, (3, 1), None, (3, 1)]
+
+
+@pytest.mark.parametrize("ranks", [[], [0, 0], [0, 9], [-1]])
+def test_bad_rank_lists_are_refused(ranks: list[int]) -> None:
+    (b,) = ad.MockBackend.create_world(1)
+    with pytest.raises((ValueError, OverflowError)):
+        ad.World(b).new_group(ranks)
+
+
+def test_send_recv_match_by_source_and_tag_and_keep_order() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 0:
+            pg.send(np.array([1, 2], np.int64), 2, tag=5)
+            pg.send(np.array([3, 4], np.int64), 2, tag=5, async_op=True)
+            pg.send_tensor(np.array([9.5], np.float32), 2, tag=6)
+            return None
+        if pg.rank() == 1:
+            pg.send(np.array([7, 7], np.int64), 2, tag=5)
+            return None
+        a, b, c = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64)
+        f = pg.recv_tensor((1,), np.float32, 0, tag=6)  # tag 6 was sent last but matches on its own
+        pg.recv(c, 1, tag=5)
+        pg.recv(a, 0, tag=5)
+        pg.recv(b, 0, tag=5)
+        return a.tolist() + b.tolist() + c.tolist(), float(f[0])
+
+    assert ad.spawn(fn, 3)[2] == ([1, 2, 3, 4, 7, 7], 9.5)
+
+
+def test_recv_with_the_wrong_size_fails_both_sides() -> None:
+    n = 100_000  # past the eager limit: the sender waits for the receiver, so both see the error
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        try:
+            if pg.rank() == 0:
+                pg.send(np.ones(n, np.float32), 1)
+            else:
+                pg.recv(np.zeros(n + 1, np.float32), 0)
+        except ad.DistributedError as e:
+            return type(e)
+        except ValueError as e:
+            return type(e)
+        return None
+
+    assert ad.spawn(fn, 2) == [ValueError, ValueError]
+
+
+def test_recv_from_a_silent_peer_times_out() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 1:
+            with pytest.raises(ad.CollectiveTimeoutError, match="rank 0"):
+                pg.recv(np.zeros(1, np.float32), 0)
+
+    ad.spawn(fn, 2, timeout=0.3)
+
+
+def test_sending_to_oneself_is_refused() -> None:
+    pg = ad.ProcessGroup(ad.MockBackend.create_world(2)[0])
+    with pytest.raises(ValueError, match="itself"):
+        pg.send(np.ones(100_000, np.float32), 0)
