@@ -199,6 +199,8 @@ __all__ = [
     "PeerFailureError",
     "ProcessGroup",
     "ReduceOp",
+    "SegmentMemory",
+    "ShmBackend",
     "Work",
     "World",
 ]
