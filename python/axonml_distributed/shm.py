@@ -17,8 +17,10 @@ def init_shm_process_group(rank: int, world_size: int, timeout: float | None = N
 
     Reads MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required), AXONML_JOB_ID (set by axonml-run:
     names the segment so the launcher can remove it after a crash) and AXONML_SHM_ARENA_MB (room per
-    rank for ``ProcessGroup.empty`` arrays, default 64). ``timeout`` bounds the rendezvous and every
-    later wait (seconds, default 300).
+    rank for ``ProcessGroup.empty`` arrays, default 64; arrays that do not fit fall back to private
+    memory). Rank 0 also reads AXONML_SHM_CHUNK_KIB, the pipeline round size for large messages on
+    private arrays (default 1024), a tuning knob. ``timeout`` bounds the rendezvous and every later
+    wait (seconds, default 300).
     """
     port = os.environ.get("MASTER_PORT")
     if not port:
