@@ -241,3 +241,41 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
         got[1]
     );
 }
+
+#[test]
+fn abort_wakes_every_waiter_with_the_aborting_rank() {
+    let got = run(3, LONG, |pg| {
+        if pg.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(100));
+            pg.backend().abort("user code raised");
+            None
+        } else {
+            pg.barrier().err()
+        }
+    });
+    for e in got.into_iter().skip(1) {
+        assert!(
+            matches!(e, Some(Error::Aborted { by: 0, ref reason }) if reason.contains("user code raised")),
+            "{e:?}"
+        );
+    }
+}
+
+#[test]
+fn a_message_of_the_wrong_length_fails_both_sides() {
+    let got = run(2, LONG, |pg| {
+        if pg.rank() == 0 {
+            pg.send_tensor(&[1.0f32; 4], 1, 0).err()
+        } else {
+            let mut x = [0.0f32; 5];
+            let r = pg.recv_tensor(&mut x, 0, 0).err();
+            assert_eq!(x, [0.0; 5], "nothing was copied");
+            r
+        }
+    });
+    assert!(got.iter().all(|e| e.is_some()), "{got:?}");
+    assert!(
+        matches!(&got[1], Some(Error::InvalidArgument(m)) if m.contains("4 x float32")),
+        "{got:?}"
+    );
+}

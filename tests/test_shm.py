@@ -26,6 +26,7 @@ import pytest
 from axonml_distributed import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    PeerFailureError,
     ProcessGroup,
     ReduceOp,
 )
@@ -339,6 +340,25 @@ def w_timeout(rank, n, ports, job, timeout, q):
         return ("timeout", str(e), time.time() - t)
 
 
+def w_interrupt(rank, n, ports, job, timeout, q):
+    """Rank 0 gets Ctrl-C while it waits for rank 1, which arrives late."""
+    pg = _connect(rank, n, ports[0], timeout)
+    if rank == 1:
+        time.sleep(1.5)
+        try:
+            pg.barrier()
+        except PeerFailureError as e:
+            return ("aborted", str(e))
+        return ("no error", "")
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t = time.time()
+    try:
+        pg.all_reduce(np.ones(10, np.float32))
+    except KeyboardInterrupt:
+        return ("interrupted", time.time() - t)
+    return ("no error", 0)
+
+
 def w_loop(rank, n, ports, job, timeout, q, size, segment):
     """Reduce until a peer dies; report the error and when it was raised."""
     pg = _connect(rank, n, ports[0], timeout, job)
@@ -404,6 +424,13 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
         kind, msg, waited = val
         assert "[2]" in msg, msg
         assert 1.0 < waited < 4.0, waited
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_interrupts_and_the_peer_is_told():
+    res = _ok(_run(2, "w_interrupt", timeout=30))
+    assert res[0][0] == "interrupted" and res[0][1] < 1.0, res[0]
+    assert res[1][0] == "aborted" and "rank 0" in res[1][1], res[1]
 
 
 @pytest.mark.timeout(60)
