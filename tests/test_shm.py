@@ -611,8 +611,38 @@ def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
         assert os.path.exists(path), "rank 0 creates the job's segment while it waits for rank 1"
         st = os.stat(path)
         assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+        with open(path, "rb") as f:
+            magic, version, world, uid, creator = struct.unpack("<8sIIII", f.read(24))
+        assert (magic, world, uid, creator) == (b"AXONSHM1", 2, os.geteuid(), proc.pid)
     finally:
         proc.kill()
         proc.wait()
     # What axonml-run does at the end of every job:
     os.unlink(path)
+
+
+@pytest.mark.timeout(30)
+def test_cleanup_removes_only_our_stale_segments():
+    from axonml_distributed.shm import cleanup_stale_segments
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def segment(creator: int, magic: bytes = b"AXONSHM1", age: float = 3600) -> str:
+        path = f"{SHM}/{PREFIX}{secrets.token_hex(16)}"
+        with open(path, "wb") as f:
+            f.write(struct.pack("<8sIIII", magic, 1, 2, os.geteuid(), creator) + bytes(64))
+        os.chmod(path, 0o600)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    stale = segment(dead.pid)
+    keep = [segment(os.getpid()), segment(dead.pid, magic=b"NOTOURS!"), segment(dead.pid, age=1)]
+    try:
+        assert cleanup_stale_segments(min_age=60) == ["/" + os.path.basename(stale)]
+        assert not os.path.exists(stale)
+        assert all(os.path.exists(p) for p in keep)
+    finally:
+        for p in [stale, *keep]:
+            if os.path.exists(p):
+                os.unlink(p)
