@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Arc, Mutex, TryLockError};
 
-use super::segment::{Ctrl, Page, NOT_SHARED};
+use super::layout::{Ctrl, Page, NOT_SHARED};
 use super::staged::Staged;
 use super::world::{Cause, Shared};
 use super::{rendezvous, wire, ShmOptions};

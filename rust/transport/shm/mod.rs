@@ -1,9 +1,10 @@
 //! The multi-process world on one host: ranks are processes sharing one /dev/shm segment.
 //!
-//! Ranks meet through [`rendezvous`] (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
+//! Ranks meet through `rendezvous` (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
 //! hands out its name and nonce, and unlinks it once everyone attached) and then talk only through
-//! the segment ([`segment`] has the layout). The protocol is the in-process world's (see
-//! `transport::thread`) with the control blocks in the segment and shared futexes:
+//! the segment (`layout` describes it, `segment` creates and checks it). The protocol is the
+//! in-process world's (see `transport::thread`) with the control blocks in the segment and shared
+//! futexes:
 //!
 //! 1. publish page `k % 2` (encoded signature + buffer offsets; for a one-shot all_reduce also copy the
 //!    data into one-shot slot `k % 2`), store `arrive = k`, wake the communicator's event;
@@ -16,7 +17,7 @@
 //!    through the staging buffers (`staged`).
 //!
 //! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word, the
-//! deadline, and the pidfds of the ranks waited for ([`liveness`]): a SIGKILLed rank aborts the world
+//! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
 //! within one slice, and every member raises `PeerDied` naming it.
 //!
 //! Subgroups live in a fixed table of communicator slots; the n-th split of a rank set finds its slot
@@ -24,6 +25,7 @@
 //! Slots are claimed lowest-first and never freed, so every member finds the same one.
 
 mod backend;
+mod layout;
 mod liveness;
 mod p2p;
 mod rendezvous;
@@ -35,7 +37,7 @@ mod world;
 use std::time::Duration;
 
 pub use backend::ShmBackend;
-pub use segment::MAX_RANKS;
+pub use layout::MAX_RANKS;
 
 /// Default bytes of segment arrays (`alloc`, `ProcessGroup.empty`) per rank.
 pub const DEFAULT_ARENA: usize = 64 << 20;

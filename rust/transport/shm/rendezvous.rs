@@ -12,8 +12,9 @@ use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
+use super::layout::{Layout, Params, MAX_RANKS};
 use super::liveness::Liveness;
-use super::segment::{self, Layout, Mapping, Params};
+use super::segment::{self, Mapping};
 use super::ShmOptions;
 use crate::error::{Error, Result};
 
@@ -30,11 +31,10 @@ pub(crate) struct Joined {
 
 /// Join the job described by `opts` (blocks until every rank has joined or the timeout passes).
 pub(crate) fn join(opts: &ShmOptions) -> Result<Joined> {
-    if opts.world_size == 0 || opts.world_size > segment::MAX_RANKS {
+    if opts.world_size == 0 || opts.world_size > MAX_RANKS {
         return Err(Error::invalid(format!(
             "world_size must be 1..={}, got {}",
-            segment::MAX_RANKS,
-            opts.world_size
+            MAX_RANKS, opts.world_size
         )));
     }
     if opts.rank >= opts.world_size {

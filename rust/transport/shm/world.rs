@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering::*;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::layout::{ChanHead, CommHead, Ctrl, Header, Layout, MAX_COMMS, REASON};
 use super::liveness::Liveness;
 use super::rendezvous::Joined;
-use super::segment::{ChanHead, CommHead, Ctrl, Header, Layout, Mapping, MAX_COMMS, REASON};
+use super::segment::Mapping;
 use crate::error::{Error, Result};
 use crate::transport::wait::{may_spin, Event, Stop, Wait};
 
