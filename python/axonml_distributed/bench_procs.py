@@ -1,10 +1,11 @@
 """Multi-process all_reduce benchmark: our shm backend against mpi4py (MPI shared memory) and torch gloo.
 
-``python -m axonml_distributed.bench_procs [--nproc 2] [--max-mib 64]`` runs float32 all_reduce (SUM, in
-place) from 8 B to 64 MiB per rank through: our "shm" backend on ordinary numpy arrays and on arrays from
-``pg.empty`` (in the segment), mpi4py ``Allreduce(IN_PLACE)`` under mpiexec when mpi4py and an MPI are
-installed, and torch.distributed gloo when torch is installed, all in the same run. Each op is timed on its
-own; a figure is the max over ranks of each rank's median. algbw = S / t, busbw = algbw * 2(n-1)/n (the
+``python -m axonml_distributed.bench_procs [--ranks 2,4] [--max-mib 64]`` (also reached as
+``python -m axonml_distributed.bench --backend shm``) runs float32 all_reduce (SUM, in place) from 8 B to
+64 MiB per rank through: our "shm" backend on ordinary numpy arrays and on arrays from ``pg.empty`` (in
+the segment), mpi4py ``Allreduce(IN_PLACE)`` under mpiexec when mpi4py and an MPI are installed, and
+torch.distributed gloo when torch is installed, all in the same run. Each op is timed on its own; a
+figure is the max over ranks of each rank's median. algbw = S / t, busbw = algbw * 2(n-1)/n (the
 nccl-tests definitions). Results are checked once per size before timing.
 """
 
@@ -158,24 +159,48 @@ def _fmt_time(t: float) -> str:
     return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run the benchmark and print one table per size range (see the module docs)."""
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print a table per world size (see the module docs); returns 0.
+
+    Also the target of ``python -m axonml_distributed.bench --backend shm``, which passes its whole
+    command line: ``--backend``, ``--ranks``, ``--sizes`` and ``--json`` are understood, its DDP options
+    do not apply here and are ignored.
+    """
     p = argparse.ArgumentParser(prog="axonml-bench-procs", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--max-mib", type=int, default=64, help="largest message per rank in MiB (default 64)")
+    p.add_argument(
+        "--ranks", "--nproc", type=_csv_ints, default=[2], help="world sizes, e.g. 2,4 (default 2)"
+    )
+    p.add_argument("--sizes", type=_csv_ints, help="message bytes per rank, e.g. 8,67108864 (default below)")
+    p.add_argument("--max-mib", type=int, default=64, help="default sizes: 8 B to this many MiB (default 64)")
     p.add_argument(
         "--peers", default="mpi,gloo", help="comma-separated peers to run if installed (mpi, gloo)"
     )
     p.add_argument("--repeat", type=int, default=3, help="launches per peer, alternating (default 3)")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.add_argument("--backend", choices=["shm"], default="shm", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["shm", "mpi", "gloo"], help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    sizes = _sizes(args.max_mib)
+    args, rest = p.parse_known_args(argv)
+    sizes = sorted({max(4, s // 4 * 4) for s in args.sizes}) if args.sizes else _sizes(args.max_mib)
     if args.worker:
         {"shm": _worker_shm, "mpi": _worker_mpi, "gloo": _worker_gloo}[args.worker](sizes)
-        return
-    n = args.nproc
-    me = ["-m", "axonml_distributed.bench_procs", "--max-mib", str(args.max_mib), "--worker"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(2 * args.max_mib + 16))
+        return 0
+    if rest:
+        print(f"[bench_procs] ignoring options that do not apply here: {' '.join(rest)}", file=sys.stderr)
+    report = {n: _compare(n, sizes, args) for n in args.ranks}
+    if args.json:
+        print(json.dumps({"sizes": sizes, "results": report}))
+    return 0
+
+
+def _compare(n: int, sizes: list[int], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Run every peer on `n` ranks, `args.repeat` times in turn, print the table; returns the medians."""
+    me = ["-m", "axonml_distributed.bench_procs", "--sizes", ",".join(map(str, sizes)), "--worker"]
+    arena_mib = 2 * (max(sizes) >> 20) + 16
+    env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(arena_mib), GLOO_SOCKET_IFNAME="lo")
     run = [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(n)]
     launches = [[*run, *me, "shm"]]
     peers = args.peers.split(",")
@@ -191,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for _ in range(args.repeat):
         for cmd in launches:
             loads.append(os.getloadavg()[0])
-            for k, v in _launch(cmd, dict(env, GLOO_SOCKET_IFNAME="lo")).items():
+            for k, v in _launch(cmd, env).items():
                 runs.setdefault(k, []).append(v)
     if not runs.get("shm"):
         raise SystemExit("the shm benchmark failed")
@@ -214,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             cells.append(f"{_fmt_time(t):>10} {s / t * 2 * (n - 1) / n / 1e9:>7.2f} GB/s")
         ratios = [f"{results[o][i] / results[k][i]:>29.2f}x" for k in ours for o in others]
         print(f"{_fmt_size(s):>8} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios))
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
