@@ -3,6 +3,8 @@
 //! Ranks are global everywhere: `rank()`, roots, sources and destinations. The trait is object-safe, so
 //! buffers cross it type-erased ([`Buf`], [`BufMut`]); [`crate::ProcessGroup`] adds the typed API.
 
+use std::any::Any;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::dtype::{Buf, BufMut};
@@ -47,4 +49,50 @@ pub trait Backend: Send + Sync {
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;
     /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
     fn abort(&self, reason: &str);
+
+    /// `bytes` of memory every member can address (a shared segment), for buffers whose collectives
+    /// then move no staging copies. `None` when the backend has no such memory (or none left).
+    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
+        let _ = bytes;
+        Ok(None)
+    }
+}
+
+/// Memory handed out by [`Backend::alloc`]: 64-byte aligned, uninitialised, returned to the backend
+/// (and kept mapped until then) when dropped.
+pub struct SharedMem {
+    ptr: NonNull<u8>,
+    len: usize,
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the memory belongs to this value alone until it is dropped; `owner` is Send + Sync.
+unsafe impl Send for SharedMem {}
+// SAFETY: as above; shared references only expose the address.
+unsafe impl Sync for SharedMem {}
+
+impl SharedMem {
+    /// Wrap `len` bytes at `ptr`, which stay valid until `owner` is dropped.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, used by nobody else, until `owner` drops.
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize, owner: Box<dyn Any + Send + Sync>) -> Self {
+        SharedMem {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+    /// Start of the memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }

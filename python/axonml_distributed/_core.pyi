@@ -64,6 +64,25 @@ class MockBackend:
     def single(timeout: float | None = None) -> Backend: ...
 
 @final
+class ShmBackend:
+    """Joins the multi-process world on this host, through a shared-memory segment."""
+
+    @staticmethod
+    def connect(
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout: float | None = None,
+        job_id: str | None = None,
+        arena_bytes: int | None = None,
+    ) -> Backend: ...
+
+@final
+class SegmentMemory:
+    """Keeps segment memory alive: the base object of the arrays `ProcessGroup.empty` makes with "shm"."""
+
+@final
 class Work:
     """The handle of an asynchronous collective."""
 
@@ -180,6 +199,8 @@ __all__ = [
     "PeerFailureError",
     "ProcessGroup",
     "ReduceOp",
+    "SegmentMemory",
+    "ShmBackend",
     "Work",
     "World",
 ]

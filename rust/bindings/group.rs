@@ -154,14 +154,26 @@ impl PyProcessGroup {
             ))
         })
     }
-    /// An uninitialised array suited for collectives on this group.
+    /// An uninitialised array suited for collectives on this group: with the "shm" backend it lives in
+    /// the shared segment, so collectives on it copy nothing through staging (private memory when the
+    /// segment's arena is full or the backend has none).
     fn empty<'py>(
         &self,
         py: Python<'py>,
         shape: &Bound<'py, PyAny>,
         dtype: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        py.import("numpy")?.call_method1("empty", (shape, dtype))
+        let np = py.import("numpy")?;
+        let descr = np.call_method1("dtype", (dtype,))?;
+        let dims: Vec<usize> = match shape.extract::<usize>() {
+            Ok(n) => vec![n],
+            Err(_) => shape.extract()?,
+        };
+        let descr = descr.cast::<numpy::PyArrayDescr>()?;
+        match super::shm::segment_array(self.inner.backend(), &dims, descr)? {
+            Some(a) => Ok(a),
+            None => np.call_method1("empty", (shape, dtype)),
+        }
     }
 
     /// Reduce `buf` across the group in place.

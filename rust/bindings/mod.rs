@@ -5,6 +5,7 @@ mod backend;
 mod bucket;
 mod exceptions;
 mod group;
+mod shm;
 mod work;
 mod world;
 
@@ -35,6 +36,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::group::PyProcessGroup;
+    #[pymodule_export]
+    use super::shm::{PyShmBackend, SegmentMemory};
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]

@@ -1,5 +1,7 @@
-//! How ranks meet: the in-process world (threads) and the waiting primitive the worlds share.
+//! How ranks meet: the in-process world (threads), the multi-process world (shared memory), and the
+//! waiting primitive they share.
 
 pub(crate) mod mailbox;
+pub mod shm;
 pub mod thread;
 pub(crate) mod wait;

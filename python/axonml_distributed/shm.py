@@ -1,0 +1,93 @@
+"""The multi-process world on one host, through a shared-memory segment (backend "shm").
+
+Processes find each other through rank 0, which listens on MASTER_ADDR:MASTER_PORT while the job starts
+(so jobs with different ports never mix); after that everything goes through one /dev/shm segment that
+is already unlinked, so nothing is left behind even if every rank is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+from axonml_distributed._core import ProcessGroup, ShmBackend
+
+_SHM_DIR = "/dev/shm"
+# The segment header starts with magic (u64), format version, world size, owner uid and creator pid
+# (u32 each): see rust/transport/shm/segment.rs.
+_HEADER = struct.Struct("<8sIIII")
+_MAGIC = b"AXONSHM1"
+
+
+def init_shm_process_group(rank: int, world_size: int, timeout: float | None = None) -> ProcessGroup:
+    """Join the shared-memory world as ``rank`` of ``world_size`` and return the group of every rank.
+
+    Reads MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required), AXONML_JOB_ID (set by axonml-run:
+    names the segment so the launcher can remove it after a crash) and AXONML_SHM_ARENA_MB (room per
+    rank for ``ProcessGroup.empty`` arrays, default 64; arrays that do not fit fall back to private
+    memory). Rank 0 also reads AXONML_SHM_CHUNK_KIB, the pipeline round size for large messages on
+    private arrays (default 1024), a tuning knob. ``timeout`` bounds the rendezvous and every later
+    wait (seconds, default 300).
+    """
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        raise ValueError("MASTER_PORT is not set: start the job with axonml-run, or set it (and MASTER_ADDR)")
+    arena = os.environ.get("AXONML_SHM_ARENA_MB")
+    backend = ShmBackend.connect(
+        rank,
+        world_size,
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(port),
+        timeout=timeout,
+        job_id=os.environ.get("AXONML_JOB_ID") or None,
+        arena_bytes=int(float(arena) * (1 << 20)) if arena else None,
+    )
+    return ProcessGroup(backend)
+
+
+def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
+    """Remove segments that crashed jobs of this user left in /dev/shm; returns the removed names.
+
+    A job's segment has a name only while its ranks start up (it is unlinked once all have attached,
+    and axonml-run removes it after any crash), so a leftover exists only when a job without the
+    launcher died during start-up. Only files named ``axonml-<our uid>-*``, owned by us, carrying our
+    header, older than ``min_age`` seconds, whose creating process no longer exists are removed: never
+    a live job's segment, nor anything of other users or programs.
+    """
+    removed = []
+    prefix = f"axonml-{os.geteuid()}-"
+    for name in sorted(os.listdir(_SHM_DIR)):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            head = os.read(fd, _HEADER.size)
+        finally:
+            os.close(fd)
+        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age or len(head) < _HEADER.size:
+            continue
+        magic, _version, _world, _uid, creator = _HEADER.unpack(head)
+        if magic != _MAGIC or _alive(creator):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append("/" + name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

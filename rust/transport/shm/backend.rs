@@ -1,0 +1,411 @@
+//! `ShmBackend`: one rank's handle on a communicator of the shared-memory world.
+
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering::*;
+use std::sync::{Arc, Mutex, TryLockError};
+
+use super::layout::{Ctrl, Page, NOT_SHARED};
+use super::staged::Staged;
+use super::world::{Cause, Shared};
+use super::{rendezvous, wire, ShmOptions};
+use crate::algo::{copy, owner, Peer};
+use crate::backend::{Backend, SharedMem};
+use crate::call::{self, Call};
+use crate::dtype::{Buf, BufMut};
+use crate::error::{Error, Result};
+use crate::reduce::{reduce_raw, ReduceOp};
+use crate::signature::{describe_mismatch, CollKind, Signature};
+
+/// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
+const NO_BUFFER: u64 = NOT_SHARED - 1;
+
+/// Per-handle counters, behind a lock that doubles as the "one collective at a time" check.
+#[derive(Default)]
+struct Local {
+    /// Collectives entered on this communicator.
+    seq: u64,
+    /// Pipeline rounds run on this communicator (see `staged`).
+    round: u64,
+}
+
+/// One rank's handle on the shared-memory world (or one of its subgroups).
+pub struct ShmBackend {
+    world: Arc<Shared>,
+    slot: usize,
+    members: Vec<usize>,
+    index: usize,
+    first_block: usize,
+    local: Mutex<Local>,
+}
+
+/// Returns a segment range to this rank's arena when the array using it is dropped.
+struct Lease {
+    world: Arc<Shared>,
+    off: usize,
+    bytes: usize,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.world.release(self.off, self.bytes);
+    }
+}
+
+/// Bytes spanned by a member's send and receive buffers for `sig`, given whether it is the root.
+fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) {
+    let part = sig.count as usize * sig.dtype.map_or(0, |d| d.size());
+    match sig.kind {
+        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (part, part),
+        CollKind::AllGather => (part, n * part),
+        CollKind::ReduceScatter => (n * part, part),
+        CollKind::Gather => (part, if is_root { n * part } else { 0 }),
+        CollKind::Scatter => (if is_root { n * part } else { 0 }, part),
+        CollKind::Barrier => (0, 0),
+    }
+}
+
+impl ShmBackend {
+    /// Join the job described by `opts`: rendezvous, attach the segment, open peers' pidfds.
+    pub fn connect(opts: ShmOptions) -> Result<ShmBackend> {
+        let joined = rendezvous::join(&opts)?;
+        let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout));
+        let n = world.size;
+        // Slot 0 is the world's communicator; marking it in use lets `abort` wake its waiters.
+        let head = world.comm_head(0);
+        head.members
+            .store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
+        head.state.store(2, Release);
+        Ok(ShmBackend {
+            world,
+            slot: 0,
+            members: (0..n).collect(),
+            index: opts.rank,
+            first_block: 0,
+            local: Mutex::default(),
+        })
+    }
+
+    /// How long a wait lasts before it fails.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.world.timeout
+    }
+
+    fn ctrl(&self, j: usize) -> &Ctrl {
+        self.world.ctrl(self.slot, j)
+    }
+
+    /// Member `j`'s staging block.
+    fn block(&self, j: usize) -> *mut u8 {
+        self.world.block(self.first_block + j)
+    }
+
+    /// Abort on behalf of this rank and return `err`: a failing rank must not leave its peers waiting.
+    fn fail(&self, err: Error) -> Error {
+        let cause = match &err {
+            Error::Aborted { .. } | Error::PeerDied { .. } => return err,
+            Error::Timeout { missing, .. } => Cause::Missing(missing),
+            _ => Cause::Other,
+        };
+        self.world.abort(&err.to_string(), cause);
+        err
+    }
+
+    /// Wait until every member's counter (picked by `which`) reaches `k`.
+    fn wait_all(
+        &self,
+        which: fn(&Ctrl) -> &std::sync::atomic::AtomicU64,
+        k: u64,
+        op: &str,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let ready = || (0..n).all(|j| which(self.ctrl(j)).load(Acquire) >= k);
+        let event = &self.world.comm_head(self.slot).event;
+        self.world
+            .wait(event, &self.members, op, ready)
+            .map_err(|e| {
+                self.fail(e.unwrap_or_else(|| {
+                    Error::Timeout {
+                        rank: self.world.rank,
+                        op: op.to_string(),
+                        waited: self.world.timeout,
+                        missing: (0..n)
+                            .filter(|&j| which(self.ctrl(j)).load(Acquire) < k)
+                            .map(|j| self.members[j])
+                            .collect(),
+                        group: self.members.clone(),
+                    }
+                }))
+            })
+    }
+
+    /// This member's buffer as published: its segment offset, or why peers cannot address it.
+    fn share(&self, ptr: *const u8, bytes: usize) -> u64 {
+        if ptr.is_null() || bytes == 0 {
+            NO_BUFFER
+        } else {
+            self.world.offset_of(ptr, bytes).unwrap_or(NOT_SHARED)
+        }
+    }
+
+    /// Every member's buffers as local addresses, when all of them live in the segment (the zero-copy
+    /// path); `None` if any member has a private buffer.
+    fn direct(&self, pages: &[Page], sig: &Signature, root: Option<usize>) -> Option<Vec<Peer>> {
+        let n = self.members.len();
+        let resolve = |j: usize, off: u64, bytes: usize| -> Option<*mut u8> {
+            match (bytes, off) {
+                (0, _) => Some(std::ptr::null_mut()),
+                (_, NO_BUFFER | NOT_SHARED) => None,
+                (b, off) => self.world.resolve(self.members[j], off, b),
+            }
+        };
+        (0..n)
+            .map(|j| {
+                let (s, r) = spans(sig, n, root == Some(j));
+                Some(Peer {
+                    send: resolve(j, pages[j].send, s)?.cast_const(),
+                    recv: resolve(j, pages[j].recv, r)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Run one validated collective: publish, meet, compare, move data (module docs of `shm`).
+    fn execute(&self, call: Result<Call>) -> Result<()> {
+        let call = call.map_err(|e| self.fail(e))?;
+        let mut local = match self.local.try_lock() {
+            Ok(l) => l,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(Error::invalid(format!(
+                    "rank {}: another collective is already running on this group from another thread; \
+                     use one thread per rank (or async_op=True, which queues in order)",
+                    self.world.rank
+                )))
+            }
+        };
+        let k = local.seq + 1;
+        let mut sig = call.sig;
+        sig.seq = k;
+        let op = sig.to_string();
+        self.world.check_abort(&op, None)?;
+        local.seq = k;
+        let (n, me, p) = (self.members.len(), self.index, &self.world.layout.params);
+        let bytes = call.count * call.dtype.size();
+        let (sb, rb) = spans(&sig, n, call.root == Some(me));
+        let page = Page {
+            sig: wire::encode(&sig),
+            send: self.share(call.mine.send, sb),
+            recv: self.share(call.mine.recv, rb),
+        };
+        let oneshot = sig.kind == CollKind::AllReduce && bytes <= p.small;
+        let slot = (k % 2) as usize;
+        let ctrl = self.ctrl(me);
+        // SAFETY: our one-shot slot and page `k % 2` were last read by peers for call k − 2, and every
+        // peer has since arrived at k − 1 (we waited for that in call k − 1).
+        unsafe {
+            if oneshot && bytes > 0 {
+                std::ptr::copy_nonoverlapping(
+                    call.mine.send,
+                    self.block(me).add(slot * p.small),
+                    bytes,
+                );
+            }
+            std::ptr::write_volatile(ctrl.pages[slot].get(), page);
+        }
+        ctrl.arrive.store(k, Release);
+        self.world.comm_head(self.slot).event.notify(true);
+        self.wait_all(|c| &c.arrive, k, &op)?;
+
+        // SAFETY: every member published page `k % 2` before its `arrive = k`, acquired above.
+        let pages: Vec<Page> = (0..n)
+            .map(|j| unsafe { std::ptr::read_volatile(self.ctrl(j).pages[slot].get()) })
+            .collect();
+        let mut calls = Vec::with_capacity(n);
+        for (j, pg) in pages.iter().enumerate() {
+            let s = wire::decode(pg.sig).filter(|s| s.seq == k).ok_or_else(|| {
+                self.fail(Error::invalid(format!(
+                    "rank {} published an unreadable call in the shared segment (corrupted?)",
+                    self.members[j]
+                )))
+            })?;
+            calls.push((self.members[j], s));
+        }
+        if let Some(details) = describe_mismatch(&calls) {
+            return Err(self.fail(Error::Mismatch {
+                group: self.members.clone(),
+                details,
+                calls,
+            }));
+        }
+        let (dt, red) = (call.dtype, sig.op.unwrap_or(ReduceOp::Sum));
+        if sig.kind == CollKind::Barrier || bytes == 0 {
+            return Ok(());
+        }
+        if oneshot {
+            let inputs: Vec<*const u8> = (0..n)
+                // SAFETY: inside each member's staging block.
+                .map(|j| unsafe { self.block(j).add(slot * p.small).cast_const() })
+                .collect();
+            // SAFETY: every member copied `bytes` into its slot before arriving; they stay until call
+            // k + 2, which no member starts before we arrive at k + 1.
+            unsafe { reduce_raw(dt, red, &inputs, &[call.mine.recv], call.count) };
+            return Ok(());
+        }
+        if let Some(peers) = self.direct(&pages, &sig, call.root) {
+            let (i, c, root) = (me, call.count, call.root.unwrap_or(0));
+            // SAFETY: every buffer was bounds-checked against its owner's arena, all members agree on
+            // the signature, and each keeps its buffers until the done-sync below.
+            unsafe {
+                match sig.kind {
+                    CollKind::AllReduce => owner::reduce_owned(dt, red, &peers, i, c, None),
+                    CollKind::Reduce => owner::reduce_owned(dt, red, &peers, i, c, call.root),
+                    CollKind::ReduceScatter => owner::reduce_scatter(dt, red, &peers, i, c),
+                    CollKind::Broadcast => copy::broadcast(&peers, i, root, bytes),
+                    CollKind::AllGather => copy::all_gather(&peers, i, bytes),
+                    CollKind::Gather => copy::gather(&peers, i, root, bytes),
+                    CollKind::Scatter => copy::scatter(&peers, i, root, bytes),
+                    CollKind::Barrier => {}
+                }
+            }
+            ctrl.done.store(k, Release);
+            self.world.comm_head(self.slot).event.notify(true);
+            return self.wait_all(|c| &c.done, k, &op);
+        }
+        let bufs: Vec<[*mut u8; 2]> = (0..n)
+            .map(|j| {
+                let b = self.block(j);
+                // SAFETY: both pipeline buffers lie inside the member's staging block.
+                unsafe { [b.add(2 * p.small), b.add(2 * p.small + p.chunk)] }
+            })
+            .collect();
+        let staged = Staged {
+            kind: sig.kind,
+            dtype: dt,
+            op: red,
+            n,
+            me,
+            root: call.root.unwrap_or(0),
+            count: call.count,
+            send: call.mine.send,
+            recv: call.mine.recv,
+            bufs: &bufs,
+            chunk: p.chunk,
+        };
+        let event = &self.world.comm_head(self.slot).event;
+        let publish = |s: u64| {
+            ctrl.step.store(s, Release);
+            event.notify(true);
+        };
+        let sync = |s: u64| self.wait_all(|c| &c.step, s, &op);
+        // SAFETY: the buffers were validated for this signature, which every member shares.
+        unsafe { staged.run(&mut local.round, publish, sync) }
+    }
+}
+
+impl Backend for ShmBackend {
+    fn name(&self) -> &str {
+        "shm"
+    }
+    fn rank(&self) -> usize {
+        self.world.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world.size
+    }
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.execute(call::all_reduce(&mut buf, op))
+    }
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.execute(call::broadcast(&self.members, &mut buf, root))
+    }
+    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        self.execute(call::all_gather(self.members.len(), &send, &mut recv))
+    }
+    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.execute(call::reduce_scatter(
+            self.members.len(),
+            &send,
+            &mut recv,
+            op,
+        ))
+    }
+    fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
+        self.execute(call::gather(
+            &self.members,
+            self.world.rank,
+            &send,
+            recv.as_mut(),
+            root,
+        ))
+    }
+    fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
+        self.execute(call::scatter(
+            &self.members,
+            self.world.rank,
+            send.as_ref(),
+            &mut recv,
+            root,
+        ))
+    }
+    fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
+        self.execute(call::reduce(&self.members, &mut buf, root, op))
+    }
+    fn barrier(&self) -> Result<()> {
+        self.execute(Ok(call::barrier()))
+    }
+
+    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
+        call::peer(&self.members, self.world.rank, dst, "send to").map_err(|e| self.fail(e))?;
+        self.world.check_abort("send", None)?;
+        super::p2p::send(&self.world, buf, dst, tag).map_err(|e| self.fail(e))
+    }
+    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
+        call::peer(&self.members, self.world.rank, src, "receive from")
+            .map_err(|e| self.fail(e))?;
+        self.world.check_abort("recv", None)?;
+        super::p2p::recv(&self.world, buf, src, tag).map_err(|e| self.fail(e))
+    }
+
+    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
+        let members = crate::group::validate_ranks(ranks, self.world.size)?;
+        let index = call::index_of(&members, self.world.rank, "the calling")?;
+        let mask = members.iter().fold(0u64, |m, &r| m | 1 << r);
+        let (slot, first) = self.world.claim(mask, members.len(), "new_group")?;
+        Ok(Arc::new(ShmBackend {
+            world: self.world.clone(),
+            slot,
+            members,
+            index,
+            first_block: first as usize,
+            local: Mutex::default(),
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.world.abort(reason, Cause::Other);
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
+        let Some(off) = self.world.alloc(bytes) else {
+            return Ok(None);
+        };
+        // SAFETY: `off` starts `bytes` (rounded up) inside this rank's arena, within the mapping.
+        let ptr = unsafe { self.world.map.base().add(off) };
+        let lease = Lease {
+            world: self.world.clone(),
+            off,
+            bytes,
+        };
+        let owner: Box<dyn Any + Send + Sync> = Box::new(lease);
+        // SAFETY: the range is this allocation's alone until the lease returns it, and the lease keeps
+        // the mapping alive (it holds the world).
+        Ok(Some(unsafe {
+            SharedMem::new(NonNull::new(ptr).expect("inside a mapping"), bytes, owner)
+        }))
+    }
+}

@@ -1,0 +1,278 @@
+//! The layout of the job's shared-memory segment, and the structs that live in it.
+//!
+//! ```text
+//! header page   magic, version, layout params, nonce, abort word, per-rank pids
+//! comm table    MAX_COMMS slots: key (members, occurrence), event, one control block per world rank
+//! channels      one send/recv channel per ordered pair of ranks: control lines + 2 cells
+//! staging       one block per (communicator, member): 2 small one-shot slots + 2 pipeline buffers
+//! arenas        one per rank: memory handed out by `alloc` (segment arrays)
+//! ```
+//! Everything is offsets from the segment start (peers map it at other addresses), and every rank
+//! recomputes the layout from the header's parameters and checks it against the file size before use.
+
+use std::cell::UnsafeCell;
+use std::mem::size_of;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use crossbeam_utils::CachePadded;
+
+use crate::transport::wait::Event;
+
+/// "AXONSHM" + format generation, little endian.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
+/// Bumped whenever the layout or protocol changes.
+pub(crate) const VERSION: u32 = 1;
+/// Ranks per world: group membership is a 64-bit mask.
+pub const MAX_RANKS: usize = 64;
+/// Communicators per job (the world plus subgroups; slots are never freed).
+pub(crate) const MAX_COMMS: usize = 32;
+/// Bytes of an abort reason kept in the header.
+pub(crate) const REASON: usize = 448;
+pub(crate) const PAGE: usize = 4096;
+
+/// The sizes that determine the layout. Chosen by rank 0, stored in the header, checked by everyone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Params {
+    /// Ranks in the world.
+    pub world: usize,
+    /// Bytes per pipeline round of a staged collective (one buffer; two per member).
+    pub chunk: usize,
+    /// Largest all_reduce sent one-shot (one slot; two per member).
+    pub small: usize,
+    /// Bytes of each rank's arena for segment arrays.
+    pub arena: usize,
+    /// Bytes per send/recv cell (two per ordered pair of ranks).
+    pub cell: usize,
+    /// Staging blocks for subgroups, handed out as slots are claimed.
+    pub pool: usize,
+}
+
+impl Params {
+    /// Defaults for `world` ranks, with `arena` bytes of segment arrays per rank. Staging grows with
+    /// the world (a block per member and communicator, a channel per pair), so large worlds get
+    /// smaller buffers to keep the segment within a few hundred MiB.
+    pub(crate) fn new(world: usize, arena: usize) -> Params {
+        let large = world > 8;
+        Params {
+            world,
+            chunk: if large {
+                (world * 4096).max(256 << 10)
+            } else {
+                1 << 20
+            },
+            small: if large { 16 << 10 } else { 64 << 10 },
+            arena: arena.div_ceil(PAGE) * PAGE,
+            cell: if large { 8 << 10 } else { 64 << 10 },
+            pool: if large { world } else { 2 * world.max(2) },
+        }
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let pow2_pages = |x: usize| x >= PAGE && x % PAGE == 0;
+        if !(1..=MAX_RANKS).contains(&self.world) {
+            return Err(format!("world size {} (1..={MAX_RANKS})", self.world));
+        }
+        if !pow2_pages(self.chunk) || self.chunk > 256 << 20 || self.chunk / self.world < 4096 {
+            return Err(format!("pipeline chunk {} bytes", self.chunk));
+        }
+        if !pow2_pages(self.small) || self.small > self.chunk {
+            return Err(format!("one-shot slot {} bytes", self.small));
+        }
+        if !pow2_pages(self.cell) || self.cell > 64 << 20 {
+            return Err(format!("send/recv cell {} bytes", self.cell));
+        }
+        if self.arena % PAGE != 0 || self.arena > 1 << 40 || self.pool > 4096 {
+            return Err(format!("arena {} / pool {}", self.arena, self.pool));
+        }
+        Ok(())
+    }
+}
+
+/// Where everything is, in bytes from the segment start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub params: Params,
+    pub comms: usize,
+    pub comm_stride: usize,
+    pub chans: usize,
+    pub chan_stride: usize,
+    pub staging: usize,
+    pub block: usize,
+    pub arenas: usize,
+    pub total: usize,
+}
+
+fn up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+impl Layout {
+    /// The layout for `params`, or why they are unusable.
+    pub(crate) fn new(params: Params) -> std::result::Result<Layout, String> {
+        params.check()?;
+        let w = params.world;
+        let comms = up(size_of::<Header>(), PAGE);
+        let comm_stride = up(size_of::<CommHead>() + w * size_of::<Ctrl>(), 128);
+        let chans = up(comms + MAX_COMMS * comm_stride, PAGE);
+        let chan_stride = up(size_of::<ChanHead>(), PAGE) + 2 * params.cell;
+        let staging = chans + w * w * chan_stride;
+        let block = 2 * params.small + 2 * params.chunk;
+        let arenas = staging + (w + params.pool) * block;
+        let total = arenas + w * params.arena;
+        Ok(Layout {
+            params,
+            comms,
+            comm_stride,
+            chans,
+            chan_stride,
+            staging,
+            block,
+            arenas,
+            total,
+        })
+    }
+
+    /// A number that changes whenever the shape of the shared structs does, so two builds that
+    /// disagree on them refuse each other's segments.
+    pub(crate) fn shape_hash() -> u64 {
+        [
+            size_of::<Header>(),
+            size_of::<CommHead>(),
+            size_of::<Ctrl>(),
+            size_of::<ChanHead>(),
+            size_of::<Page>(),
+        ]
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &s| {
+            (h ^ s as u64).wrapping_mul(0x100_0000_01b3)
+        })
+    }
+}
+
+/// The first bytes of the segment. Fields above `attached` are written once by the creator before
+/// anyone else can open the segment; the rest are atomics (or, for the abort reason, written once by
+/// the rank that wins the abort, before it publishes `abort_state = 2`).
+#[repr(C)]
+pub(crate) struct Header {
+    pub magic: u64,
+    pub version: u32,
+    pub world: u32,
+    pub uid: u32,
+    pub creator: u32,
+    pub nonce: [u8; 16],
+    pub total: u64,
+    pub shape: u64,
+    pub chunk: u64,
+    pub small: u64,
+    pub arena: u64,
+    pub cell: u64,
+    pub pool: u64,
+    /// Ranks that have attached (the creator counts).
+    pub attached: AtomicU32,
+    /// 0: running; 1: an abort is being recorded; 2: aborted (reason readable).
+    pub abort_state: AtomicU32,
+    pub abort_by: AtomicU32,
+    /// The dead peer when the abort reports one, else `u32::MAX`.
+    pub abort_peer: AtomicU32,
+    pub abort_len: AtomicU32,
+    /// Next free subgroup staging block.
+    pub pool_next: AtomicU32,
+    /// When a timeout aborted the world: the ranks that never arrived (bitmask), else 0.
+    pub abort_missing: AtomicU64,
+    pub abort_reason: UnsafeCell<[u8; REASON]>,
+    pub event: Event,
+    pub pids: [AtomicU32; MAX_RANKS],
+}
+
+/// A communicator slot: free, being claimed, or bound to (members, occurrence).
+#[repr(C)]
+pub(crate) struct CommHead {
+    /// 0 free, 1 being claimed, 2 ready.
+    pub state: AtomicU32,
+    pub occurrence: AtomicU32,
+    pub members: AtomicU64,
+    /// First staging block of its members (block + group index), or `u32::MAX` when none was left.
+    pub first_block: AtomicU32,
+    pub event: Event,
+}
+
+/// What a member publishes for one collective (page `k % 2` for call k). Plain numbers only: peers
+/// decode and bounds-check them, never trust them as pointers.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub(crate) struct Page {
+    /// The encoded signature (see `wire`).
+    pub sig: [u64; 4],
+    /// Offsets of the member's send and receive buffers in the segment, or `NOT_SHARED`.
+    pub send: u64,
+    pub recv: u64,
+}
+
+/// A buffer that does not live in the segment.
+pub(crate) const NOT_SHARED: u64 = u64::MAX;
+
+/// One member's control block in a communicator slot. Counters are monotonic over the slot's life.
+#[repr(C)]
+pub(crate) struct Ctrl {
+    /// Sequence number of the last collective this member entered (its page is published).
+    pub arrive: CachePadded<AtomicU64>,
+    /// Sequence number of the last collective whose shared buffers this member no longer touches.
+    pub done: CachePadded<AtomicU64>,
+    /// Pipeline steps completed (three per staged round).
+    pub step: CachePadded<AtomicU64>,
+    pub pages: [CachePadded<UnsafeCell<Page>>; 2],
+}
+
+/// The control lines of one ordered pair's channel. The sender writes `tag`/`dtype`/`count` and then
+/// `posted`; the receiver answers; data moves through the two cells that follow.
+#[repr(C)]
+pub(crate) struct ChanHead {
+    pub posted: CachePadded<AtomicU64>,
+    /// `m << 1 | refused` for the receiver's answer to message m.
+    pub answer: CachePadded<AtomicU64>,
+    pub filled: CachePadded<AtomicU64>,
+    pub drained: CachePadded<AtomicU64>,
+    pub meta: CachePadded<UnsafeCell<[u64; 3]>>,
+    pub event: Event,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_regions_are_ordered_aligned_and_disjoint() {
+        for w in [1, 2, 3, 4, 8, 64] {
+            let l = Layout::new(Params::new(w, 3 << 20)).unwrap();
+            assert!(size_of::<Header>() <= l.comms);
+            assert!(l.comms + MAX_COMMS * l.comm_stride <= l.chans);
+            assert!(l.chans + w * w * l.chan_stride <= l.staging);
+            assert_eq!(l.staging + (w + l.params.pool) * l.block, l.arenas);
+            assert_eq!(l.arenas + w * l.params.arena, l.total);
+            for off in [
+                l.comms,
+                l.chans,
+                l.chan_stride,
+                l.staging,
+                l.block,
+                l.arenas,
+                l.total,
+            ] {
+                assert_eq!(off % PAGE, 0, "w={w}");
+            }
+            assert_eq!(l.comm_stride % 128, 0);
+        }
+    }
+
+    #[test]
+    fn bad_params_are_refused() {
+        assert!(Layout::new(Params::new(0, 0)).is_err());
+        assert!(Layout::new(Params::new(MAX_RANKS + 1, 0)).is_err());
+        let mut p = Params::new(2, 0);
+        p.chunk = 1000;
+        assert!(Layout::new(p).is_err());
+        let mut p = Params::new(2, 0);
+        p.small = p.chunk * 2;
+        assert!(Layout::new(p).is_err());
+    }
+}

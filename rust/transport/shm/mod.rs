@@ -1,0 +1,78 @@
+//! The multi-process world on one host: ranks are processes sharing one /dev/shm segment.
+//!
+//! Ranks meet through `rendezvous` (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
+//! hands out its name and nonce, and unlinks it once everyone attached) and then talk only through
+//! the segment (`layout` describes it, `segment` creates and checks it). The protocol is the
+//! in-process world's (see `transport::thread`) with the control blocks in the segment and shared
+//! futexes:
+//!
+//! 1. publish page `k % 2` (encoded signature + buffer offsets; for a one-shot all_reduce also copy the
+//!    data into one-shot slot `k % 2`), store `arrive = k`, wake the communicator's event;
+//! 2. wait until every member arrived at k, decode and compare the signatures: any difference aborts
+//!    the world and every member raises the same mismatch, before any buffer is touched;
+//! 3. move data: a one-shot all_reduce (≤ `small` bytes) reduces every member's slot in rank order
+//!    into its own buffer and is done (one sync). When every member's buffers lie in the segment
+//!    (arrays from `alloc`), run the thread world's owner-computes / direct-copy algorithms on them
+//!    (zero copy) and finish with `done = k` and a wait for every member's `done`. Otherwise pipeline
+//!    through the staging buffers (`staged`).
+//!
+//! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word, the
+//! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
+//! within one slice, and every member raises `PeerDied` naming it.
+//!
+//! Subgroups live in a fixed table of communicator slots; the n-th split of a rank set finds its slot
+//! by scanning the table for (members, n) and claiming the first free slot if no member did yet.
+//! Slots are claimed lowest-first and never freed, so every member finds the same one.
+
+mod backend;
+mod layout;
+mod liveness;
+mod p2p;
+mod rendezvous;
+pub(crate) mod segment;
+mod staged;
+mod wire;
+mod world;
+
+use std::time::Duration;
+
+pub use backend::ShmBackend;
+pub use layout::MAX_RANKS;
+
+/// Default bytes of segment arrays (`alloc`, `ProcessGroup.empty`) per rank.
+pub const DEFAULT_ARENA: usize = 64 << 20;
+
+/// How to join a shared-memory world.
+#[derive(Clone, Debug)]
+pub struct ShmOptions {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Where rank 0 listens for the rendezvous (an address of this host).
+    pub master_addr: String,
+    /// The rendezvous port: a job is identified by it while it starts.
+    pub master_port: u16,
+    /// How long rendezvous and every later wait may last.
+    pub timeout: Duration,
+    /// The launcher's job id: the segment is then named after it, so the launcher can remove it
+    /// after a crash during start-up. Without one the name is random.
+    pub job_id: Option<String>,
+    /// Bytes of segment arrays per rank (rank 0's value is used by everyone).
+    pub arena_bytes: usize,
+}
+
+impl ShmOptions {
+    /// Options with the default timeout and arena, a random segment name.
+    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16) -> Self {
+        ShmOptions {
+            rank,
+            world_size,
+            master_addr: master_addr.to_string(),
+            master_port,
+            timeout: crate::transport::thread::DEFAULT_TIMEOUT,
+            job_id: None,
+            arena_bytes: DEFAULT_ARENA,
+        }
+    }
+}

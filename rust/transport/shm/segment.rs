@@ -1,0 +1,309 @@
+//! The job's shared-memory segment as a file: created exclusively, reserved, mapped, attached and
+//! checked before anyone trusts it (its contents: `layout`).
+
+use std::io::{self, Read};
+use std::mem::size_of;
+use std::ptr::NonNull;
+
+use rustix::fs::{FallocateFlags, FileType, Mode};
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::shm;
+
+use super::layout::{Header, Layout, Params, MAGIC, VERSION};
+use crate::error::{Error, Result};
+
+/// A mapping of the whole segment into this process.
+pub(crate) struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through atomics or through ranges the
+// protocol gives to one writer at a time.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` came from one successful mmap, and nothing borrowed from it outlives the
+        // mapping (everything holding pointers into it holds an Arc on its owner).
+        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+impl Mapping {
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: every mapping is at least one header long (checked before mapping) and page aligned.
+        unsafe { &*self.base.as_ptr().cast::<Header>() }
+    }
+}
+
+fn refuse(name: &str, kind: io::ErrorKind, what: String) -> Error {
+    Error::os(
+        format!("refusing shared-memory segment {name}: {what}"),
+        io::Error::from(kind),
+    )
+}
+
+fn os(what: String) -> impl FnOnce(rustix::io::Errno) -> Error {
+    move |e| Error::os(what, e.into())
+}
+
+/// Check that an open segment is a regular file of ours, unreadable to others; returns its size.
+fn check_file(fd: &rustix::fd::OwnedFd, name: &str) -> Result<usize> {
+    let st = rustix::fs::fstat(fd).map_err(os(format!("fstat of {name}")))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(refuse(
+            name,
+            io::ErrorKind::InvalidInput,
+            "not a regular file".into(),
+        ));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if st.st_uid != me {
+        return Err(refuse(
+            name,
+            io::ErrorKind::PermissionDenied,
+            format!("owned by uid {}, not by us (uid {me})", st.st_uid),
+        ));
+    }
+    if st.st_mode & 0o077 != 0 {
+        return Err(refuse(
+            name,
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "mode {:o} gives other users access (expected 600)",
+                st.st_mode & 0o777
+            ),
+        ));
+    }
+    usize::try_from(st.st_size)
+        .map_err(|_| refuse(name, io::ErrorKind::InvalidData, "negative size".into()))
+}
+
+fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
+    // SAFETY: a fresh shared mapping of a file we opened read-write; nothing else is placed there.
+    let p = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }
+    .map_err(os(format!("mapping {name} ({len} bytes)")))?;
+    Ok(Mapping {
+        base: NonNull::new(p.cast()).expect("mmap never returns null on success"),
+        len,
+    })
+}
+
+/// A random segment name: the name is the only secret between the ranks and other users' processes.
+pub(crate) fn random_name() -> Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::os("reading /dev/urandom", e))?;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!(
+        "/axonml-{}-{hex}",
+        rustix::process::geteuid().as_raw()
+    ))
+}
+
+/// 16 random bytes: the session nonce every attacher must present.
+pub(crate) fn nonce() -> Result<[u8; 16]> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| Error::os("reading /dev/urandom", e))?;
+    Ok(b)
+}
+
+/// Remove a segment name (the mapping stays valid for everyone who has it).
+pub(crate) fn unlink(name: &str) {
+    // Already gone is fine: the launcher may have cleaned it up.
+    let _ = shm::unlink(name);
+}
+
+/// Create a segment exclusively under `name`, reserve its memory and write its header.
+/// On any failure the name is removed again.
+pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Mapping> {
+    let fd = shm::open(
+        name,
+        shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR,
+        Mode::RUSR | Mode::WUSR,
+    )
+    .map_err(|e| {
+        if e == rustix::io::Errno::EXIST {
+            refuse(
+                name,
+                io::ErrorKind::AlreadyExists,
+                "the name already exists (a stale segment of a crashed job with the same AXONML_JOB_ID, \
+                 or someone else's file); remove it from /dev/shm or use a new job id"
+                    .into(),
+            )
+        } else {
+            Error::os(format!("creating shared-memory segment {name}"), e.into())
+        }
+    })?;
+    let made = (|| {
+        check_file(&fd, name)?;
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total as u64).map_err(os(
+            format!(
+                "reserving {} MiB for {name} in /dev/shm (too small? lower AXONML_SHM_ARENA_MB, or give \
+             containers more: --shm-size)",
+                layout.total >> 20
+            ),
+        ))?;
+        let m = map(&fd, layout.total, name)?;
+        // SAFETY: the fresh file is zero-filled (so every atomic starts at 0), and no one else can open
+        // it before we send its name; the header fits in the first page.
+        unsafe {
+            let h = m.base().cast::<Header>();
+            (*h).magic = MAGIC;
+            (*h).version = VERSION;
+            (*h).world = layout.params.world as u32;
+            (*h).uid = rustix::process::geteuid().as_raw();
+            (*h).creator = rustix::process::getpid().as_raw_nonzero().get() as u32;
+            (*h).nonce = nonce;
+            (*h).total = layout.total as u64;
+            (*h).shape = Layout::shape_hash();
+            (*h).chunk = layout.params.chunk as u64;
+            (*h).small = layout.params.small as u64;
+            (*h).arena = layout.params.arena as u64;
+            (*h).cell = layout.params.cell as u64;
+            (*h).pool = layout.params.pool as u64;
+            (*h).abort_peer
+                .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(m)
+    })();
+    if made.is_err() {
+        unlink(name);
+    }
+    made
+}
+
+/// Open an existing segment (never creating one) and check everything before trusting it.
+pub(crate) fn attach(name: &str, world: usize, nonce: [u8; 16]) -> Result<(Mapping, Layout)> {
+    let fd = shm::open(name, shm::OFlags::RDWR, Mode::empty())
+        .map_err(os(format!("opening shared-memory segment {name}")))?;
+    let size = check_file(&fd, name)?;
+    if size < size_of::<Header>() {
+        return Err(refuse(
+            name,
+            io::ErrorKind::InvalidData,
+            format!("only {size} bytes long"),
+        ));
+    }
+    let m = map(&fd, size, name)?;
+    let layout = validate(m.header(), size, world, nonce)
+        .map_err(|what| refuse(name, io::ErrorKind::InvalidData, what))?;
+    Ok((m, layout))
+}
+
+/// Check a header against what this rank expects; returns the layout it describes.
+pub(crate) fn validate(
+    h: &Header,
+    size: usize,
+    world: usize,
+    nonce: [u8; 16],
+) -> std::result::Result<Layout, String> {
+    if h.magic != MAGIC {
+        return Err("not an axonml segment (bad magic)".into());
+    }
+    if h.version != VERSION || h.shape != Layout::shape_hash() {
+        return Err(format!(
+            "made by another version of axonml-distributed (format {}, ours {VERSION})",
+            h.version
+        ));
+    }
+    if h.nonce != nonce {
+        return Err("session nonce differs: a stale segment or another job's".into());
+    }
+    if h.world as usize != world {
+        return Err(format!("made for {} ranks, this job has {world}", h.world));
+    }
+    let params = Params {
+        world,
+        chunk: h.chunk as usize,
+        small: h.small as usize,
+        arena: h.arena as usize,
+        cell: h.cell as usize,
+        pool: h.pool as usize,
+    };
+    let layout = Layout::new(params).map_err(|p| format!("bad layout parameter: {p}"))?;
+    if layout.total != size || h.total as usize != size {
+        return Err(format!(
+            "size {size} does not match its layout ({} bytes)",
+            layout.total
+        ));
+    }
+    Ok(layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layout::PAGE;
+    use super::*;
+
+    fn header_for(layout: &Layout, nonce: [u8; 16]) -> Box<Header> {
+        // SAFETY: all-zero is a valid Header (integers, atomics, byte arrays).
+        let mut h: Box<Header> = Box::new(unsafe { std::mem::zeroed() });
+        h.magic = MAGIC;
+        h.version = VERSION;
+        h.world = layout.params.world as u32;
+        h.nonce = nonce;
+        h.total = layout.total as u64;
+        h.shape = Layout::shape_hash();
+        h.chunk = layout.params.chunk as u64;
+        h.small = layout.params.small as u64;
+        h.arena = layout.params.arena as u64;
+        h.cell = layout.params.cell as u64;
+        h.pool = layout.params.pool as u64;
+        h
+    }
+
+    #[test]
+    fn header_validation_names_what_is_wrong() {
+        let layout = Layout::new(Params::new(2, PAGE)).unwrap();
+        let nonce = [7; 16];
+        let h = header_for(&layout, nonce);
+        assert_eq!(validate(&h, layout.total, 2, nonce), Ok(layout));
+
+        let mut bad = header_for(&layout, nonce);
+        bad.magic ^= 1;
+        assert!(validate(&bad, layout.total, 2, nonce)
+            .unwrap_err()
+            .contains("magic"));
+        let mut bad = header_for(&layout, nonce);
+        bad.version += 1;
+        assert!(validate(&bad, layout.total, 2, nonce)
+            .unwrap_err()
+            .contains("version"));
+        assert!(validate(&h, layout.total, 2, [8; 16])
+            .unwrap_err()
+            .contains("nonce"));
+        assert!(validate(&h, layout.total, 3, nonce)
+            .unwrap_err()
+            .contains("2 ranks"));
+        assert!(validate(&h, layout.total + PAGE, 2, nonce)
+            .unwrap_err()
+            .contains("size"));
+        let mut bad = header_for(&layout, nonce);
+        bad.chunk = 12345;
+        assert!(validate(&bad, layout.total, 2, nonce)
+            .unwrap_err()
+            .contains("layout"));
+    }
+}

@@ -1,0 +1,211 @@
+//! Collectives on private buffers, pipelined through the members' staging buffers.
+//!
+//! A message is cut into rounds of at most one pipeline buffer; round g uses buffer `g % 2` of every
+//! member and three steps of the member's `step` counter (3g+1 staged, 3g+2 reduced, 3g+3 done with
+//! the round). Before staging into buffer `g % 2` a member waits until every member finished round
+//! g−2, the last one that read it; nothing else waits, so a member may stage round g+1 while its
+//! peers still reduce round g. Rounds count over the communicator's life, so consecutive collectives
+//! chain the same way.
+//!
+//! all_reduce is reduce-scatter + all-gather with owner-computes: in each round member i owns slice i;
+//! it stages the N−1 slices it does not own, reduces its own slice from its private input and the N−1
+//! staged copies (rank order), writes the result to its private buffer and its staging buffer, and then
+//! copies the other owners' results out. Per rank that moves (5 − 2/N)·S bytes, the floor for private
+//! buffers.
+
+use crate::algo::owner::owned;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::reduce::{reduce_raw, ReduceOp};
+use crate::signature::CollKind;
+
+/// One staged collective, as seen by member `me`.
+pub(crate) struct Staged<'a> {
+    pub kind: CollKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub n: usize,
+    pub me: usize,
+    pub root: usize,
+    /// Elements per member part (the whole message for all_reduce, broadcast, reduce).
+    pub count: usize,
+    pub send: *const u8,
+    pub recv: *mut u8,
+    /// Every member's two pipeline buffers, in this process's address space.
+    pub bufs: &'a [[*mut u8; 2]],
+    /// Bytes per pipeline buffer.
+    pub chunk: usize,
+}
+
+impl Staged<'_> {
+    /// Bytes of the per-owner region of a pipeline buffer (64-byte aligned).
+    fn region(&self) -> usize {
+        (self.chunk / self.n) & !63
+    }
+
+    /// Elements moved per round.
+    fn per_round(&self) -> usize {
+        let e = self.dtype.size();
+        match self.kind {
+            CollKind::AllReduce | CollKind::Reduce => self.n * (self.region() / e),
+            CollKind::ReduceScatter | CollKind::Scatter => self.region() / e,
+            _ => self.chunk / e,
+        }
+    }
+
+    /// Run every round. `round` is the communicator's round counter; `publish(s)` stores this member's
+    /// step, `sync(s)` waits until every member's step reaches `s`.
+    ///
+    /// # Safety
+    /// `send`/`recv` are this member's validated buffers for the call (null where the collective has
+    /// none on this member), every member runs the same call, and `bufs` point at the members' staging.
+    pub(crate) unsafe fn run(
+        &self,
+        round: &mut u64,
+        publish: impl Fn(u64),
+        sync: impl Fn(u64) -> Result<()>,
+    ) -> Result<()> {
+        let per = self.per_round();
+        let mut lo = 0;
+        while lo < self.count {
+            let hi = (lo + per).min(self.count);
+            let g = *round;
+            *round += 1;
+            if g >= 2 {
+                sync(3 * g - 3)?;
+            }
+            // SAFETY: forwarded; the waits order every access (module docs).
+            unsafe { self.round(g, lo, hi, &publish, &sync)? };
+            lo = hi;
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// As for [`Staged::run`].
+    unsafe fn round(
+        &self,
+        g: u64,
+        lo: usize,
+        hi: usize,
+        publish: &impl Fn(u64),
+        sync: &impl Fn(u64) -> Result<()>,
+    ) -> Result<()> {
+        let (e, n, me, root) = (self.dtype.size(), self.n, self.me, self.root);
+        let b = (g % 2) as usize;
+        let region = self.region();
+        let len = hi - lo;
+        // SAFETY: o < n regions of `region` bytes fit in a pipeline buffer.
+        let stage = |j: usize, o: usize| unsafe { self.bufs[j][b].add(o * region) };
+        // SAFETY: called only on members that have the buffer, with element offsets below the
+        // buffer's length for this call (the round's range of the part or message).
+        let src = |el: usize| unsafe { self.send.add(el * e) };
+        // SAFETY: as for `src`.
+        let dst = |el: usize| unsafe { self.recv.add(el * e) };
+        // SAFETY: every copy below moves at most the round's elements between a staging region (which
+        // holds len <= region / e elements per owner, or <= chunk / e for whole-buffer kinds) and the
+        // matching range of a private buffer; the steps order it against peers' accesses. `copy`
+        // tolerates the in-place overlap of all_gather's own part.
+        let copy = |from: *const u8, to: *mut u8, elems: usize| unsafe {
+            std::ptr::copy(from, to, elems * e)
+        };
+        let slice = |o: usize| owned(len, e, n, o);
+        match self.kind {
+            CollKind::AllReduce | CollKind::Reduce => {
+                for o in (0..n).filter(|&o| o != me) {
+                    let s = slice(o);
+                    copy(src(lo + s.start), stage(me, o), s.len());
+                }
+                publish(3 * g + 1);
+                sync(3 * g + 1)?;
+                let s = slice(me);
+                if !s.is_empty() {
+                    let inputs: Vec<*const u8> = (0..n)
+                        .map(|j| {
+                            if j == me {
+                                src(lo + s.start)
+                            } else {
+                                stage(j, me).cast_const()
+                            }
+                        })
+                        .collect();
+                    let mut outputs = vec![stage(me, me)];
+                    if self.kind == CollKind::AllReduce || me == root {
+                        outputs.push(dst(lo + s.start));
+                    }
+                    // SAFETY: every input holds s.len() elements staged before step 3g+1; this member
+                    // alone writes its slice of its private buffer and its own staging region.
+                    unsafe { reduce_raw(self.dtype, self.op, &inputs, &outputs, s.len()) };
+                }
+                publish(3 * g + 2);
+                sync(3 * g + 2)?;
+                if self.kind == CollKind::AllReduce || me == root {
+                    for o in (0..n).filter(|&o| o != me) {
+                        let s = slice(o);
+                        copy(stage(o, o), dst(lo + s.start), s.len());
+                    }
+                }
+            }
+            CollKind::ReduceScatter => {
+                for o in (0..n).filter(|&o| o != me) {
+                    copy(src(o * self.count + lo), stage(me, o), len);
+                }
+                publish(3 * g + 1);
+                sync(3 * g + 1)?;
+                let inputs: Vec<*const u8> = (0..n)
+                    .map(|j| {
+                        if j == me {
+                            src(me * self.count + lo)
+                        } else {
+                            stage(j, me).cast_const()
+                        }
+                    })
+                    .collect();
+                // SAFETY: as above; the output is this member's own receive buffer.
+                unsafe { reduce_raw(self.dtype, self.op, &inputs, &[dst(lo)], len) };
+            }
+            CollKind::Scatter => {
+                if me == root {
+                    for o in (0..n).filter(|&o| o != me) {
+                        copy(src(o * self.count + lo), stage(me, o), len);
+                    }
+                }
+                publish(3 * g + 1);
+                sync(3 * g + 1)?;
+                if me == root {
+                    copy(src(me * self.count + lo), dst(lo), len);
+                } else {
+                    copy(stage(root, me), dst(lo), len);
+                }
+            }
+            CollKind::Broadcast => {
+                if me == root {
+                    copy(src(lo), stage(me, 0), len);
+                }
+                publish(3 * g + 1);
+                sync(3 * g + 1)?;
+                if me != root {
+                    copy(stage(root, 0), dst(lo), len);
+                }
+            }
+            CollKind::AllGather | CollKind::Gather => {
+                copy(src(lo), stage(me, 0), len);
+                publish(3 * g + 1);
+                sync(3 * g + 1)?;
+                if self.kind == CollKind::AllGather || me == root {
+                    for j in 0..n {
+                        let from = if j == me {
+                            src(lo)
+                        } else {
+                            stage(j, 0).cast_const()
+                        };
+                        copy(from, dst(j * self.count + lo), len);
+                    }
+                }
+            }
+            CollKind::Barrier => {}
+        }
+        publish(3 * g + 3);
+        Ok(())
+    }
+}

@@ -1,0 +1,79 @@
+//! Signatures as plain numbers for the control pages, and back. Decoding never trusts the bytes: an
+//! unknown code is `None`, which the caller reports as a corrupt segment.
+
+use crate::dtype::DType;
+use crate::reduce::ReduceOp;
+use crate::signature::{CollKind, Signature};
+
+const NONE: u64 = u64::MAX;
+
+pub(crate) fn encode(s: &Signature) -> [u64; 4] {
+    let codes = s.kind as u64
+        | (s.dtype.map_or(0, |d| d as u64) << 8)
+        | (s.op.map_or(0, |o| o as u64) << 16);
+    [s.seq, s.count, s.root.map_or(NONE, u64::from), codes]
+}
+
+fn kind(code: u8) -> Option<CollKind> {
+    use CollKind::*;
+    [
+        AllReduce,
+        Broadcast,
+        AllGather,
+        ReduceScatter,
+        Gather,
+        Scatter,
+        Reduce,
+        Barrier,
+    ]
+    .into_iter()
+    .find(|k| *k as u8 == code)
+}
+
+pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
+    let [seq, count, root, codes] = w;
+    let byte = |shift: u32| (codes >> shift) as u8;
+    let opt = |code: u8| (code != 0).then_some(code);
+    let root = match root {
+        NONE => None,
+        r => Some(u32::try_from(r).ok()?),
+    };
+    Some(Signature {
+        seq,
+        count,
+        root,
+        kind: kind(byte(0))?,
+        dtype: match opt(byte(8)) {
+            None => None,
+            Some(c) => Some(DType::from_code(c)?),
+        },
+        op: match opt(byte(16)) {
+            None => None,
+            Some(c) => Some(ReduceOp::from_code(c)?),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signatures_round_trip_and_garbage_is_refused() {
+        let sigs = [
+            Signature::new(CollKind::Barrier, 1, 0),
+            Signature::new(CollKind::AllReduce, 7, 1023)
+                .dtype(DType::F16)
+                .op(ReduceOp::Average),
+            Signature::new(CollKind::Scatter, u64::MAX - 1, 5)
+                .dtype(DType::I64)
+                .root(63),
+        ];
+        for s in sigs {
+            assert_eq!(decode(encode(&s)), Some(s));
+        }
+        assert_eq!(decode([1, 1, NONE, 99]), None);
+        assert_eq!(decode([1, 1, NONE, 1 | 99 << 8]), None);
+        assert_eq!(decode([1, 1, 1 << 40, 1]), None);
+    }
+}
