@@ -20,9 +20,7 @@ fn kernels(c: &mut Criterion) {
         let mut out = vec![0.0f32; len];
         g.throughput(Throughput::Bytes((len * 4 * 3) as u64));
         g.bench_with_input(BenchmarkId::new("sum_f32_2in", len), &len, |bench, _| {
-            bench.iter(|| {
-                reduce_slices(ReduceOp::Sum, &[black_box(&a), black_box(&b)], &mut out).unwrap()
-            })
+            bench.iter(|| reduce_slices(ReduceOp::Sum, &[black_box(&a), black_box(&b)], &mut out).unwrap())
         });
     }
     g.finish();
@@ -44,9 +42,7 @@ fn buckets(c: &mut Criterion) {
     });
     let mut full = GradientBucket::new(16 << 16);
     grads.iter().for_each(|gr| assert!(full.add(gr).unwrap()));
-    g.bench_function("unpack_16x256KiB", |b| {
-        b.iter(|| black_box(full.extract::<f32>().unwrap()))
-    });
+    g.bench_function("unpack_16x256KiB", |b| b.iter(|| black_box(full.extract::<f32>().unwrap())));
     g.finish();
 }
 
@@ -85,19 +81,14 @@ impl Ranks {
 
     fn time(&self, iters: u64) -> Duration {
         self.go.iter().for_each(|g| g.send(iters).unwrap());
-        (0..self.go.len())
-            .map(|_| self.done.recv().unwrap())
-            .max()
-            .unwrap()
+        (0..self.go.len()).map(|_| self.done.recv().unwrap()).max().unwrap()
     }
 }
 
 fn allreduce(c: &mut Criterion) {
     for n in [2usize, 4] {
         let mut g = c.benchmark_group(format!("allreduce/{n}"));
-        g.sample_size(10)
-            .measurement_time(Duration::from_secs(3))
-            .warm_up_time(Duration::from_millis(500));
+        g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
         for bytes in [8usize, 64 << 10, 64 << 20] {
             let ranks = Ranks::new(n, bytes / 4);
             g.throughput(Throughput::Bytes(bytes as u64));

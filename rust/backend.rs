@@ -77,11 +77,7 @@ impl SharedMem {
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` bytes, used by nobody else, until `owner` drops.
     pub unsafe fn new(ptr: NonNull<u8>, len: usize, owner: Box<dyn Any + Send + Sync>) -> Self {
-        SharedMem {
-            ptr,
-            len,
-            _owner: owner,
-        }
+        SharedMem { ptr, len, _owner: owner }
     }
     /// Start of the memory.
     pub fn as_ptr(&self) -> *mut u8 {

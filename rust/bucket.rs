@@ -41,13 +41,7 @@ pub struct GradientBucket {
 impl GradientBucket {
     /// A bucket for up to `capacity` elements. Nothing is allocated until the first gradient.
     pub fn new(capacity: usize) -> Self {
-        GradientBucket {
-            capacity,
-            dtype: None,
-            storage: Vec::new(),
-            len: 0,
-            entries: Vec::new(),
-        }
+        GradientBucket { capacity, dtype: None, storage: Vec::new(), len: 0, entries: Vec::new() }
     }
 
     /// Capacity in elements.
@@ -104,10 +98,7 @@ impl GradientBucket {
         let size = grad.dtype().size();
         let start = self.len * size;
         self.bytes_mut()[start..start + grad.byte_len()].copy_from_slice(grad.bytes());
-        self.entries.push(Entry {
-            offset: self.len,
-            shape: shape.to_vec(),
-        });
+        self.entries.push(Entry { offset: self.len, shape: shape.to_vec() });
         self.len += grad.len();
         Ok(true)
     }
@@ -147,11 +138,7 @@ impl GradientBucket {
         let data = match self.dtype {
             None => return Ok(Vec::new()),
             Some(_) => self.data().typed::<T>().ok_or_else(|| {
-                Error::invalid(format!(
-                    "extract: the bucket holds {}, not {}",
-                    self.data().dtype(),
-                    T::DTYPE
-                ))
+                Error::invalid(format!("extract: the bucket holds {}, not {}", self.data().dtype(), T::DTYPE))
             })?,
         };
         Ok(self
@@ -181,10 +168,7 @@ mod tests {
         assert!(!b.add(&[1.0f32]).unwrap(), "overflow adds nothing");
         assert!(b.add(&[1.0f64]).is_err(), "one dtype per bucket");
         let got = b.extract::<f32>().unwrap();
-        assert_eq!(
-            got,
-            vec![(vec![2], vec![0.1, 0.2]), (vec![3], vec![0.3, 0.4, 0.5])]
-        );
+        assert_eq!(got, vec![(vec![2], vec![0.1, 0.2]), (vec![3], vec![0.3, 0.4, 0.5])]);
         let before = b.as_ptr();
         b.clear();
         assert!(b.is_empty() && b.add(&[7.0f32]).unwrap());

@@ -25,11 +25,10 @@ pub(crate) struct Call {
 
 /// Group index of global rank `rank`, or an error naming the group.
 pub(crate) fn index_of(members: &[usize], rank: usize, what: &str) -> Result<usize> {
-    members.iter().position(|&m| m == rank).ok_or_else(|| {
-        Error::invalid(format!(
-            "{what} rank {rank} is not a member of the group {members:?}"
-        ))
-    })
+    members
+        .iter()
+        .position(|&m| m == rank)
+        .ok_or_else(|| Error::invalid(format!("{what} rank {rank} is not a member of the group {members:?}")))
 }
 
 /// Check the peer of a send or recv: a member of the group, and not the caller (a blocking send to
@@ -62,77 +61,36 @@ fn need_len(what: &str, got: usize, want: usize, why: &str) -> Result<()> {
     if got == want {
         Ok(())
     } else {
-        Err(Error::invalid(format!(
-            "{what} has {got} elements but needs {want} ({why})"
-        )))
+        Err(Error::invalid(format!("{what} has {got} elements but needs {want} ({why})")))
     }
 }
 
 pub(crate) fn all_reduce(buf: &mut BufMut<'_>, op: ReduceOp) -> Result<Call> {
     op.check(buf.dtype())?;
-    let mut c = call(
-        CollKind::AllReduce,
-        buf.dtype(),
-        buf.len(),
-        buf.as_mut_ptr(),
-        buf.as_mut_ptr(),
-    );
+    let mut c = call(CollKind::AllReduce, buf.dtype(), buf.len(), buf.as_mut_ptr(), buf.as_mut_ptr());
     c.sig = c.sig.op(op);
     Ok(c)
 }
 
 pub(crate) fn broadcast(members: &[usize], buf: &mut BufMut<'_>, root: usize) -> Result<Call> {
-    let c = call(
-        CollKind::Broadcast,
-        buf.dtype(),
-        buf.len(),
-        buf.as_mut_ptr(),
-        buf.as_mut_ptr(),
-    );
+    let c = call(CollKind::Broadcast, buf.dtype(), buf.len(), buf.as_mut_ptr(), buf.as_mut_ptr());
     with_root(c, members, root)
 }
 
-pub(crate) fn reduce(
-    members: &[usize],
-    buf: &mut BufMut<'_>,
-    root: usize,
-    op: ReduceOp,
-) -> Result<Call> {
+pub(crate) fn reduce(members: &[usize], buf: &mut BufMut<'_>, root: usize, op: ReduceOp) -> Result<Call> {
     op.check(buf.dtype())?;
-    let mut c = call(
-        CollKind::Reduce,
-        buf.dtype(),
-        buf.len(),
-        buf.as_mut_ptr(),
-        buf.as_mut_ptr(),
-    );
+    let mut c = call(CollKind::Reduce, buf.dtype(), buf.len(), buf.as_mut_ptr(), buf.as_mut_ptr());
     c.sig = c.sig.op(op);
     with_root(c, members, root)
 }
 
 pub(crate) fn all_gather(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Result<Call> {
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
-    need_len(
-        "the receive buffer",
-        recv.len(),
-        n * send.len(),
-        "group size x send elements",
-    )?;
-    Ok(call(
-        CollKind::AllGather,
-        send.dtype(),
-        send.len(),
-        send.as_ptr(),
-        recv.as_mut_ptr(),
-    ))
+    need_len("the receive buffer", recv.len(), n * send.len(), "group size x send elements")?;
+    Ok(call(CollKind::AllGather, send.dtype(), send.len(), send.as_ptr(), recv.as_mut_ptr()))
 }
 
-pub(crate) fn reduce_scatter(
-    n: usize,
-    send: &Buf<'_>,
-    recv: &mut BufMut<'_>,
-    op: ReduceOp,
-) -> Result<Call> {
+pub(crate) fn reduce_scatter(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>, op: ReduceOp) -> Result<Call> {
     op.check(send.dtype())?;
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
     if send.len() % n != 0 {
@@ -141,19 +99,8 @@ pub(crate) fn reduce_scatter(
             send.len()
         )));
     }
-    need_len(
-        "the receive buffer",
-        recv.len(),
-        send.len() / n,
-        "send elements / group size",
-    )?;
-    let mut c = call(
-        CollKind::ReduceScatter,
-        send.dtype(),
-        recv.len(),
-        send.as_ptr(),
-        recv.as_mut_ptr(),
-    );
+    need_len("the receive buffer", recv.len(), send.len() / n, "send elements / group size")?;
+    let mut c = call(CollKind::ReduceScatter, send.dtype(), recv.len(), send.as_ptr(), recv.as_mut_ptr());
     c.sig = c.sig.op(op);
     Ok(c)
 }
@@ -168,24 +115,12 @@ pub(crate) fn gather(
     let n = members.len();
     let mut out = std::ptr::null_mut();
     if me == root {
-        let recv =
-            recv.ok_or_else(|| Error::invalid("gather: the root must pass a receive buffer"))?;
+        let recv = recv.ok_or_else(|| Error::invalid("gather: the root must pass a receive buffer"))?;
         expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
-        need_len(
-            "the receive buffer",
-            recv.len(),
-            n * send.len(),
-            "group size x send elements",
-        )?;
+        need_len("the receive buffer", recv.len(), n * send.len(), "group size x send elements")?;
         out = recv.as_mut_ptr();
     }
-    let c = call(
-        CollKind::Gather,
-        send.dtype(),
-        send.len(),
-        send.as_ptr(),
-        out,
-    );
+    let c = call(CollKind::Gather, send.dtype(), send.len(), send.as_ptr(), out);
     with_root(c, members, root)
 }
 
@@ -199,35 +134,17 @@ pub(crate) fn scatter(
     let n = members.len();
     let mut input = std::ptr::null();
     if me == root {
-        let send =
-            send.ok_or_else(|| Error::invalid("scatter: the root must pass a send buffer"))?;
+        let send = send.ok_or_else(|| Error::invalid("scatter: the root must pass a send buffer"))?;
         expect_dtype("the send buffer", send.dtype(), recv.dtype())?;
-        need_len(
-            "the send buffer",
-            send.len(),
-            n * recv.len(),
-            "group size x receive elements",
-        )?;
+        need_len("the send buffer", send.len(), n * recv.len(), "group size x receive elements")?;
         input = send.as_ptr();
     }
-    let c = call(
-        CollKind::Scatter,
-        recv.dtype(),
-        recv.len(),
-        input,
-        recv.as_mut_ptr(),
-    );
+    let c = call(CollKind::Scatter, recv.dtype(), recv.len(), input, recv.as_mut_ptr());
     with_root(c, members, root)
 }
 
 pub(crate) fn barrier() -> Call {
-    let mut c = call(
-        CollKind::Barrier,
-        DType::F32,
-        0,
-        std::ptr::null(),
-        std::ptr::null_mut(),
-    );
+    let mut c = call(CollKind::Barrier, DType::F32, 0, std::ptr::null(), std::ptr::null_mut());
     c.sig.dtype = None;
     c
 }

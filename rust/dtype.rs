@@ -32,15 +32,8 @@ pub enum DType {
 
 impl DType {
     /// Every supported dtype.
-    pub const ALL: [DType; 7] = [
-        DType::F16,
-        DType::F32,
-        DType::F64,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::I64,
-    ];
+    pub const ALL: [DType; 7] =
+        [DType::F16, DType::F32, DType::F64, DType::I8, DType::U8, DType::I32, DType::I64];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
@@ -84,9 +77,7 @@ impl fmt::Display for DType {
 
 /// A Rust type that is one of the supported [`DType`]s. Sealed: its arithmetic lives in
 /// `reduce::Arith`, which users cannot implement.
-pub trait Element:
-    crate::reduce::Arith + Copy + Send + Sync + PartialEq + fmt::Debug + 'static
-{
+pub trait Element: crate::reduce::Arith + Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
     /// Its dtype tag.
     const DTYPE: DType;
 }
@@ -125,12 +116,7 @@ unsafe impl Send for BufMut<'_> {}
 impl<'a> Buf<'a> {
     /// View a typed slice.
     pub fn new<T: Element>(s: &'a [T]) -> Self {
-        Buf {
-            dtype: T::DTYPE,
-            ptr: s.as_ptr().cast(),
-            len: s.len(),
-            _life: PhantomData,
-        }
+        Buf { dtype: T::DTYPE, ptr: s.as_ptr().cast(), len: s.len(), _life: PhantomData }
     }
 
     /// View raw memory as `len` elements of `dtype`.
@@ -139,12 +125,7 @@ impl<'a> Buf<'a> {
     /// `ptr` must be valid for reads of `len * dtype.size()` bytes, aligned for `dtype`, and not written
     /// by anyone else for `'a`.
     pub unsafe fn from_raw(dtype: DType, ptr: *const u8, len: usize) -> Self {
-        Buf {
-            dtype,
-            ptr,
-            len,
-            _life: PhantomData,
-        }
+        Buf { dtype, ptr, len, _life: PhantomData }
     }
 
     /// The element type.
@@ -175,20 +156,14 @@ impl<'a> Buf<'a> {
     /// Back to a typed slice, if `T` is this buffer's type.
     pub fn typed<T: Element>(&self) -> Option<&'a [T]> {
         // SAFETY: the dtype tag says the memory holds `len` values of `T`.
-        (T::DTYPE == self.dtype)
-            .then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len) })
+        (T::DTYPE == self.dtype).then(|| unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len) })
     }
 }
 
 impl<'a> BufMut<'a> {
     /// View a typed mutable slice.
     pub fn new<T: Element>(s: &'a mut [T]) -> Self {
-        BufMut {
-            dtype: T::DTYPE,
-            ptr: s.as_mut_ptr().cast(),
-            len: s.len(),
-            _life: PhantomData,
-        }
+        BufMut { dtype: T::DTYPE, ptr: s.as_mut_ptr().cast(), len: s.len(), _life: PhantomData }
     }
 
     /// View raw memory as `len` writable elements of `dtype`.
@@ -197,12 +172,7 @@ impl<'a> BufMut<'a> {
     /// `ptr` must be valid for reads and writes of `len * dtype.size()` bytes, aligned for `dtype`, and
     /// not accessed by anyone else for `'a`.
     pub unsafe fn from_raw(dtype: DType, ptr: *mut u8, len: usize) -> Self {
-        BufMut {
-            dtype,
-            ptr,
-            len,
-            _life: PhantomData,
-        }
+        BufMut { dtype, ptr, len, _life: PhantomData }
     }
 
     /// The element type.
@@ -227,12 +197,7 @@ impl<'a> BufMut<'a> {
     }
     /// A read-only view of the same memory, for as long as this borrow lives.
     pub fn as_buf(&self) -> Buf<'_> {
-        Buf {
-            dtype: self.dtype,
-            ptr: self.ptr,
-            len: self.len,
-            _life: PhantomData,
-        }
+        Buf { dtype: self.dtype, ptr: self.ptr, len: self.len, _life: PhantomData }
     }
     /// The data as mutable bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
@@ -246,8 +211,6 @@ pub(crate) fn expect_dtype(what: &str, got: DType, want: DType) -> Result<()> {
     if got == want {
         Ok(())
     } else {
-        Err(Error::invalid(format!(
-            "{what} has dtype {got} but the operation needs {want}"
-        )))
+        Err(Error::invalid(format!("{what} has dtype {got} but the operation needs {want}")))
     }
 }

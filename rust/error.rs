@@ -91,10 +91,7 @@ impl Error {
 
     /// An [`Error::Os`] with what we were doing.
     pub fn os(context: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Os {
-            context: context.into(),
-            source: std::sync::Arc::new(source),
-        }
+        Error::Os { context: context.into(), source: std::sync::Arc::new(source) }
     }
 }
 

@@ -19,17 +19,12 @@ pub fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<usize>> 
         return Err(Error::invalid("a group needs at least one rank"));
     }
     if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
-        return Err(Error::invalid(format!(
-            "rank {bad} is out of range for a world of {world_size} ranks"
-        )));
+        return Err(Error::invalid(format!("rank {bad} is out of range for a world of {world_size} ranks")));
     }
     let mut sorted = ranks.to_vec();
     sorted.sort_unstable();
     if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(Error::invalid(format!(
-            "rank {} appears twice in the group {ranks:?}",
-            w[0]
-        )));
+        return Err(Error::invalid(format!("rank {} appears twice in the group {ranks:?}", w[0])));
     }
     Ok(sorted)
 }
@@ -47,12 +42,7 @@ impl ProcessGroup {
     /// The group of every rank the backend's communicator spans.
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         let ranks = backend.members().to_vec();
-        ProcessGroup {
-            comm: Some(backend.clone()),
-            backend,
-            ranks,
-            queue: WorkQueue::default(),
-        }
+        ProcessGroup { comm: Some(backend.clone()), backend, ranks, queue: WorkQueue::default() }
     }
 
     /// The group of `ranks` (global). Every member must create it (same ranks, same order of creation);
@@ -66,12 +56,7 @@ impl ProcessGroup {
         } else {
             None
         };
-        Ok(ProcessGroup {
-            backend,
-            comm,
-            ranks,
-            queue: WorkQueue::default(),
-        })
+        Ok(ProcessGroup { backend, comm, ranks, queue: WorkQueue::default() })
     }
 
     /// A world of one rank (the seed's `ProcessGroup::mock`).
@@ -146,8 +131,7 @@ impl ProcessGroup {
     pub fn all_gather_tensor<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
         self.flush();
         let mut out = send.repeat(self.size());
-        self.comm()?
-            .all_gather(Buf::new(send), BufMut::new(&mut out))?;
+        self.comm()?.all_gather(Buf::new(send), BufMut::new(&mut out))?;
         Ok(out)
     }
     /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
@@ -155,8 +139,7 @@ impl ProcessGroup {
         self.flush();
         let n = self.size();
         let mut out = send[..send.len() / n].to_vec();
-        self.comm()?
-            .reduce_scatter(Buf::new(send), BufMut::new(&mut out), op)?;
+        self.comm()?.reduce_scatter(Buf::new(send), BufMut::new(&mut out), op)?;
         Ok(out)
     }
     /// Reduce `buf` into global rank `root`'s `buf`.
@@ -189,15 +172,11 @@ pub struct World {
 impl World {
     /// The world of `backend` (the seed's `World::init`).
     pub fn init(backend: Arc<dyn Backend>) -> Self {
-        World {
-            group: Arc::new(ProcessGroup::new(backend)),
-        }
+        World { group: Arc::new(ProcessGroup::new(backend)) }
     }
     /// A world of one rank.
     pub fn mock() -> Self {
-        World {
-            group: Arc::new(ProcessGroup::mock()),
-        }
+        World { group: Arc::new(ProcessGroup::mock()) }
     }
     /// The group of every rank.
     pub fn default_group(&self) -> &Arc<ProcessGroup> {

@@ -31,13 +31,8 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 5] = [
-        ReduceOp::Sum,
-        ReduceOp::Product,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Average,
-    ];
+    pub const ALL: [ReduceOp; 5] =
+        [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Average];
 
     /// The upper-case name used in Python and error messages.
     pub const fn name(self) -> &'static str {
@@ -201,12 +196,7 @@ fn accumulate<T: Arith>(op: ReduceOp, acc: &mut [T::Acc], src: &[T]) {
 /// # Safety
 /// Every input must be valid for reading and every output for writing `count` values of `T`, and no
 /// other thread may touch these ranges during the call. Inputs and outputs may be the same memory.
-unsafe fn reduce_typed<T: Element>(
-    op: ReduceOp,
-    inputs: &[*const u8],
-    outputs: &[*mut u8],
-    count: usize,
-) {
+unsafe fn reduce_typed<T: Element>(op: ReduceOp, inputs: &[*const u8], outputs: &[*mut u8], count: usize) {
     let n = inputs.len();
     let mut acc = [T::Acc::default(); TILE];
     let mut start = 0;
@@ -315,11 +305,7 @@ mod tests {
     #[test]
     fn f16_accumulates_in_f32_and_rounds_once() {
         // 2048 + 1 + 1: rounding after each add in f16 would lose both ones.
-        let xs = [
-            f16::from_f32(2048.0),
-            f16::from_f32(1.0),
-            f16::from_f32(1.0),
-        ];
+        let xs = [f16::from_f32(2048.0), f16::from_f32(1.0), f16::from_f32(1.0)];
         let inputs: Vec<[f16; 1]> = xs.iter().map(|x| [*x]).collect();
         let refs: Vec<&[f16]> = inputs.iter().map(|x| &x[..]).collect();
         let mut out = [f16::ZERO];

@@ -66,14 +66,7 @@ pub struct Signature {
 impl Signature {
     /// A signature with no dtype, op or root set.
     pub fn new(kind: CollKind, seq: u64, count: usize) -> Self {
-        Signature {
-            seq,
-            count: count as u64,
-            root: None,
-            kind,
-            dtype: None,
-            op: None,
-        }
+        Signature { seq, count: count as u64, root: None, kind, dtype: None, op: None }
     }
     /// With the element type.
     pub fn dtype(mut self, dtype: DType) -> Self {
@@ -112,10 +105,7 @@ impl fmt::Display for Signature {
 /// from the first member and how.
 pub(crate) fn describe_mismatch(calls: &[(usize, Signature)]) -> Option<String> {
     let (r0, s0) = calls.first()?;
-    let odd: Vec<String> = calls
-        .iter()
-        .filter(|(_, s)| s != s0)
-        .map(|(r, s)| format!("rank {r} called {s}"))
-        .collect();
+    let odd: Vec<String> =
+        calls.iter().filter(|(_, s)| s != s0).map(|(r, s)| format!("rank {r} called {s}")).collect();
     (!odd.is_empty()).then(|| format!("rank {r0} called {s0}, but {}", odd.join(", ")))
 }

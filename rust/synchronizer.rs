@@ -184,22 +184,17 @@ impl GradientSynchronizer {
 
     /// Copy gradient `i` (in the order added) out of its bucket into `out` (same dtype and length).
     pub fn averaged(&self, i: usize, mut out: BufMut<'_>) -> Result<()> {
-        let &(b, e) = self
-            .order
-            .get(i)
-            .ok_or_else(|| Error::invalid(format!("no gradient {i} in this step")))?;
+        let &(b, e) =
+            self.order.get(i).ok_or_else(|| Error::invalid(format!("no gradient {i} in this step")))?;
         let bucket = lock(&self.slots[b].bucket);
         let Entry { offset, .. } = &bucket.entries()[e];
         let len = bucket.entries()[e].len();
         let data = bucket.data();
         if out.dtype() != data.dtype() || out.len() != len {
-            return Err(Error::invalid(
-                "averaged: the output must match the gradient's dtype and size",
-            ));
+            return Err(Error::invalid("averaged: the output must match the gradient's dtype and size"));
         }
         let size = data.dtype().size();
-        out.bytes_mut()
-            .copy_from_slice(&data.bytes()[offset * size..(offset + len) * size]);
+        out.bytes_mut().copy_from_slice(&data.bytes()[offset * size..(offset + len) * size]);
         Ok(())
     }
 

@@ -25,22 +25,14 @@ impl Work {
     pub fn wait(&self) -> Result<()> {
         let mut r = self.state.result.lock().unwrap_or_else(|e| e.into_inner());
         while r.is_none() {
-            r = self
-                .state
-                .finished
-                .wait(r)
-                .unwrap_or_else(|e| e.into_inner());
+            r = self.state.finished.wait(r).unwrap_or_else(|e| e.into_inner());
         }
         r.clone().expect("checked above")
     }
 
     /// True once the job has run.
     pub fn is_completed(&self) -> bool {
-        self.state
-            .result
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.state.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     fn finish(&self, result: Result<()>) {
@@ -73,20 +65,14 @@ impl WorkQueue {
                 tx
             }
         };
-        tx.send(task)
-            .expect("the work thread lives as long as its sender");
+        tx.send(task).expect("the work thread lives as long as its sender");
         *inner = Some((tx, work.clone()));
         work
     }
 
     /// Wait for the last submitted job (and so for every earlier one).
     pub(crate) fn flush(&self) {
-        let last = self
-            .inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|(_, w)| w.clone());
+        let last = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(_, w)| w.clone());
         if let Some(w) = last {
             let _ = w.wait();
         }

@@ -11,11 +11,7 @@ use axonml_distributed::transport::shm::{ShmBackend, ShmOptions};
 use axonml_distributed::{Backend, Buf, BufMut, Error, ProcessGroup, ReduceOp, World};
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Run `f(pg)` on one thread per rank of a fresh shm world and return the results in rank order.
@@ -44,9 +40,7 @@ fn run<R: Send + 'static>(
 const LONG: Duration = Duration::from_secs(30);
 
 fn input(rank: usize, len: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0)
-        .collect()
+    (0..len).map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0).collect()
 }
 
 fn reference(n: usize, len: usize, op: ReduceOp) -> Vec<f32> {
@@ -81,13 +75,10 @@ fn all_reduce_matches_the_rank_order_reference_on_private_and_segment_buffers() 
                     pg.all_reduce_tensor(&mut x, op).unwrap();
                     let m = in_segment(&**pg.backend(), &input(pg.rank(), len));
                     // SAFETY: `m` holds len floats and only this call uses it.
-                    let seg = unsafe {
-                        BufMut::from_raw(axonml_distributed::DType::F32, m.as_ptr(), len)
-                    };
+                    let seg = unsafe { BufMut::from_raw(axonml_distributed::DType::F32, m.as_ptr(), len) };
                     pg.backend().all_reduce(seg, op).unwrap();
                     // SAFETY: as above, after the call.
-                    let y = unsafe { std::slice::from_raw_parts(m.as_ptr().cast::<f32>(), len) }
-                        .to_vec();
+                    let y = unsafe { std::slice::from_raw_parts(m.as_ptr().cast::<f32>(), len) }.to_vec();
                     out.push((len, op, x, y));
                 }
             }
@@ -112,9 +103,7 @@ fn rooted_and_gathering_collectives_deliver_the_right_parts() {
             let mut b = input(me, len);
             pg.broadcast_tensor(&mut b, 1).unwrap();
             let gathered = pg.all_gather_tensor(&input(me, len)).unwrap();
-            let scattered = pg
-                .reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max)
-                .unwrap();
+            let scattered = pg.reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max).unwrap();
             let mut red = input(me, len);
             pg.reduce(&mut red, 2, ReduceOp::Sum).unwrap();
             let send = input(me, len);
@@ -230,16 +219,10 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
         }
         pg.barrier().err()
     });
-    let named = got
-        .iter()
-        .flatten()
-        .any(|e| matches!(e, Error::Timeout { missing, .. } if missing == &vec![1]));
+    let named =
+        got.iter().flatten().any(|e| matches!(e, Error::Timeout { missing, .. } if missing == &vec![1]));
     assert!(named, "{got:?}");
-    assert!(
-        matches!(got[1], Some(Error::Aborted { .. })),
-        "{:?}",
-        got[1]
-    );
+    assert!(matches!(got[1], Some(Error::Aborted { .. })), "{:?}", got[1]);
 }
 
 #[test]
@@ -274,8 +257,5 @@ fn a_message_of_the_wrong_length_fails_both_sides() {
         }
     });
     assert!(got.iter().all(|e| e.is_some()), "{got:?}");
-    assert!(
-        matches!(&got[1], Some(Error::InvalidArgument(m)) if m.contains("4 x float32")),
-        "{got:?}"
-    );
+    assert!(matches!(&got[1], Some(Error::InvalidArgument(m)) if m.contains("4 x float32")), "{got:?}");
 }

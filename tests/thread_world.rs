@@ -27,9 +27,7 @@ fn run<R: Send + 'static>(
 const LONG: Duration = Duration::from_secs(30);
 
 fn input(rank: usize, len: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0)
-        .collect()
+    (0..len).map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0).collect()
 }
 
 #[test]
@@ -66,28 +64,21 @@ fn rooted_and_gathering_collectives_deliver_the_right_parts() {
         let mut b = input(me, len);
         pg.broadcast_tensor(&mut b, 1).unwrap();
         let gathered = pg.all_gather_tensor(&input(me, 10)).unwrap();
-        let scattered = pg
-            .reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max)
-            .unwrap();
+        let scattered = pg.reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max).unwrap();
         let mut red = input(me, len);
         pg.reduce(&mut red, 2, ReduceOp::Sum).unwrap();
         (b, gathered, scattered, red)
     });
     for (r, (b, gathered, scattered, red)) in got.into_iter().enumerate() {
         assert_eq!(b, input(1, len));
-        assert_eq!(
-            gathered,
-            (0..n).flat_map(|j| input(j, 10)).collect::<Vec<_>>()
-        );
+        assert_eq!(gathered, (0..n).flat_map(|j| input(j, 10)).collect::<Vec<_>>());
         let full: Vec<Vec<f32>> = (0..n).map(|j| input(j, 3 * len)).collect();
-        let want: Vec<f32> = (r * len..(r + 1) * len)
-            .map(|i| full.iter().map(|v| v[i]).fold(f32::MIN, f32::max))
-            .collect();
+        let want: Vec<f32> =
+            (r * len..(r + 1) * len).map(|i| full.iter().map(|v| v[i]).fold(f32::MIN, f32::max)).collect();
         assert_eq!(scattered, want);
         if r == 2 {
-            let want: Vec<f32> = (0..len)
-                .map(|i| (0..n).map(|j| input(j, len)[i]).fold(0.0, |a, b| a + b))
-                .collect();
+            let want: Vec<f32> =
+                (0..len).map(|i| (0..n).map(|j| input(j, len)[i]).fold(0.0, |a, b| a + b)).collect();
             assert_eq!(red, want);
         } else {
             assert_eq!(red, input(r, len), "non-root buffers stay unchanged");
@@ -113,10 +104,7 @@ fn subgroups_are_independent_and_concurrent() {
     assert_eq!(got[0].0, 1 + 3);
     assert_eq!(got[1].0, 2 + 4);
     assert_eq!(got[1].1, vec![1, 3]);
-    assert!(matches!(
-        got[0].2,
-        Error::InvalidArgument(_) | Error::Aborted { .. }
-    ));
+    assert!(matches!(got[0].2, Error::InvalidArgument(_) | Error::Aborted { .. }));
 }
 
 #[test]
@@ -181,11 +169,7 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
         _ => false,
     });
     assert!(named, "{got:?}");
-    assert!(
-        matches!(got[1], Some(Error::Aborted { .. })),
-        "the late rank fails at once: {:?}",
-        got[1]
-    );
+    assert!(matches!(got[1], Some(Error::Aborted { .. })), "the late rank fails at once: {:?}", got[1]);
 }
 
 #[test]
@@ -210,10 +194,7 @@ fn abort_wakes_every_waiter_with_the_aborting_rank() {
 fn bad_arguments_are_refused() {
     let pg = ProcessGroup::mock();
     let mut x = [1i32; 4];
-    assert!(matches!(
-        pg.all_reduce_tensor(&mut x, ReduceOp::Average),
-        Err(Error::UnsupportedDtype(_))
-    ));
+    assert!(matches!(pg.all_reduce_tensor(&mut x, ReduceOp::Average), Err(Error::UnsupportedDtype(_))));
     let b = MockBackend::single();
     assert!(ProcessGroup::with_ranks(Arc::new(b), &[0, 0]).is_err());
     let b = MockBackend::single();
@@ -229,8 +210,7 @@ fn async_work_completes_in_issue_order() {
                 let p = pg.clone();
                 pg.submit(move || {
                     let mut v = vec![i as f64; 10];
-                    p.comm()?
-                        .all_reduce(axonml_distributed::BufMut::new(&mut v), ReduceOp::Sum)?;
+                    p.comm()?.all_reduce(axonml_distributed::BufMut::new(&mut v), ReduceOp::Sum)?;
                     assert_eq!(v[0], 2.0 * i as f64);
                     Ok(())
                 })

@@ -32,13 +32,7 @@ pub(crate) unsafe fn all_gather(peers: &[Peer], index: usize, bytes: usize) {
 /// As for [`all_gather`], with only the root's recv written.
 pub(crate) unsafe fn gather(peers: &[Peer], index: usize, root: usize, bytes: usize) {
     // SAFETY: slot `index` of the root's recv is `bytes` long and written by this member alone.
-    unsafe {
-        std::ptr::copy(
-            peers[index].send,
-            peers[root].recv.add(index * bytes),
-            bytes,
-        )
-    };
+    unsafe { std::ptr::copy(peers[index].send, peers[root].recv.add(index * bytes), bytes) };
 }
 
 /// scatter: copy slot `index` of the root's send into this member's recv.
@@ -47,11 +41,5 @@ pub(crate) unsafe fn gather(peers: &[Peer], index: usize, root: usize, bytes: us
 /// The root's send holds `peers.len() * bytes` bytes and stays alive until the done-sync.
 pub(crate) unsafe fn scatter(peers: &[Peer], index: usize, root: usize, bytes: usize) {
     // SAFETY: slot `index` is within the root's send; this member's recv is `bytes` long.
-    unsafe {
-        std::ptr::copy(
-            peers[root].send.add(index * bytes),
-            peers[index].recv,
-            bytes,
-        )
-    };
+    unsafe { std::ptr::copy(peers[root].send.add(index * bytes), peers[index].recv, bytes) };
 }

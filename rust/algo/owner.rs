@@ -60,13 +60,7 @@ pub(crate) unsafe fn reduce_owned(
 /// # Safety
 /// Every `send` holds `peers.len() * count` elements of `dtype`, this member's `recv` holds `count`, and
 /// the peers' inputs stay alive until the caller's done-sync.
-pub(crate) unsafe fn reduce_scatter(
-    dtype: DType,
-    op: ReduceOp,
-    peers: &[Peer],
-    index: usize,
-    count: usize,
-) {
+pub(crate) unsafe fn reduce_scatter(dtype: DType, op: ReduceOp, peers: &[Peer], index: usize, count: usize) {
     let off = index * count * dtype.size();
     // SAFETY: chunk `index` lies within every send buffer.
     let inputs: Vec<*const u8> = peers.iter().map(|p| unsafe { p.send.add(off) }).collect();
@@ -80,13 +74,8 @@ mod tests {
 
     #[test]
     fn slices_cover_the_range_once_and_stay_aligned() {
-        for &(count, elem, n) in &[
-            (0, 4, 3),
-            (1, 4, 2),
-            (1023, 4, 4),
-            (3 * 4096 + 3, 4, 3),
-            (1 << 20, 2, 8),
-        ] {
+        for &(count, elem, n) in &[(0, 4, 3), (1, 4, 2), (1023, 4, 4), (3 * 4096 + 3, 4, 3), (1 << 20, 2, 8)]
+        {
             let mut next = 0;
             for i in 0..n {
                 let r = owned(count, elem, n, i);

@@ -97,9 +97,7 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
             d.is_equiv_to(&numpy::dtype::<$t>(py))
         };
     }
-    let found = DType::ALL
-        .into_iter()
-        .find(|dt| with_type!(*dt, T => is!(T)));
+    let found = DType::ALL.into_iter().find(|dt| with_type!(*dt, T => is!(T)));
     found.ok_or_else(|| {
         PyTypeError::new_err(format!(
             "{what} has dtype {d}, which is not supported; use one of float16, float32, float64, int8, uint8, \
@@ -108,16 +106,9 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
     })
 }
 
-fn untyped<'a, 'py>(
-    obj: &'a Bound<'py, PyAny>,
-    what: &str,
-) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+fn untyped<'a, 'py>(obj: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
     let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
-        let ty = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         PyTypeError::new_err(format!("{what} must be a numpy.ndarray, got {ty}"))
     })?;
     if !arr.is_c_contiguous() {
@@ -131,9 +122,9 @@ fn untyped<'a, 'py>(
 
 fn borrow_error(what: &str, e: BorrowError) -> PyErr {
     match e {
-        BorrowError::NotWriteable => {
-            PyValueError::new_err(format!("{what} is read-only; an in-place collective needs a writable array"))
-        }
+        BorrowError::NotWriteable => PyValueError::new_err(format!(
+            "{what} is read-only; an in-place collective needs a writable array"
+        )),
         _ => PyValueError::new_err(format!(
             "{what} is already in use (the same array passed twice, or used by another running operation)"
         )),
@@ -141,9 +132,7 @@ fn borrow_error(what: &str, e: BorrowError) -> PyErr {
 }
 
 fn misaligned(what: &str) -> PyErr {
-    PyValueError::new_err(format!(
-        "{what} is not aligned for its dtype; copy it into a fresh array"
-    ))
+    PyValueError::new_err(format!("{what} is not aligned for its dtype; copy it into a fresh array"))
 }
 
 /// Borrow `obj` for reading and writing.

@@ -13,15 +13,7 @@ use crate::reduce::ReduceOp;
 use crate::transport::thread::{MockBackend, DEFAULT_TIMEOUT};
 
 /// How values from the ranks are combined.
-#[pyclass(
-    name = "ReduceOp",
-    module = "axonml_distributed",
-    eq,
-    eq_int,
-    hash,
-    frozen,
-    from_py_object
-)]
+#[pyclass(name = "ReduceOp", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum PyReduceOp {
     /// Elementwise sum.
@@ -78,9 +70,9 @@ pub(crate) fn timeout_from(seconds: Option<f64>) -> PyResult<Duration> {
     match seconds {
         None => Ok(DEFAULT_TIMEOUT),
         Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
-        Some(s) => Err(PyValueError::new_err(format!(
-            "timeout must be a positive number of seconds, got {s}"
-        ))),
+        Some(s) => {
+            Err(PyValueError::new_err(format!("timeout must be a positive number of seconds, got {s}")))
+        }
     }
 }
 
@@ -126,12 +118,7 @@ impl PyBackend {
         Ok(py.detach(|| b.broadcast(unsafe { a.raw.buf_mut() }, src))?)
     }
     /// Concatenate every member's `send` into `recv`.
-    fn all_gather(
-        &self,
-        py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn all_gather(&self, py: Python<'_>, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<()> {
         let (s, r) = (readable(send, "send")?, writable(recv, "recv")?);
         let b = self.inner.clone();
         Ok(py.detach(|| b.all_gather(unsafe { s.raw.buf() }, unsafe { r.raw.buf_mut() }))?)
@@ -163,13 +150,7 @@ impl PyBackend {
         let r = recv.map(|r| writable(r, "recv")).transpose()?;
         let raw = r.as_ref().map(|r| r.raw);
         let b = self.inner.clone();
-        Ok(py.detach(|| {
-            b.gather(
-                unsafe { s.raw.buf() },
-                raw.map(|r| unsafe { r.buf_mut() }),
-                dst,
-            )
-        })?)
+        Ok(py.detach(|| b.gather(unsafe { s.raw.buf() }, raw.map(|r| unsafe { r.buf_mut() }), dst))?)
     }
     /// Split `src`'s `send` (None elsewhere) into every member's `recv`.
     #[pyo3(signature = (send, recv, src))]
@@ -184,13 +165,7 @@ impl PyBackend {
         let raw = s.as_ref().map(|s| s.raw);
         let r = writable(recv, "recv")?;
         let b = self.inner.clone();
-        Ok(py.detach(|| {
-            b.scatter(
-                raw.map(|s| unsafe { s.buf() }),
-                unsafe { r.raw.buf_mut() },
-                src,
-            )
-        })?)
+        Ok(py.detach(|| b.scatter(raw.map(|s| unsafe { s.buf() }), unsafe { r.raw.buf_mut() }, src))?)
     }
     /// Reduce `buf` into `dst`'s `buf`.
     #[pyo3(signature = (buf, dst, op=None))]

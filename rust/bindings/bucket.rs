@@ -44,9 +44,7 @@ impl PyGradientBucket {
     /// A bucket for up to `capacity` elements.
     #[new]
     fn new(capacity: usize) -> Self {
-        PyGradientBucket {
-            inner: Mutex::new(GradientBucket::new(capacity)),
-        }
+        PyGradientBucket { inner: Mutex::new(GradientBucket::new(capacity)) }
     }
     /// Copy `grad` in; False (nothing added) when it does not fit. Mixing dtypes is a ValueError.
     fn add(&self, grad: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -93,8 +91,7 @@ impl PyGradientBucket {
                     (e.offset + e.len()) as isize,
                     1,
                 ))?;
-                part.call_method1("reshape", (e.shape.clone(),))?
-                    .call_method0("copy")
+                part.call_method1("reshape", (e.shape.clone(),))?.call_method0("copy")
             })
             .collect()
     }
@@ -105,15 +102,7 @@ impl PyGradientBucket {
 }
 
 /// When a `GradientSynchronizer` reduces its buckets.
-#[pyclass(
-    name = "GradSyncStrategy",
-    module = "axonml_distributed",
-    eq,
-    eq_int,
-    hash,
-    frozen,
-    from_py_object
-)]
+#[pyclass(name = "GradSyncStrategy", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum PyGradSyncStrategy {
     /// Every bucket is reduced inside `sync_all`.
@@ -152,14 +141,11 @@ pub(crate) struct PyGradientSynchronizer {
 
 /// A native group, or None for groups implemented in Python (e.g. MPI).
 fn native(pg: &Bound<'_, PyAny>) -> Option<Arc<crate::group::ProcessGroup>> {
-    pg.cast::<PyProcessGroup>()
-        .ok()
-        .map(|g| g.get().inner.clone())
+    pg.cast::<PyProcessGroup>().ok().map(|g| g.get().inner.clone())
 }
 
 fn default_group(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    py.import("axonml_distributed.init")?
-        .call_method0("get_default_group")
+    py.import("axonml_distributed.init")?.call_method0("get_default_group")
 }
 
 #[pymethods]
@@ -169,18 +155,10 @@ impl PyGradientSynchronizer {
     #[pyo3(signature = (strategy=PyGradSyncStrategy::Synchronous, bucket_size=DEFAULT_BUCKET_SIZE))]
     fn new(strategy: PyGradSyncStrategy, bucket_size: usize) -> PyResult<Self> {
         if bucket_size == 0 {
-            return Err(PyValueError::new_err(
-                "bucket_size must be at least 1 element",
-            ));
+            return Err(PyValueError::new_err("bucket_size must be at least 1 element"));
         }
         let sync = GradientSynchronizer::new(strategy.into(), bucket_size);
-        Ok(PyGradientSynchronizer {
-            strategy,
-            state: Mutex::new(SyncState {
-                sync,
-                grads: Vec::new(),
-            }),
-        })
+        Ok(PyGradientSynchronizer { strategy, state: Mutex::new(SyncState { sync, grads: Vec::new() }) })
     }
     /// The strategy.
     fn strategy(&self) -> PyGradSyncStrategy {
@@ -209,12 +187,7 @@ impl PyGradientSynchronizer {
     }
     /// Add `grad` to bucket `bucket_idx` (buckets fill in index order). `sync_all` writes the average
     /// back into this same array.
-    fn add_gradient(
-        &self,
-        py: Python<'_>,
-        bucket_idx: usize,
-        grad: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn add_gradient(&self, py: Python<'_>, bucket_idx: usize, grad: &Bound<'_, PyAny>) -> PyResult<()> {
         let a = writable(grad, "grad")?;
         let mut st = state(py, &self.state);
         let sync = &mut st.sync;
@@ -244,10 +217,7 @@ impl PyGradientSynchronizer {
             }
             None => {
                 // A group implemented in Python: reduce each bucket through its own all_reduce.
-                let op = py
-                    .import("axonml_distributed")?
-                    .getattr("ReduceOp")?
-                    .getattr("AVERAGE")?;
+                let op = py.import("axonml_distributed")?.getattr("ReduceOp")?.getattr("AVERAGE")?;
                 for i in 0..st.sync.num_buckets() {
                     let bucket = st.sync.bucket(i).expect("in range").clone();
                     let b = locked(&bucket);

@@ -5,12 +5,7 @@ use pyo3::{create_exception, PyErr};
 
 use crate::error::Error;
 
-create_exception!(
-    axonml_distributed,
-    DistributedError,
-    PyRuntimeError,
-    "Base of every collective failure."
-);
+create_exception!(axonml_distributed, DistributedError, PyRuntimeError, "Base of every collective failure.");
 create_exception!(
     axonml_distributed,
     CollectiveMismatchError,
@@ -40,9 +35,7 @@ impl From<Error> for PyErr {
             Error::Timeout { .. } => CollectiveTimeoutError::new_err(msg),
             Error::PeerDied { .. } | Error::Aborted { .. } => PeerFailureError::new_err(msg),
             Error::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
-            Error::Os { source, .. } => {
-                PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg))
-            }
+            Error::Os { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         }
     }
 }

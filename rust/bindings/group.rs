@@ -32,10 +32,9 @@ impl PyProcessGroup {
         if let Err(e) = &r {
             Python::attach(|py| {
                 if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) {
-                    self.inner.backend().abort(&format!(
-                        "rank {} passed bad arguments: {e}",
-                        self.inner.rank()
-                    ));
+                    self.inner
+                        .backend()
+                        .abort(&format!("rank {} passed bad arguments: {e}", self.inner.rank()));
                 }
             });
         }
@@ -51,9 +50,7 @@ impl PyProcessGroup {
         result: Option<Bound<'py, PyAny>>,
         job: Job,
     ) -> PyResult<Py<PyAny>> {
-        let comm = self
-            .checked(self.inner.comm().map_err(PyErr::from))?
-            .clone();
+        let comm = self.checked(self.inner.comm().map_err(PyErr::from))?.clone();
         if !async_op {
             let pg = self.inner.clone();
             py.detach(move || {
@@ -64,17 +61,13 @@ impl PyProcessGroup {
             return Ok(result.map_or_else(|| py.None(), Bound::unbind));
         }
         // The job keeps the arrays alive; it drops those references attached, once it is done.
-        let mut keep: Option<Vec<Py<PyAny>>> =
-            Some(arrays.into_iter().map(|a| a.obj.unbind()).collect());
+        let mut keep: Option<Vec<Py<PyAny>>> = Some(arrays.into_iter().map(|a| a.obj.unbind()).collect());
         let work = self.inner.submit(move || {
             let r = job(&*comm);
             Python::try_attach(|_| drop(keep.take()));
             r
         });
-        let w = PyWork {
-            work,
-            result: result.map(Bound::unbind),
-        };
+        let w = PyWork { work, result: result.map(Bound::unbind) };
         Ok(Bound::new(py, w)?.into_any().unbind())
     }
 
@@ -103,9 +96,7 @@ impl PyProcessGroup {
             None => ProcessGroup::new(b),
             Some(r) => ProcessGroup::with_ranks(b, &r)?,
         };
-        Ok(PyProcessGroup {
-            inner: Arc::new(inner),
-        })
+        Ok(PyProcessGroup { inner: Arc::new(inner) })
     }
     /// Same as `ProcessGroup(backend, ranks)`.
     #[staticmethod]
@@ -115,15 +106,11 @@ impl PyProcessGroup {
     /// A group over a world of one rank.
     #[staticmethod]
     fn mock() -> Self {
-        PyProcessGroup {
-            inner: Arc::new(ProcessGroup::mock()),
-        }
+        PyProcessGroup { inner: Arc::new(ProcessGroup::mock()) }
     }
     /// The world backend this group was made from.
     fn backend(&self) -> PyBackend {
-        PyBackend {
-            inner: self.inner.backend().clone(),
-        }
+        PyBackend { inner: self.inner.backend().clone() }
     }
     /// This rank's global rank.
     fn rank(&self) -> usize {
@@ -187,13 +174,7 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
         let raw = a.raw;
-        self.run(
-            py,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
-        )
+        self.run(py, async_op, vec![a], None, Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)))
     }
     /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
     #[pyo3(signature = (buf, src=None, *, async_op=false))]
@@ -206,13 +187,7 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(writable(buf, "buf"))?;
         let (raw, root) = (a.raw, self.root_or_first(src));
-        self.run(
-            py,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
-        )
+        self.run(py, async_op, vec![a], None, Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)))
     }
     /// Concatenate every member's `send` into `recv` (shape `(size, *send.shape)`).
     #[pyo3(signature = (send, recv, *, async_op=false))]
@@ -223,8 +198,7 @@ impl PyProcessGroup {
         recv: &Bound<'_, PyAny>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let (s, r) =
-            self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
+        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
         let (sr, rr) = (s.raw, r.raw);
         self.run(
             py,
@@ -267,8 +241,7 @@ impl PyProcessGroup {
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let (s, r) = self.checked(
-            readable(send, "send")
-                .and_then(|s| Ok((s, recv.map(|r| writable(r, "recv")).transpose()?))),
+            readable(send, "send").and_then(|s| Ok((s, recv.map(|r| writable(r, "recv")).transpose()?))),
         )?;
         let (sr, rr) = (s.raw, r.as_ref().map(|r| r.raw));
         let arrays = std::iter::once(s).chain(r).collect();
@@ -277,9 +250,7 @@ impl PyProcessGroup {
             async_op,
             arrays,
             None,
-            Box::new(move |c| {
-                c.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst)
-            }),
+            Box::new(move |c| c.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst)),
         )
     }
     /// Split `src`'s `send` (None elsewhere) into one chunk per member's `recv`.
@@ -293,9 +264,7 @@ impl PyProcessGroup {
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let (s, r) = self.checked(
-            send.map(|s| readable(s, "send"))
-                .transpose()
-                .and_then(|s| Ok((s, writable(recv, "recv")?))),
+            send.map(|s| readable(s, "send")).transpose().and_then(|s| Ok((s, writable(recv, "recv")?))),
         )?;
         let (sr, rr) = (s.as_ref().map(|s| s.raw), r.raw);
         let arrays = s.into_iter().chain(std::iter::once(r)).collect();
@@ -304,9 +273,7 @@ impl PyProcessGroup {
             async_op,
             arrays,
             None,
-            Box::new(move |c| {
-                c.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src)
-            }),
+            Box::new(move |c| c.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src)),
         )
     }
     /// Reduce `buf` into global rank `dst`'s `buf`; the other members' buffers are left unchanged.
@@ -321,13 +288,7 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
         let raw = a.raw;
-        self.run(
-            py,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)),
-        )
+        self.run(py, async_op, vec![a], None, Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)))
     }
     /// Block until every member arrives.
     #[pyo3(signature = (*, async_op=false))]
@@ -346,13 +307,7 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(readable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(
-            py,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)),
-        )
+        self.run(py, async_op, vec![a], None, Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)))
     }
     /// Receive into `buf` from global rank `src` (dtype and size must match the send).
     #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
@@ -366,13 +321,7 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(writable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(
-            py,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
-        )
+        self.run(py, async_op, vec![a], None, Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)))
     }
 
     /// A new array: `t` reduced across the group.
@@ -417,16 +366,9 @@ impl PyProcessGroup {
     }
     /// A new array of shape `(size, *t.shape)`: every member's `t`, in group order.
     #[pyo3(signature = (t, *, async_op=false))]
-    fn all_gather_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
+    fn all_gather_tensor(&self, py: Python<'_>, t: &Bound<'_, PyAny>, async_op: bool) -> PyResult<Py<PyAny>> {
         let s = self.checked(readable(t, "t"))?;
-        let shape: Vec<usize> = std::iter::once(self.inner.size())
-            .chain(s.shape.iter().copied())
-            .collect();
+        let shape: Vec<usize> = std::iter::once(self.inner.size()).chain(s.shape.iter().copied()).collect();
         let out = zeros(py, s.raw.dtype, &shape);
         let r = writable(&out, "out")?;
         let (sr, rr) = (s.raw, r.raw);
@@ -456,9 +398,7 @@ impl PyProcessGroup {
                 s.shape
             ))));
         }
-        let shape: Vec<usize> = std::iter::once(first / n)
-            .chain(s.shape[1..].iter().copied())
-            .collect();
+        let shape: Vec<usize> = std::iter::once(first / n).chain(s.shape[1..].iter().copied()).collect();
         let out = zeros(py, s.raw.dtype, &shape);
         let r = writable(&out, "out")?;
         let (sr, rr) = (s.raw, r.raw);

@@ -20,9 +20,7 @@ impl PyWorld {
     /// The world of `backend` (the seed's `World::init`).
     #[new]
     fn new(backend: &PyBackend) -> Self {
-        PyWorld {
-            inner: World::init(backend.inner.clone()),
-        }
+        PyWorld { inner: World::init(backend.inner.clone()) }
     }
     /// Same as `World(backend)`.
     #[staticmethod]
@@ -32,15 +30,11 @@ impl PyWorld {
     /// A world of one rank.
     #[staticmethod]
     fn mock() -> Self {
-        PyWorld {
-            inner: World::init(Arc::new(MockBackend::single())),
-        }
+        PyWorld { inner: World::init(Arc::new(MockBackend::single())) }
     }
     /// The group of every rank.
     fn default_group(&self) -> PyProcessGroup {
-        PyProcessGroup {
-            inner: self.inner.default_group().clone(),
-        }
+        PyProcessGroup { inner: self.inner.default_group().clone() }
     }
     /// This process's rank.
     fn rank(&self) -> usize {
@@ -62,8 +56,6 @@ impl PyWorld {
     /// A subgroup of `ranks` (global). Every member must create it, in the same order as its other
     /// groups; on a non-member it is a handle whose collectives raise ValueError.
     fn new_group(&self, ranks: Vec<usize>) -> PyResult<PyProcessGroup> {
-        Ok(PyProcessGroup {
-            inner: Arc::new(self.inner.new_group(&ranks)?),
-        })
+        Ok(PyProcessGroup { inner: Arc::new(self.inner.new_group(&ranks)?) })
     }
 }

@@ -75,21 +75,12 @@ impl Mailbox {
         if now >= deadline {
             return Err((None, guard));
         }
-        let (g, _) = self
-            .changed
-            .wait_timeout(guard, SLICE.min(deadline - now))
-            .unwrap_or_else(|e| e.into_inner());
+        let (g, _) =
+            self.changed.wait_timeout(guard, SLICE.min(deadline - now)).unwrap_or_else(|e| e.into_inner());
         Ok(g)
     }
 
-    pub(crate) fn send(
-        &self,
-        world: &World,
-        src: usize,
-        dst: usize,
-        tag: u64,
-        buf: Buf<'_>,
-    ) -> Result<()> {
+    pub(crate) fn send(&self, world: &World, src: usize, dst: usize, tag: u64, buf: Buf<'_>) -> Result<()> {
         let eager = buf.byte_len() <= EAGER;
         let copy = eager.then(|| buf.bytes().to_vec());
         let data = copy.as_ref().map_or(buf.as_ptr(), |c| c.as_ptr());
@@ -100,16 +91,10 @@ impl Mailbox {
             _copy: copy,
             state: AtomicU8::new(QUEUED),
         });
-        let op = format!(
-            "send({} x {} to rank {dst}, tag {tag})",
-            buf.len(),
-            buf.dtype()
-        );
+        let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
-        q.entry((src, dst, tag))
-            .or_default()
-            .push_back(letter.clone());
+        q.entry((src, dst, tag)).or_default().push_back(letter.clone());
         self.changed.notify_all();
         if eager {
             return Ok(());
@@ -153,11 +138,7 @@ impl Mailbox {
         tag: u64,
         mut buf: BufMut<'_>,
     ) -> Result<()> {
-        let op = format!(
-            "recv({} x {} from rank {src}, tag {tag})",
-            buf.len(),
-            buf.dtype()
-        );
+        let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
         let letter = loop {
@@ -189,11 +170,5 @@ impl Mailbox {
 }
 
 fn timeout(rank: usize, op: String, world: &World, peer: usize) -> Error {
-    Error::Timeout {
-        rank,
-        op,
-        waited: world.timeout(),
-        missing: vec![peer],
-        group: vec![rank, peer],
-    }
+    Error::Timeout { rank, op, waited: world.timeout(), missing: vec![peer], group: vec![rank, peer] }
 }

@@ -67,10 +67,7 @@ impl Comm {
     fn new(members: Vec<usize>) -> Self {
         let page = Page {
             sig: Signature::new(CollKind::Barrier, 0, 0),
-            peer: Peer {
-                send: std::ptr::null(),
-                recv: std::ptr::null_mut(),
-            },
+            peer: Peer { send: std::ptr::null(), recv: std::ptr::null_mut() },
             inline: [0; INLINE / 8],
         };
         let slots = members
@@ -83,11 +80,7 @@ impl Comm {
                 })
             })
             .collect();
-        Comm {
-            members,
-            slots,
-            event: Event::default(),
-        }
+        Comm { members, slots, event: Event::default() }
     }
 
     /// A copy of member `j`'s page for call `k`. Only valid after seeing `arrive >= k` for `j`.
@@ -116,10 +109,7 @@ pub(crate) struct World {
 impl World {
     fn comm(&self, members: Vec<usize>, occurrence: usize) -> Arc<Comm> {
         let mut comms = self.comms.lock().unwrap_or_else(|e| e.into_inner());
-        comms
-            .entry((members.clone(), occurrence))
-            .or_insert_with(|| Arc::new(Comm::new(members)))
-            .clone()
+        comms.entry((members.clone(), occurrence)).or_insert_with(|| Arc::new(Comm::new(members))).clone()
     }
 
     pub(crate) fn check_abort(&self) -> Result<()> {
@@ -140,12 +130,7 @@ impl World {
             }
             self.aborted.store(true, Release);
         }
-        for comm in self
-            .comms
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for comm in self.comms.lock().unwrap_or_else(|e| e.into_inner()).values() {
             comm.event.notify(false);
         }
         self.mailbox.wake_all();
@@ -193,9 +178,7 @@ impl MockBackend {
             mailbox: Mailbox::default(),
         });
         let comm = world.comm((0..n).collect(), 0);
-        (0..n)
-            .map(|r| MockBackend::handle(&world, &comm, r, r))
-            .collect()
+        (0..n).map(|r| MockBackend::handle(&world, &comm, r, r)).collect()
     }
 
     /// A world of one rank: every collective is a local copy.
@@ -290,11 +273,7 @@ impl MockBackend {
             page.sig = sig;
             page.peer = call.mine;
             if inline {
-                std::ptr::copy_nonoverlapping(
-                    call.mine.send,
-                    page.inline.as_mut_ptr().cast(),
-                    bytes,
-                );
+                std::ptr::copy_nonoverlapping(call.mine.send, page.inline.as_mut_ptr().cast(), bytes);
             }
         }
         slot.arrive.store(k, Release);
@@ -302,18 +281,10 @@ impl MockBackend {
         self.wait_all(|s| &s.arrive, k, &sig)?;
 
         let pages: Vec<Page> = (0..comm.members.len()).map(|j| comm.page(j, k)).collect();
-        let calls: Vec<(usize, Signature)> = comm
-            .members
-            .iter()
-            .copied()
-            .zip(pages.iter().map(|p| p.sig))
-            .collect();
+        let calls: Vec<(usize, Signature)> =
+            comm.members.iter().copied().zip(pages.iter().map(|p| p.sig)).collect();
         if let Some(details) = describe_mismatch(&calls) {
-            return Err(self.fail(Error::Mismatch {
-                group: comm.members.clone(),
-                details,
-                calls,
-            }));
+            return Err(self.fail(Error::Mismatch { group: comm.members.clone(), details, calls }));
         }
         let peers: Vec<Peer> = pages.iter().map(|p| p.peer).collect();
         let (i, n, dt) = (self.index, call.count, call.dtype);
@@ -322,29 +293,17 @@ impl MockBackend {
         unsafe {
             match sig.kind {
                 CollKind::AllReduce if inline => {
-                    let inputs: Vec<*const u8> =
-                        pages.iter().map(|p| p.inline.as_ptr().cast()).collect();
-                    reduce_raw(
-                        dt,
-                        sig.op.unwrap_or(ReduceOp::Sum),
-                        &inputs,
-                        &[call.mine.recv],
-                        n,
-                    );
+                    let inputs: Vec<*const u8> = pages.iter().map(|p| p.inline.as_ptr().cast()).collect();
+                    reduce_raw(dt, sig.op.unwrap_or(ReduceOp::Sum), &inputs, &[call.mine.recv], n);
                     return Ok(());
                 }
                 CollKind::Barrier => return Ok(()),
                 CollKind::AllReduce => {
                     owner::reduce_owned(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n, None)
                 }
-                CollKind::Reduce => owner::reduce_owned(
-                    dt,
-                    sig.op.unwrap_or(ReduceOp::Sum),
-                    &peers,
-                    i,
-                    n,
-                    call.root,
-                ),
+                CollKind::Reduce => {
+                    owner::reduce_owned(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n, call.root)
+                }
                 CollKind::ReduceScatter => {
                     owner::reduce_scatter(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n)
                 }
@@ -384,30 +343,13 @@ impl Backend for MockBackend {
         self.execute(call::all_gather(self.members().len(), &send, &mut recv))
     }
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.execute(call::reduce_scatter(
-            self.members().len(),
-            &send,
-            &mut recv,
-            op,
-        ))
+        self.execute(call::reduce_scatter(self.members().len(), &send, &mut recv, op))
     }
     fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
-        self.execute(call::gather(
-            self.members(),
-            self.rank,
-            &send,
-            recv.as_mut(),
-            root,
-        ))
+        self.execute(call::gather(self.members(), self.rank, &send, recv.as_mut(), root))
     }
     fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
-        self.execute(call::scatter(
-            self.members(),
-            self.rank,
-            send.as_ref(),
-            &mut recv,
-            root,
-        ))
+        self.execute(call::scatter(self.members(), self.rank, send.as_ref(), &mut recv, root))
     }
     fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
         self.execute(call::reduce(self.members(), &mut buf, root, op))
@@ -419,38 +361,25 @@ impl Backend for MockBackend {
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
         call::peer(self.members(), self.rank, dst, "send to").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
-        self.world
-            .mailbox
-            .send(&self.world, self.rank, dst, tag, buf)
-            .map_err(|e| self.fail(e))
+        self.world.mailbox.send(&self.world, self.rank, dst, tag, buf).map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
         call::peer(self.members(), self.rank, src, "receive from").map_err(|e| self.fail(e))?;
         self.world.check_abort()?;
-        self.world
-            .mailbox
-            .recv(&self.world, src, self.rank, tag, buf)
-            .map_err(|e| self.fail(e))
+        self.world.mailbox.recv(&self.world, src, self.rank, tag, buf).map_err(|e| self.fail(e))
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
         let members = crate::group::validate_ranks(ranks, self.world.size)?;
         let index = call::index_of(&members, self.rank, "the calling")?;
         let occurrence = {
-            let mut counts = self.world.splits[self.rank]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut counts = self.world.splits[self.rank].lock().unwrap_or_else(|e| e.into_inner());
             let c = counts.entry(members.clone()).or_insert(0);
             *c += 1;
             *c
         };
         let comm = self.world.comm(members, occurrence);
-        Ok(Arc::new(MockBackend::handle(
-            &self.world,
-            &comm,
-            index,
-            self.rank,
-        )))
+        Ok(Arc::new(MockBackend::handle(&self.world, &comm, index, self.rank)))
     }
 
     fn abort(&self, reason: &str) {

@@ -132,9 +132,7 @@ impl Wait<'_> {
             if now >= next_slow {
                 slow().map_err(Stop::Failed)?;
                 if interrupted() {
-                    return Err(Stop::Failed(Error::Interrupted {
-                        op: self.op.to_string(),
-                    }));
+                    return Err(Stop::Failed(Error::Interrupted { op: self.op.to_string() }));
                 }
                 next_slow = now + SLICE;
             }
@@ -142,10 +140,7 @@ impl Wait<'_> {
                 return Err(Stop::TimedOut);
             }
             let nap = SLICE.min(self.deadline - now);
-            let ts = futex::Timespec {
-                tv_sec: nap.as_secs() as _,
-                tv_nsec: nap.subsec_nanos() as _,
-            };
+            let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
             // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the
             // futex returns at once instead of sleeping through it.

@@ -73,8 +73,7 @@ impl ShmBackend {
         let n = world.size;
         // Slot 0 is the world's communicator; marking it in use lets `abort` wake its waiters.
         let head = world.comm_head(0);
-        head.members
-            .store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
+        head.members.store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
         head.state.store(2, Release);
         Ok(ShmBackend {
             world,
@@ -112,31 +111,24 @@ impl ShmBackend {
     }
 
     /// Wait until every member's counter (picked by `which`) reaches `k`.
-    fn wait_all(
-        &self,
-        which: fn(&Ctrl) -> &std::sync::atomic::AtomicU64,
-        k: u64,
-        op: &str,
-    ) -> Result<()> {
+    fn wait_all(&self, which: fn(&Ctrl) -> &std::sync::atomic::AtomicU64, k: u64, op: &str) -> Result<()> {
         let n = self.members.len();
         let ready = || (0..n).all(|j| which(self.ctrl(j)).load(Acquire) >= k);
         let event = &self.world.comm_head(self.slot).event;
-        self.world
-            .wait(event, &self.members, op, ready)
-            .map_err(|e| {
-                self.fail(e.unwrap_or_else(|| {
-                    Error::Timeout {
-                        rank: self.world.rank,
-                        op: op.to_string(),
-                        waited: self.world.timeout,
-                        missing: (0..n)
-                            .filter(|&j| which(self.ctrl(j)).load(Acquire) < k)
-                            .map(|j| self.members[j])
-                            .collect(),
-                        group: self.members.clone(),
-                    }
-                }))
-            })
+        self.world.wait(event, &self.members, op, ready).map_err(|e| {
+            self.fail(e.unwrap_or_else(|| {
+                Error::Timeout {
+                    rank: self.world.rank,
+                    op: op.to_string(),
+                    waited: self.world.timeout,
+                    missing: (0..n)
+                        .filter(|&j| which(self.ctrl(j)).load(Acquire) < k)
+                        .map(|j| self.members[j])
+                        .collect(),
+                    group: self.members.clone(),
+                }
+            }))
+        })
     }
 
     /// This member's buffer as published: its segment offset, or why peers cannot address it.
@@ -205,11 +197,7 @@ impl ShmBackend {
         // peer has since arrived at k − 1 (we waited for that in call k − 1).
         unsafe {
             if oneshot && bytes > 0 {
-                std::ptr::copy_nonoverlapping(
-                    call.mine.send,
-                    self.block(me).add(slot * p.small),
-                    bytes,
-                );
+                std::ptr::copy_nonoverlapping(call.mine.send, self.block(me).add(slot * p.small), bytes);
             }
             std::ptr::write_volatile(ctrl.pages[slot].get(), page);
         }
@@ -218,9 +206,8 @@ impl ShmBackend {
         self.wait_all(|c| &c.arrive, k, &op)?;
 
         // SAFETY: every member published page `k % 2` before its `arrive = k`, acquired above.
-        let pages: Vec<Page> = (0..n)
-            .map(|j| unsafe { std::ptr::read_volatile(self.ctrl(j).pages[slot].get()) })
-            .collect();
+        let pages: Vec<Page> =
+            (0..n).map(|j| unsafe { std::ptr::read_volatile(self.ctrl(j).pages[slot].get()) }).collect();
         let mut calls = Vec::with_capacity(n);
         for (j, pg) in pages.iter().enumerate() {
             let s = wire::decode(pg.sig).filter(|s| s.seq == k).ok_or_else(|| {
@@ -232,11 +219,7 @@ impl ShmBackend {
             calls.push((self.members[j], s));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return Err(self.fail(Error::Mismatch {
-                group: self.members.clone(),
-                details,
-                calls,
-            }));
+            return Err(self.fail(Error::Mismatch { group: self.members.clone(), details, calls }));
         }
         let (dt, red) = (call.dtype, sig.op.unwrap_or(ReduceOp::Sum));
         if sig.kind == CollKind::Barrier || bytes == 0 {
@@ -327,30 +310,13 @@ impl Backend for ShmBackend {
         self.execute(call::all_gather(self.members.len(), &send, &mut recv))
     }
     fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.execute(call::reduce_scatter(
-            self.members.len(),
-            &send,
-            &mut recv,
-            op,
-        ))
+        self.execute(call::reduce_scatter(self.members.len(), &send, &mut recv, op))
     }
     fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
-        self.execute(call::gather(
-            &self.members,
-            self.world.rank,
-            &send,
-            recv.as_mut(),
-            root,
-        ))
+        self.execute(call::gather(&self.members, self.world.rank, &send, recv.as_mut(), root))
     }
     fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
-        self.execute(call::scatter(
-            &self.members,
-            self.world.rank,
-            send.as_ref(),
-            &mut recv,
-            root,
-        ))
+        self.execute(call::scatter(&self.members, self.world.rank, send.as_ref(), &mut recv, root))
     }
     fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
         self.execute(call::reduce(&self.members, &mut buf, root, op))
@@ -365,8 +331,7 @@ impl Backend for ShmBackend {
         super::p2p::send(&self.world, buf, dst, tag).map_err(|e| self.fail(e))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-        call::peer(&self.members, self.world.rank, src, "receive from")
-            .map_err(|e| self.fail(e))?;
+        call::peer(&self.members, self.world.rank, src, "receive from").map_err(|e| self.fail(e))?;
         self.world.check_abort("recv", None)?;
         super::p2p::recv(&self.world, buf, src, tag).map_err(|e| self.fail(e))
     }
@@ -396,16 +361,10 @@ impl Backend for ShmBackend {
         };
         // SAFETY: `off` starts `bytes` (rounded up) inside this rank's arena, within the mapping.
         let ptr = unsafe { self.world.map.base().add(off) };
-        let lease = Lease {
-            world: self.world.clone(),
-            off,
-            bytes,
-        };
+        let lease = Lease { world: self.world.clone(), off, bytes };
         let owner: Box<dyn Any + Send + Sync> = Box::new(lease);
         // SAFETY: the range is this allocation's alone until the lease returns it, and the lease keeps
         // the mapping alive (it holds the world).
-        Ok(Some(unsafe {
-            SharedMem::new(NonNull::new(ptr).expect("inside a mapping"), bytes, owner)
-        }))
+        Ok(Some(unsafe { SharedMem::new(NonNull::new(ptr).expect("inside a mapping"), bytes, owner) }))
     }
 }

@@ -55,11 +55,7 @@ impl Params {
         let large = world > 8;
         Params {
             world,
-            chunk: if large {
-                (world * 4096).max(256 << 10)
-            } else {
-                1 << 20
-            },
+            chunk: if large { (world * 4096).max(256 << 10) } else { 1 << 20 },
             small: if large { 16 << 10 } else { 64 << 10 },
             arena: arena.div_ceil(PAGE) * PAGE,
             cell: if large { 8 << 10 } else { 64 << 10 },
@@ -119,17 +115,7 @@ impl Layout {
         let block = 2 * params.small + 2 * params.chunk;
         let arenas = staging + (w + params.pool) * block;
         let total = arenas + w * params.arena;
-        Ok(Layout {
-            params,
-            comms,
-            comm_stride,
-            chans,
-            chan_stride,
-            staging,
-            block,
-            arenas,
-            total,
-        })
+        Ok(Layout { params, comms, comm_stride, chans, chan_stride, staging, block, arenas, total })
     }
 
     /// A number that changes whenever the shape of the shared structs does, so two builds that
@@ -143,9 +129,7 @@ impl Layout {
             size_of::<Page>(),
         ]
         .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &s| {
-            (h ^ s as u64).wrapping_mul(0x100_0000_01b3)
-        })
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &s| (h ^ s as u64).wrapping_mul(0x100_0000_01b3))
     }
 }
 
@@ -249,15 +233,7 @@ mod tests {
             assert!(l.chans + w * w * l.chan_stride <= l.staging);
             assert_eq!(l.staging + (w + l.params.pool) * l.block, l.arenas);
             assert_eq!(l.arenas + w * l.params.arena, l.total);
-            for off in [
-                l.comms,
-                l.chans,
-                l.chan_stride,
-                l.staging,
-                l.block,
-                l.arenas,
-                l.total,
-            ] {
+            for off in [l.comms, l.chans, l.chan_stride, l.staging, l.block, l.arenas, l.total] {
                 assert_eq!(off % PAGE, 0, "w={w}");
             }
             assert_eq!(l.comm_stride % 128, 0);

@@ -25,9 +25,7 @@ impl Liveness {
             }
             let p = Pid::from_raw(pid as i32)
                 .filter(|_| pid <= i32::MAX as u32)
-                .ok_or_else(|| {
-                    Error::invalid(format!("rank {r} published an invalid pid {pid}"))
-                })?;
+                .ok_or_else(|| Error::invalid(format!("rank {r} published an invalid pid {pid}")))?;
             match pidfd_open(p, PidfdFlags::empty()) {
                 Ok(fd) => fds.push(Some(fd)),
                 Err(rustix::io::Errno::SRCH) => {
@@ -37,44 +35,26 @@ impl Liveness {
                         detail: Some(format!("pid {pid} exited during the handshake")),
                     })
                 }
-                Err(e) => {
-                    return Err(Error::os(
-                        format!("pidfd_open of rank {r} (pid {pid})"),
-                        e.into(),
-                    ))
-                }
+                Err(e) => return Err(Error::os(format!("pidfd_open of rank {r} (pid {pid})"), e.into())),
             }
         }
-        Ok(Liveness {
-            fds,
-            pids: pids.to_vec(),
-        })
+        Ok(Liveness { fds, pids: pids.to_vec() })
     }
 
     /// The first of `ranks` whose process has exited, with its pid.
     pub(crate) fn first_dead(&self, ranks: &[usize]) -> Option<(usize, u32)> {
-        let watched: Vec<usize> = ranks
-            .iter()
-            .copied()
-            .filter(|&r| self.fds.get(r).is_some_and(Option::is_some))
-            .collect();
+        let watched: Vec<usize> =
+            ranks.iter().copied().filter(|&r| self.fds.get(r).is_some_and(Option::is_some)).collect();
         let mut polls: Vec<PollFd<'_>> = watched
             .iter()
             .filter_map(|&r| self.fds[r].as_ref())
             .map(|fd| PollFd::new(fd, PollFlags::IN))
             .collect();
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
+        let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
         // An interrupted or failed poll just means no verdict this slice; the next slice asks again.
         if poll(&mut polls, Some(&zero)).unwrap_or(0) == 0 {
             return None;
         }
-        polls
-            .iter()
-            .zip(&watched)
-            .find(|(p, _)| !p.revents().is_empty())
-            .map(|(_, &r)| (r, self.pids[r]))
+        polls.iter().zip(&watched).find(|(p, _)| !p.revents().is_empty()).map(|(_, &r)| (r, self.pids[r]))
     }
 }

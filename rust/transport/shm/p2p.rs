@@ -25,17 +25,12 @@ fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
 
 /// Send `buf` to `dst`; returns once `dst` has received all of it.
 pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-    let op = format!(
-        "send({} x {} to rank {dst}, tag {tag})",
-        buf.len(),
-        buf.dtype()
-    );
+    let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
     let mut st = lock(&w.sends[dst]);
     let (ch, cells) = w.chan(w.rank, dst);
     let peers = [dst];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, &op, ready)
-            .map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, dst)))
+        w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, dst)))
     };
     let m = st.msgs + 1;
     // SAFETY: only this rank's sender (holding the lock) writes the meta, and the receiver reads it
@@ -58,11 +53,7 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>
         // SAFETY: cell q % 2 was drained (chunk q − 2 consumed); the receiver reads it only after
         // `filled = q`.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                piece.as_ptr(),
-                cells.add((q % 2) as usize * cell),
-                piece.len(),
-            )
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), cells.add((q % 2) as usize * cell), piece.len())
         };
         ch.filled.store(q, Release);
         ch.event.notify(true);
@@ -74,17 +65,12 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>
 
 /// Receive into `buf` the next message from `src`, which must carry `tag`, `buf`'s dtype and length.
 pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-    let op = format!(
-        "recv({} x {} from rank {src}, tag {tag})",
-        buf.len(),
-        buf.dtype()
-    );
+    let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
     let mut st = lock(&w.recvs[src]);
     let (ch, cells) = w.chan(src, w.rank);
     let peers = [src];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, &op, ready)
-            .map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, src)))
+        w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, src)))
     };
     let m = st.msgs + 1;
     // SAFETY: the meta is read only after `posted >= m` (acquire), and the sender rewrites it only for
@@ -93,13 +79,12 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Res
     wait(&|| ch.posted.load(Acquire) >= m && meta()[0] == tag)?;
     let [_, dtype, count] = meta();
     st.msgs = m;
-    if DType::from_code(dtype as u8).filter(|_| dtype < 256) != Some(buf.dtype())
-        || count != buf.len() as u64
+    if DType::from_code(dtype as u8).filter(|_| dtype < 256) != Some(buf.dtype()) || count != buf.len() as u64
     {
         ch.answer.store(m << 1 | 1, Release);
         ch.event.notify(true);
-        let what = DType::from_code(dtype as u8)
-            .map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
+        let what =
+            DType::from_code(dtype as u8).map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
         return Err(Error::invalid(format!(
             "rank {}: {op} got a message of {count} x {what} from rank {src}: dtype or length differ",
             w.rank
@@ -113,11 +98,7 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Res
         wait(&|| ch.filled.load(Acquire) >= q)?;
         // SAFETY: chunk q is in cell q % 2 (acquired above) and the sender leaves it until we drain it.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                cells.add((q % 2) as usize * cell),
-                piece.as_mut_ptr(),
-                piece.len(),
-            )
+            std::ptr::copy_nonoverlapping(cells.add((q % 2) as usize * cell), piece.as_mut_ptr(), piece.len())
         };
         ch.drained.store(q, Release);
         ch.event.notify(true);

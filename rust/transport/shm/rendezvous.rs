@@ -32,10 +32,7 @@ pub(crate) struct Joined {
 /// Join the job described by `opts` (blocks until every rank has joined or the timeout passes).
 pub(crate) fn join(opts: &ShmOptions) -> Result<Joined> {
     if opts.world_size == 0 || opts.world_size > MAX_RANKS {
-        return Err(Error::invalid(format!(
-            "world_size must be 1..={}, got {}",
-            MAX_RANKS, opts.world_size
-        )));
+        return Err(Error::invalid(format!("world_size must be 1..={}, got {}", MAX_RANKS, opts.world_size)));
     }
     if opts.rank >= opts.world_size {
         return Err(Error::invalid(format!(
@@ -57,18 +54,11 @@ fn segment_name(opts: &ShmOptions) -> Result<Option<String>> {
     };
     if job.is_empty()
         || job.len() > 64
-        || !job
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        || !job.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     {
-        return Err(Error::invalid(format!(
-            "job id {job:?} must be 1-64 letters, digits, '-' or '_'"
-        )));
+        return Err(Error::invalid(format!("job id {job:?} must be 1-64 letters, digits, '-' or '_'")));
     }
-    Ok(Some(format!(
-        "/axonml-{}-{job}",
-        rustix::process::geteuid().as_raw()
-    )))
+    Ok(Some(format!("/axonml-{}-{job}", rustix::process::geteuid().as_raw())))
 }
 
 fn me() -> u32 {
@@ -83,10 +73,7 @@ fn register(m: &Mapping, rank: usize) {
 }
 
 fn pids(m: &Mapping, world: usize) -> Vec<u32> {
-    m.header().pids[..world]
-        .iter()
-        .map(|p| p.load(SeqCst))
-        .collect()
+    m.header().pids[..world].iter().map(|p| p.load(SeqCst)).collect()
 }
 
 fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -94,9 +81,7 @@ fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
 }
 
 fn remaining(deadline: Instant) -> Duration {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1))
+    deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
 }
 
 fn send_frame(s: &mut TcpStream, status: u8, body: &[u8]) -> std::io::Result<()> {
@@ -119,9 +104,7 @@ fn read_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<
 /// Ctrl-C while waiting for the other ranks ends the rendezvous.
 fn interrupted() -> Result<()> {
     if crate::transport::wait::interrupted() {
-        return Err(Error::Interrupted {
-            op: "rendezvous".into(),
-        });
+        return Err(Error::Interrupted { op: "rendezvous".into() });
     }
     Ok(())
 }
@@ -156,10 +139,7 @@ fn serve(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
     };
     let mut params = Params::new(n, opts.arena_bytes);
     // A tuning knob for benchmarks: the pipeline round size (the others learn it from the header).
-    if let Some(kib) = std::env::var("AXONML_SHM_CHUNK_KIB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
+    if let Some(kib) = std::env::var("AXONML_SHM_CHUNK_KIB").ok().and_then(|v| v.parse::<usize>().ok()) {
         params.chunk = kib << 10;
     }
     let layout = Layout::new(params)
@@ -194,11 +174,7 @@ fn serve(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         let _ = send_frame(c, OK, b"go");
     }
     let liveness = Liveness::open(&pids(&mapping, n), 0)?;
-    Ok(Joined {
-        mapping,
-        layout,
-        liveness,
-    })
+    Ok(Joined { mapping, layout, liveness })
 }
 
 /// Accept every rank's hello, answer with the segment, and wait until each has attached.
@@ -226,10 +202,7 @@ fn admit(
             Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                 interrupted()?;
                 if Instant::now() >= deadline {
-                    return Err(timeout(
-                        opts,
-                        (1..n).filter(|&r| conns[r].is_none()).collect(),
-                    ));
+                    return Err(timeout(opts, (1..n).filter(|&r| conns[r].is_none()).collect()));
                 }
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
@@ -239,26 +212,24 @@ fn admit(
         // Anything that is not a well-formed hello (a port scanner, a health check) is dropped unanswered.
         let mut hello = [0u8; 24];
         let ok = s.set_nonblocking(false).is_ok()
-            && s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(5))))
-                .is_ok()
+            && s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(5)))).is_ok()
             && s.read_exact(&mut hello).is_ok()
             && &hello[..8] == HELLO;
         if !ok {
             continue;
         }
-        let word =
-            |i: usize| u32::from_le_bytes(hello[i..i + 4].try_into().expect("4 bytes")) as usize;
+        let word = |i: usize| u32::from_le_bytes(hello[i..i + 4].try_into().expect("4 bytes")) as usize;
         let (rank, world, their_uid) = (word(8), word(12), word(16) as u32);
         let problem = if world != n {
-            Some(format!(
-                "rank {rank} was started with world_size {world}, but rank 0 has {n}"
-            ))
+            Some(format!("rank {rank} was started with world_size {world}, but rank 0 has {n}"))
         } else if rank == 0 || rank >= n {
             Some(format!("a process claims rank {rank}, outside 1..{n}"))
         } else if conns[rank].is_some() {
             Some(format!("two processes claim rank {rank}"))
         } else if their_uid != uid {
-            Some(format!("rank {rank} runs as uid {their_uid}, rank 0 as uid {uid}: all ranks must be one user"))
+            Some(format!(
+                "rank {rank} runs as uid {their_uid}, rank 0 as uid {uid}: all ranks must be one user"
+            ))
         } else {
             None
         };
@@ -297,9 +268,10 @@ fn connect(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         .map_err(|e| Error::os(format!("resolving MASTER_ADDR {}", opts.master_addr), e))?
         .collect();
     let mut s = loop {
-        if let Some(s) = addrs.iter().find_map(|a| {
-            TcpStream::connect_timeout(a, remaining(deadline).min(Duration::from_secs(1))).ok()
-        }) {
+        if let Some(s) = addrs
+            .iter()
+            .find_map(|a| TcpStream::connect_timeout(a, remaining(deadline).min(Duration::from_secs(1))).ok())
+        {
             break s;
         }
         interrupted()?;
@@ -310,24 +282,15 @@ fn connect(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
     };
     let _ = s.set_nodelay(true);
     let mut hello = HELLO.to_vec();
-    for w in [
-        opts.rank as u32,
-        n as u32,
-        rustix::process::geteuid().as_raw(),
-        me(),
-    ] {
+    for w in [opts.rank as u32, n as u32, rustix::process::geteuid().as_raw(), me()] {
         hello.extend_from_slice(&w.to_le_bytes());
     }
-    s.write_all(&hello)
-        .map_err(io_err("sending hello to rank 0"))?;
+    s.write_all(&hello).map_err(io_err("sending hello to rank 0"))?;
     let lost = |e: std::io::Error| {
         if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
             timeout(opts, vec![0])
         } else {
-            Error::os(
-                "rendezvous: rank 0 closed the connection (it failed; see its error)",
-                e,
-            )
+            Error::os("rendezvous: rank 0 closed the connection (it failed; see its error)", e)
         }
     };
     let (status, body) = read_frame(&mut s, deadline).map_err(lost)?;
@@ -341,15 +304,9 @@ fn connect(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         let split = body.len().checked_sub(16)?;
         let name = std::str::from_utf8(&body[..split]).ok()?;
         let valid = name.starts_with("/axonml-") && !name[1..].contains('/') && name.len() < 250;
-        valid.then(|| {
-            (
-                name.to_string(),
-                body[split..].try_into().expect("16 bytes"),
-            )
-        })
+        valid.then(|| (name.to_string(), body[split..].try_into().expect("16 bytes")))
     };
-    let (name, nonce) =
-        reply().ok_or_else(|| Error::invalid("rendezvous: malformed answer from rank 0"))?;
+    let (name, nonce) = reply().ok_or_else(|| Error::invalid("rendezvous: malformed answer from rank 0"))?;
     let (mapping, layout) = match segment::attach(&name, n, nonce) {
         Ok(x) => x,
         Err(e) => {
@@ -364,9 +321,5 @@ fn connect(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         return Err(Error::invalid("rendezvous: rank 0 gave up"));
     }
     let liveness = Liveness::open(&pids(&mapping, n), opts.rank)?;
-    Ok(Joined {
-        mapping,
-        layout,
-        liveness,
-    })
+    Ok(Joined { mapping, layout, liveness })
 }

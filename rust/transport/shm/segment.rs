@@ -46,10 +46,7 @@ impl Mapping {
 }
 
 fn refuse(name: &str, kind: io::ErrorKind, what: String) -> Error {
-    Error::os(
-        format!("refusing shared-memory segment {name}: {what}"),
-        io::Error::from(kind),
-    )
+    Error::os(format!("refusing shared-memory segment {name}: {what}"), io::Error::from(kind))
 }
 
 fn os(what: String) -> impl FnOnce(rustix::io::Errno) -> Error {
@@ -60,11 +57,7 @@ fn os(what: String) -> impl FnOnce(rustix::io::Errno) -> Error {
 fn check_file(fd: &rustix::fd::OwnedFd, name: &str) -> Result<usize> {
     let st = rustix::fs::fstat(fd).map_err(os(format!("fstat of {name}")))?;
     if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-        return Err(refuse(
-            name,
-            io::ErrorKind::InvalidInput,
-            "not a regular file".into(),
-        ));
+        return Err(refuse(name, io::ErrorKind::InvalidInput, "not a regular file".into()));
     }
     let me = rustix::process::geteuid().as_raw();
     if st.st_uid != me {
@@ -78,14 +71,10 @@ fn check_file(fd: &rustix::fd::OwnedFd, name: &str) -> Result<usize> {
         return Err(refuse(
             name,
             io::ErrorKind::PermissionDenied,
-            format!(
-                "mode {:o} gives other users access (expected 600)",
-                st.st_mode & 0o777
-            ),
+            format!("mode {:o} gives other users access (expected 600)", st.st_mode & 0o777),
         ));
     }
-    usize::try_from(st.st_size)
-        .map_err(|_| refuse(name, io::ErrorKind::InvalidData, "negative size".into()))
+    usize::try_from(st.st_size).map_err(|_| refuse(name, io::ErrorKind::InvalidData, "negative size".into()))
 }
 
 fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
@@ -101,10 +90,7 @@ fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
         )
     }
     .map_err(os(format!("mapping {name} ({len} bytes)")))?;
-    Ok(Mapping {
-        base: NonNull::new(p.cast()).expect("mmap never returns null on success"),
-        len,
-    })
+    Ok(Mapping { base: NonNull::new(p.cast()).expect("mmap never returns null on success"), len })
 }
 
 /// A random segment name: the name is the only secret between the ranks and other users' processes.
@@ -114,10 +100,7 @@ pub(crate) fn random_name() -> Result<String> {
         .and_then(|mut f| f.read_exact(&mut b))
         .map_err(|e| Error::os("reading /dev/urandom", e))?;
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!(
-        "/axonml-{}-{hex}",
-        rustix::process::geteuid().as_raw()
-    ))
+    Ok(format!("/axonml-{}-{hex}", rustix::process::geteuid().as_raw()))
 }
 
 /// 16 random bytes: the session nonce every attacher must present.
@@ -138,33 +121,28 @@ pub(crate) fn unlink(name: &str) {
 /// Create a segment exclusively under `name`, reserve its memory and write its header.
 /// On any failure the name is removed again.
 pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Mapping> {
-    let fd = shm::open(
-        name,
-        shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR,
-        Mode::RUSR | Mode::WUSR,
-    )
-    .map_err(|e| {
-        if e == rustix::io::Errno::EXIST {
-            refuse(
+    let fd =
+        shm::open(name, shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR, Mode::RUSR | Mode::WUSR)
+            .map_err(|e| {
+                if e == rustix::io::Errno::EXIST {
+                    refuse(
                 name,
                 io::ErrorKind::AlreadyExists,
                 "the name already exists (a stale segment of a crashed job with the same AXONML_JOB_ID, \
                  or someone else's file); remove it from /dev/shm or use a new job id"
                     .into(),
             )
-        } else {
-            Error::os(format!("creating shared-memory segment {name}"), e.into())
-        }
-    })?;
+                } else {
+                    Error::os(format!("creating shared-memory segment {name}"), e.into())
+                }
+            })?;
     let made = (|| {
         check_file(&fd, name)?;
-        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total as u64).map_err(os(
-            format!(
-                "reserving {} MiB for {name} in /dev/shm (too small? lower AXONML_SHM_ARENA_MB, or give \
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total as u64).map_err(os(format!(
+            "reserving {} MiB for {name} in /dev/shm (too small? lower AXONML_SHM_ARENA_MB, or give \
              containers more: --shm-size)",
-                layout.total >> 20
-            ),
-        ))?;
+            layout.total >> 20
+        )))?;
         let m = map(&fd, layout.total, name)?;
         // SAFETY: the fresh file is zero-filled (so every atomic starts at 0), and no one else can open
         // it before we send its name; the header fits in the first page.
@@ -183,8 +161,7 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
             (*h).arena = layout.params.arena as u64;
             (*h).cell = layout.params.cell as u64;
             (*h).pool = layout.params.pool as u64;
-            (*h).abort_peer
-                .store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+            (*h).abort_peer.store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(m)
     })();
@@ -200,11 +177,7 @@ pub(crate) fn attach(name: &str, world: usize, nonce: [u8; 16]) -> Result<(Mappi
         .map_err(os(format!("opening shared-memory segment {name}")))?;
     let size = check_file(&fd, name)?;
     if size < size_of::<Header>() {
-        return Err(refuse(
-            name,
-            io::ErrorKind::InvalidData,
-            format!("only {size} bytes long"),
-        ));
+        return Err(refuse(name, io::ErrorKind::InvalidData, format!("only {size} bytes long")));
     }
     let m = map(&fd, size, name)?;
     let layout = validate(m.header(), size, world, nonce)
@@ -244,10 +217,7 @@ pub(crate) fn validate(
     };
     let layout = Layout::new(params).map_err(|p| format!("bad layout parameter: {p}"))?;
     if layout.total != size || h.total as usize != size {
-        return Err(format!(
-            "size {size} does not match its layout ({} bytes)",
-            layout.total
-        ));
+        return Err(format!("size {size} does not match its layout ({} bytes)", layout.total));
     }
     Ok(layout)
 }
@@ -283,27 +253,15 @@ mod tests {
 
         let mut bad = header_for(&layout, nonce);
         bad.magic ^= 1;
-        assert!(validate(&bad, layout.total, 2, nonce)
-            .unwrap_err()
-            .contains("magic"));
+        assert!(validate(&bad, layout.total, 2, nonce).unwrap_err().contains("magic"));
         let mut bad = header_for(&layout, nonce);
         bad.version += 1;
-        assert!(validate(&bad, layout.total, 2, nonce)
-            .unwrap_err()
-            .contains("version"));
-        assert!(validate(&h, layout.total, 2, [8; 16])
-            .unwrap_err()
-            .contains("nonce"));
-        assert!(validate(&h, layout.total, 3, nonce)
-            .unwrap_err()
-            .contains("2 ranks"));
-        assert!(validate(&h, layout.total + PAGE, 2, nonce)
-            .unwrap_err()
-            .contains("size"));
+        assert!(validate(&bad, layout.total, 2, nonce).unwrap_err().contains("version"));
+        assert!(validate(&h, layout.total, 2, [8; 16]).unwrap_err().contains("nonce"));
+        assert!(validate(&h, layout.total, 3, nonce).unwrap_err().contains("2 ranks"));
+        assert!(validate(&h, layout.total + PAGE, 2, nonce).unwrap_err().contains("size"));
         let mut bad = header_for(&layout, nonce);
         bad.chunk = 12345;
-        assert!(validate(&bad, layout.total, 2, nonce)
-            .unwrap_err()
-            .contains("layout"));
+        assert!(validate(&bad, layout.total, 2, nonce).unwrap_err().contains("layout"));
     }
 }

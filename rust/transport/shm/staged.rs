@@ -106,9 +106,8 @@ impl Staged<'_> {
         // holds len <= region / e elements per owner, or <= chunk / e for whole-buffer kinds) and the
         // matching range of a private buffer; the steps order it against peers' accesses. `copy`
         // tolerates the in-place overlap of all_gather's own part.
-        let copy = |from: *const u8, to: *mut u8, elems: usize| unsafe {
-            std::ptr::copy(from, to, elems * e)
-        };
+        let copy =
+            |from: *const u8, to: *mut u8, elems: usize| unsafe { std::ptr::copy(from, to, elems * e) };
         let slice = |o: usize| owned(len, e, n, o);
         match self.kind {
             CollKind::AllReduce | CollKind::Reduce => {
@@ -121,13 +120,7 @@ impl Staged<'_> {
                 let s = slice(me);
                 if !s.is_empty() {
                     let inputs: Vec<*const u8> = (0..n)
-                        .map(|j| {
-                            if j == me {
-                                src(lo + s.start)
-                            } else {
-                                stage(j, me).cast_const()
-                            }
-                        })
+                        .map(|j| if j == me { src(lo + s.start) } else { stage(j, me).cast_const() })
                         .collect();
                     let mut outputs = vec![stage(me, me)];
                     if self.kind == CollKind::AllReduce || me == root {
@@ -153,13 +146,7 @@ impl Staged<'_> {
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let inputs: Vec<*const u8> = (0..n)
-                    .map(|j| {
-                        if j == me {
-                            src(me * self.count + lo)
-                        } else {
-                            stage(j, me).cast_const()
-                        }
-                    })
+                    .map(|j| if j == me { src(me * self.count + lo) } else { stage(j, me).cast_const() })
                     .collect();
                 // SAFETY: as above; the output is this member's own receive buffer.
                 unsafe { reduce_raw(self.dtype, self.op, &inputs, &[dst(lo)], len) };
@@ -194,11 +181,7 @@ impl Staged<'_> {
                 sync(3 * g + 1)?;
                 if self.kind == CollKind::AllGather || me == root {
                     for j in 0..n {
-                        let from = if j == me {
-                            src(lo)
-                        } else {
-                            stage(j, 0).cast_const()
-                        };
+                        let from = if j == me { src(lo) } else { stage(j, 0).cast_const() };
                         copy(from, dst(j * self.count + lo), len);
                     }
                 }

@@ -8,26 +8,15 @@ use crate::signature::{CollKind, Signature};
 const NONE: u64 = u64::MAX;
 
 pub(crate) fn encode(s: &Signature) -> [u64; 4] {
-    let codes = s.kind as u64
-        | (s.dtype.map_or(0, |d| d as u64) << 8)
-        | (s.op.map_or(0, |o| o as u64) << 16);
+    let codes = s.kind as u64 | (s.dtype.map_or(0, |d| d as u64) << 8) | (s.op.map_or(0, |o| o as u64) << 16);
     [s.seq, s.count, s.root.map_or(NONE, u64::from), codes]
 }
 
 fn kind(code: u8) -> Option<CollKind> {
     use CollKind::*;
-    [
-        AllReduce,
-        Broadcast,
-        AllGather,
-        ReduceScatter,
-        Gather,
-        Scatter,
-        Reduce,
-        Barrier,
-    ]
-    .into_iter()
-    .find(|k| *k as u8 == code)
+    [AllReduce, Broadcast, AllGather, ReduceScatter, Gather, Scatter, Reduce, Barrier]
+        .into_iter()
+        .find(|k| *k as u8 == code)
 }
 
 pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
@@ -62,12 +51,8 @@ mod tests {
     fn signatures_round_trip_and_garbage_is_refused() {
         let sigs = [
             Signature::new(CollKind::Barrier, 1, 0),
-            Signature::new(CollKind::AllReduce, 7, 1023)
-                .dtype(DType::F16)
-                .op(ReduceOp::Average),
-            Signature::new(CollKind::Scatter, u64::MAX - 1, 5)
-                .dtype(DType::I64)
-                .root(63),
+            Signature::new(CollKind::AllReduce, 7, 1023).dtype(DType::F16).op(ReduceOp::Average),
+            Signature::new(CollKind::Scatter, u64::MAX - 1, 5).dtype(DType::I64).root(63),
         ];
         for s in sigs {
             assert_eq!(decode(encode(&s)), Some(s));

@@ -92,19 +92,14 @@ impl Shared {
     }
 
     pub(crate) fn ctrl(&self, slot: usize, index: usize) -> &Ctrl {
-        let first =
-            self.layout.comms + slot * self.layout.comm_stride + std::mem::size_of::<CommHead>();
+        let first = self.layout.comms + slot * self.layout.comm_stride + std::mem::size_of::<CommHead>();
         self.at(first.next_multiple_of(128) + index * std::mem::size_of::<Ctrl>())
     }
 
     /// The staging block `block` (see the layout): two one-shot slots, then two pipeline buffers.
     pub(crate) fn block(&self, block: usize) -> *mut u8 {
         // SAFETY: block < world + pool (checked when blocks are handed out), inside the staging region.
-        unsafe {
-            self.map
-                .base()
-                .add(self.layout.staging + block * self.layout.block)
-        }
+        unsafe { self.map.base().add(self.layout.staging + block * self.layout.block) }
     }
 
     /// The channel from `src` to `dst`: its control lines and its two cells.
@@ -126,8 +121,7 @@ impl Shared {
     pub(crate) fn offset_of(&self, ptr: *const u8, bytes: usize) -> Option<u64> {
         let addr = (ptr as usize).checked_sub(self.map.base() as usize)?;
         let mine = self.arena(self.rank);
-        (bytes > 0 && addr >= mine.start && addr.checked_add(bytes)? <= mine.end)
-            .then_some(addr as u64)
+        (bytes > 0 && addr >= mine.start && addr.checked_add(bytes)? <= mine.end).then_some(addr as u64)
     }
 
     /// The local address of `bytes` at offset `off` of `rank`'s arena, or `None` if out of bounds
@@ -173,11 +167,7 @@ impl Shared {
         let bytes = unsafe { std::ptr::read_volatile(h.abort_reason.get()) };
         let reason = String::from_utf8_lossy(&bytes[..len]).into_owned();
         if peer != u32::MAX {
-            return Err(Error::PeerDied {
-                peer: peer as usize,
-                op: op.to_string(),
-                detail: Some(reason),
-            });
+            return Err(Error::PeerDied { peer: peer as usize, op: op.to_string(), detail: Some(reason) });
         }
         match waiting {
             Some(group) if missing != 0 => Err(Error::Timeout {
@@ -194,27 +184,17 @@ impl Shared {
     /// Abort the world on behalf of this rank (the first abort wins) and wake every waiter.
     pub(crate) fn abort(&self, reason: &str, cause: Cause) {
         let h = self.header();
-        if h.abort_state
-            .compare_exchange(0, 1, AcqRel, Acquire)
-            .is_ok()
-        {
+        if h.abort_state.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
             let bytes = reason.as_bytes();
             let len = bytes.len().min(REASON);
             // SAFETY: only the CAS winner writes the reason, once, before publishing state 2.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    bytes.as_ptr(),
-                    h.abort_reason.get().cast::<u8>(),
-                    len,
-                )
-            };
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), h.abort_reason.get().cast::<u8>(), len) };
             h.abort_by.store(self.rank as u32, Relaxed);
             if let Cause::Dead(peer) = cause {
                 h.abort_peer.store(peer as u32, Relaxed);
             }
             if let Cause::Missing(ranks) = cause {
-                h.abort_missing
-                    .store(ranks.iter().fold(0, |m, r| m | 1 << r), Relaxed);
+                h.abort_missing.store(ranks.iter().fold(0, |m, r| m | 1 << r), Relaxed);
             }
             h.abort_len.store(len as u32, Relaxed);
             h.abort_state.store(2, Release);
@@ -240,11 +220,7 @@ impl Shared {
             Some((peer, pid)) => {
                 let detail = format!("rank {peer} (pid {pid}) exited during {op}");
                 self.abort(&detail, Cause::Dead(peer));
-                Err(Error::PeerDied {
-                    peer,
-                    op: op.to_string(),
-                    detail: Some(format!("pid {pid} exited")),
-                })
+                Err(Error::PeerDied { peer, op: op.to_string(), detail: Some(format!("pid {pid} exited")) })
             }
         }
     }
@@ -266,11 +242,7 @@ impl Shared {
             deadline: Instant::now() + self.timeout,
             op,
         };
-        match w.until(
-            ready,
-            || self.check_abort(op, Some(ranks)),
-            || self.check_alive(ranks, op),
-        ) {
+        match w.until(ready, || self.check_abort(op, Some(ranks)), || self.check_alive(ranks, op)) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(Some(e)),
             Err(Stop::TimedOut) => Err(None),
@@ -290,19 +262,12 @@ impl Shared {
         // for the same key either finds it or claims the same first free slot (module docs of `shm`).
         for slot in 1..MAX_COMMS {
             let c = self.comm_head(slot);
-            if c.state
-                .compare_exchange(FREE, CLAIMING, AcqRel, Acquire)
-                .is_ok()
-            {
+            if c.state.compare_exchange(FREE, CLAIMING, AcqRel, Acquire).is_ok() {
                 c.members.store(mask, Relaxed);
                 c.occurrence.store(occurrence, Relaxed);
                 let pool = self.layout.params.pool as u32;
                 let first = self.header().pool_next.fetch_add(n as u32, AcqRel);
-                let first = if first + n as u32 <= pool {
-                    self.size as u32 + first
-                } else {
-                    NO_BLOCKS
-                };
+                let first = if first + n as u32 <= pool { self.size as u32 + first } else { NO_BLOCKS };
                 c.first_block.store(first, Relaxed);
                 c.state.store(READY, Release);
                 self.header().event.notify(true);
@@ -328,9 +293,7 @@ impl Shared {
                     return Err(no_blocks());
                 }
                 // Written by a peer: check it before addressing staging with it.
-                if (first as usize)
-                    .checked_add(n)
-                    .is_none_or(|end| end > self.size + self.layout.params.pool)
+                if (first as usize).checked_add(n).is_none_or(|end| end > self.size + self.layout.params.pool)
                 {
                     return Err(Error::invalid(format!(
                         "{op}: communicator slot {slot} names staging blocks outside the segment (corrupted?)"
@@ -407,11 +370,7 @@ mod tests {
         assert_eq!((a, b, c), (0, 128, 192));
         assert_eq!(f.take(1024), None, "full");
         f.give(b, 64);
-        assert_eq!(
-            f.take(65),
-            Some(256),
-            "a freed 64-byte hole does not fit 128"
-        );
+        assert_eq!(f.take(65), Some(256), "a freed 64-byte hole does not fit 128");
         assert_eq!(f.take(64), Some(128), "but fits 64");
         f.give(128, 64);
         f.give(a, 100);
