@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -171,3 +173,37 @@ def test_without_an_mpi_library_the_error_says_what_to_install(monkeypatch: pyte
     with pytest.raises(ImportError, match=r'pip install "axonml-distributed\[mpi\]"') as info:
         importlib.import_module("axonml_distributed.mpi")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@needs_mpi
+@pytest.mark.timeout(180)
+def test_the_mpi_bench_prints_raw_and_ours_with_and_without_the_check() -> None:
+    # Through the bench command, which launches the mpiexec job itself. No timing assertions: the
+    # numbers only have to be there and make sense.
+    cmd = [sys.executable, "-m", "axonml_distributed.bench", "--backend", "mpi", "--ranks", "2"]
+    cmd += ["--sizes", "8,65536", "--json", "--timeout", "120"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = result.stdout.splitlines()
+    report = json.loads(lines[-1])
+    assert [(row["ranks"], row["bytes"]) for row in report["all_reduce"]] == [(2, 8), (2, 65536)]
+    for row in report["all_reduce"]:
+        for name in ("raw", "checked", "unchecked"):
+            assert row[f"{name}_s"] > 0 and row[f"{name}_busbw_gbps"] > 0
+        assert row["checked_over_raw"] > 0 and row["unchecked_over_raw"] > 0
+    # The table: one row per size with both ratios, and the 8-byte target line.
+    for size in ("8 B", "64 KiB"):
+        row = next(line for line in lines if line.lstrip().startswith(f"{size} |"))
+        assert len(re.findall(r"\d+\.\d\dx", row)) == 2, row
+    assert any(line.startswith("target at 8 B: ours/raw <= 2.0x; check on ") for line in lines)
+
+
+def test_without_mpiexec_the_bench_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench_mpi = importlib.import_module("axonml_distributed.bench_mpi")
+    monkeypatch.setattr(bench_mpi, "find_mpiexec", lambda: None)
+    for variable in bench_mpi.MPI_JOB_VARIABLES:  # as if run outside any MPI job
+        monkeypatch.delenv(variable, raising=False)
+    assert bench_mpi.main(["--backend", "mpi", "--ranks", "2"]) == 2
+    assert 'mpiexec was not found: pip install "axonml-distributed[mpi]"' in capsys.readouterr().err

@@ -12,10 +12,13 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
   operation and calls MPI_Abort: the whole job dies.
 - Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
-  sequence number) with one small allreduce; on disagreement every rank raises CollectiveMismatchError
-  naming the ranks that differ, no data moves, and the group stays usable. A rank whose arguments are
-  invalid takes part with an "invalid" signature and raises its TypeError/ValueError, so its peers fail
-  at once instead of timing out. Without the check, mismatched calls are undefined behaviour in MPI.
+  sequence number) with one small allreduce (a persistent one with MPI 4); on disagreement every rank
+  raises CollectiveMismatchError naming the ranks that differ, no data moves, and the group stays usable.
+  A rank whose arguments are invalid takes part with an "invalid" signature and raises its
+  TypeError/ValueError, so its peers fail at once instead of timing out. Without the check, mismatched
+  calls are undefined behaviour in MPI. Its cost: `python -m axonml_distributed.bench --backend mpi`.
+- Small messages: Python overhead is most of the time of an 8-byte all_reduce, so a blocking all_reduce
+  with nothing pending takes a short path (`_all_reduce_now`) and waits start with a tight Test spin.
 """
 
 from __future__ import annotations
@@ -39,15 +42,16 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
 
 from axonml_distributed.exceptions import CollectiveMismatchError
 from axonml_distributed.mpi_work import (
+    FLOAT16_CODE,
     KIND_CODES,
     Finish,
     MpiWork,
+    Op,
     OpArg,
     OpQueue,
     Result,
     check_signatures,
     companion,
-    dtype_code,
     invalid_signature,
     is_int,
     readable,
@@ -61,6 +65,7 @@ from axonml_distributed.mpi_work import (
 __all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
 
 DEFAULT_TIMEOUT_S = 300.0
+ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
 
 
 def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
@@ -74,21 +79,20 @@ def init_mpi_process_group(timeout: float | None = None, check_signatures: bool 
     return MpiProcessGroup(world.Dup(), ranks, world.Get_rank(), timeout, check_signatures)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Call:
-    """A validated collective, ready to issue: the MPI call, its post-processing, and its signature."""
+    """A validated collective, ready to issue: the MPI call (its partial holds every buffer of the
+    operation), its post-processing and result, and its signature. Not frozen: this is built on every
+    call, and a frozen dataclass's __init__ costs a microsecond."""
 
     start: Callable[[], MPI.Request]
-    finish: Finish
     nbytes: int
+    finish: Finish = None
+    result: Result = None
     dtype: int = -1
     count: int = -1
     root: int = -1
     op: int = -1
-
-
-def _done(result: Result) -> Finish:
-    return lambda _status: result
 
 
 class MpiProcessGroup:
@@ -103,7 +107,7 @@ class MpiProcessGroup:
         self._rank = rank
         self._timeout = timeout
         self._check = check
-        self._queue = None if comm is None else OpQueue(comm, timeout)
+        self._queue = None if comm is None else OpQueue(comm, timeout, check)
 
     def __repr__(self) -> str:
         return f"MpiProcessGroup(rank={self._rank}, ranks={self._ranks})"
@@ -136,7 +140,7 @@ class MpiProcessGroup:
 
     def empty(self, shape: int | Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
         out = np.empty(shape, dtype)
-        transport_dtype(out, "empty")
+        transport_dtype(out, "empty")  # raises for dtypes MPI cannot carry
         return out
 
     def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
@@ -161,87 +165,100 @@ class MpiProcessGroup:
     # --- collectives -------------------------------------------------------------------------------
 
     def all_reduce(self, buf: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
-        plan = partial(self._all_reduce, buf=buf, op=op, result=None)
-        return _inplace(self._collective("all_reduce", plan), async_op)
+        queue = self._member_queue("all_reduce")
+        with queue.lock:
+            if not async_op and queue.idle():
+                direct = _direct_all_reduce(buf, op)
+                if direct is not None:
+                    self._all_reduce_now(queue, buf, *direct)
+                    return None
+
+            def plan(comm: MPI.Intracomm) -> _Call:
+                return self._all_reduce(comm, buf, op, None)
+
+            return _inplace(self._issue(queue, "all_reduce", plan, async_op))
 
     def broadcast(self, buf: np.ndarray, src: int | None = None, *, async_op: bool = False) -> MpiWork | None:
-        plan = partial(self._broadcast, buf=buf, src=src, result=None)
-        return _inplace(self._collective("broadcast", plan), async_op)
+        return _inplace(
+            self._collective("broadcast", lambda comm: self._broadcast(comm, buf, src, None), async_op)
+        )
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray, *, async_op: bool = False) -> MpiWork | None:
-        plan = partial(self._all_gather, send=send, recv=recv, result=None)
-        return _inplace(self._collective("all_gather", plan), async_op)
+        return _inplace(
+            self._collective("all_gather", lambda comm: self._all_gather(comm, send, recv, None), async_op)
+        )
 
     def reduce_scatter(
         self, send: np.ndarray, recv: np.ndarray, op: OpArg = None, *, async_op: bool = False
     ) -> MpiWork | None:
-        plan = partial(self._reduce_scatter, send=send, recv=recv, op=op, result=None)
-        return _inplace(self._collective("reduce_scatter", plan), async_op)
+        def plan(comm: MPI.Intracomm) -> _Call:
+            return self._reduce_scatter(comm, send, recv, op, None)
+
+        return _inplace(self._collective("reduce_scatter", plan, async_op))
 
     def gather(
         self, send: np.ndarray, recv: np.ndarray | None, dst: int, *, async_op: bool = False
     ) -> MpiWork | None:
         def plan(comm: MPI.Intracomm) -> _Call:
-            dt = readable(send, "gather send")
+            code, dt = readable(send, "gather send")
             root = self._member_index(dst, "gather", "dst")
             recv_spec = None
             if self._rank == dst:
                 companion(send, recv, self.size() * send.size, "gather recv", write=True)
                 recv_spec = [recv, dt]
             start = partial(comm.Igather, [send, dt], recv_spec, root)
-            return _Call(start, _done(None), send.nbytes * self.size(), dtype_code(send), send.size, root)
+            return _Call(start, send.nbytes * self.size(), dtype=code, count=send.size, root=root)
 
-        return _inplace(self._collective("gather", plan), async_op)
+        return _inplace(self._collective("gather", plan, async_op))
 
     def scatter(
         self, send: np.ndarray | None, recv: np.ndarray, src: int, *, async_op: bool = False
     ) -> MpiWork | None:
         def plan(comm: MPI.Intracomm) -> _Call:
-            dt = writable(recv, "scatter recv")
+            code, dt = writable(recv, "scatter recv")
             root = self._member_index(src, "scatter", "src")
             send_spec = None
             if self._rank == src:
                 companion(recv, send, self.size() * recv.size, "scatter send", write=False)
                 send_spec = [send, dt]
             start = partial(comm.Iscatter, send_spec, [recv, dt], root)
-            return _Call(start, _done(None), recv.nbytes * self.size(), dtype_code(recv), recv.size, root)
+            return _Call(start, recv.nbytes * self.size(), dtype=code, count=recv.size, root=root)
 
-        return _inplace(self._collective("scatter", plan), async_op)
+        return _inplace(self._collective("scatter", plan, async_op))
 
     def reduce(
         self, buf: np.ndarray, dst: int, op: OpArg = None, *, async_op: bool = False
     ) -> MpiWork | None:
         def plan(comm: MPI.Intracomm) -> _Call:
-            writable(buf, "reduce")
+            code, dt = writable(buf, "reduce")
             root = self._member_index(dst, "reduce", "dst")
             rop = resolve_op(op, buf.dtype, "reduce")
             # MPI leaves non-root buffers untouched, and so do we.
             is_root = self._rank == dst
-            data, dt, finish = reduction_buffer(buf, rop, self.size(), copy_in=True, write_back=is_root)
+            data, dt, finish = reduction_buffer(buf, dt, rop, self.size(), copy_in=True, write_back=is_root)
             send_spec, recv_spec = (MPI.IN_PLACE, [data, dt]) if is_root else ([data, dt], None)
             start = partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root)
-            return _Call(start, finish, buf.nbytes, dtype_code(buf), buf.size, root, rop.code)
+            return _Call(start, buf.nbytes, finish, None, code, buf.size, root, rop.code)
 
-        return _inplace(self._collective("reduce", plan), async_op)
+        return _inplace(self._collective("reduce", plan, async_op))
 
     def barrier(self, *, async_op: bool = False) -> MpiWork | None:
-        return _inplace(
-            self._collective("barrier", lambda comm: _Call(comm.Ibarrier, _done(None), 0)), async_op
-        )
+        return _inplace(self._collective("barrier", lambda comm: _Call(comm.Ibarrier, 0), async_op))
 
     def send(self, buf: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         queue = self._member_queue("send")
-        dt = readable(buf, "send")
+        _, dt = readable(buf, "send")
         peer = self._peer(dst, tag, "send", "dst")
-        describe = f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+
+        def describe() -> str:
+            return f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+
         with queue.lock:
-            work = queue.submit(
-                queue.comm.Isend([buf, dt], peer, tag), buf, _done(None), buf.nbytes, describe
-            )
-        return _inplace(work, async_op)
+            req = queue.comm.Isend([buf, dt], peer, tag)
+            return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op))
 
     def recv(self, buf: np.ndarray, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
-        return _inplace(self._recv(buf, src, tag, None), async_op)
+        return _inplace(self._recv(buf, src, tag, None, async_op))
 
     # --- returning variants (the output is allocated inside the plan, so a bad input still takes part
     # in the signature check and peers fail at once) ---------------------------------------------------
@@ -251,7 +268,7 @@ class MpiProcessGroup:
             out = np.array(t, order="C")
             return self._all_reduce(comm, out, op, out)
 
-        return _returning(self._collective("all_reduce", plan), async_op)
+        return self._collective("all_reduce", plan, async_op)
 
     def broadcast_tensor(self, t: np.ndarray, src: int | None = None, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
@@ -261,7 +278,7 @@ class MpiProcessGroup:
             out = np.array(arr, order="C") if is_src else np.empty(arr.shape, arr.dtype)
             return self._broadcast(comm, out, src, out)
 
-        return _returning(self._collective("broadcast", plan), async_op)
+        return self._collective("broadcast", plan, async_op)
 
     def all_gather_tensor(self, t: np.ndarray, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
@@ -269,7 +286,7 @@ class MpiProcessGroup:
             out = np.empty((self.size(), *send.shape), send.dtype)
             return self._all_gather(comm, send, out, out)
 
-        return _returning(self._collective("all_gather", plan), async_op)
+        return self._collective("all_gather", plan, async_op)
 
     def reduce_scatter_tensor(self, t: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
@@ -282,7 +299,7 @@ class MpiProcessGroup:
             out = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
             return self._reduce_scatter(comm, send, out, op, out)
 
-        return _returning(self._collective("reduce_scatter", plan), async_op)
+        return self._collective("reduce_scatter", plan, async_op)
 
     def send_tensor(self, t: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         return self.send(np.ascontiguousarray(t), dst, tag, async_op=async_op)
@@ -297,79 +314,107 @@ class MpiProcessGroup:
         async_op: bool = False,
     ) -> Any:
         out = np.empty(shape, dtype)
-        return _returning(self._recv(out, src, tag, out), async_op)
+        return self._recv(out, src, tag, out, async_op)
 
     # --- plans: validate, then describe the MPI call -------------------------------------------------
 
     def _all_reduce(self, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> _Call:
-        writable(buf, "all_reduce")
+        code, dt = writable(buf, "all_reduce")
         rop = resolve_op(op, buf.dtype, "all_reduce")
-        data, dt, finish = reduction_buffer(
-            buf, rop, self.size(), copy_in=True, write_back=True, result=result
-        )
+        data, dt, finish = reduction_buffer(buf, dt, rop, len(self._ranks), copy_in=True, write_back=True)
         start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
-        return _Call(start, finish, buf.nbytes, dtype_code(buf), buf.size, -1, rop.code)
+        return _Call(start, buf.nbytes, finish, result, code, buf.size, -1, rop.code)
 
     def _broadcast(self, comm: MPI.Intracomm, buf: np.ndarray, src: int | None, result: Result) -> _Call:
-        dt = writable(buf, "broadcast")
+        code, dt = writable(buf, "broadcast")
         root = 0 if src is None else self._member_index(src, "broadcast", "src")
         start = partial(comm.Ibcast, [buf, dt], root)
-        return _Call(start, _done(result), buf.nbytes, dtype_code(buf), buf.size, root)
+        return _Call(start, buf.nbytes, None, result, code, buf.size, root)
 
     def _all_gather(self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, result: Result) -> _Call:
-        dt = readable(send, "all_gather send")
+        code, dt = readable(send, "all_gather send")
         companion(send, recv, self.size() * send.size, "all_gather recv", write=True)
         start = partial(comm.Iallgather, [send, dt], [recv, dt])
-        return _Call(start, _done(result), recv.nbytes, dtype_code(send), send.size)
+        return _Call(start, recv.nbytes, None, result, code, send.size)
 
     def _reduce_scatter(
         self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
     ) -> _Call:
-        dt = writable(recv, "reduce_scatter recv")
+        code, dt = writable(recv, "reduce_scatter recv")
         companion(recv, send, self.size() * recv.size, "reduce_scatter send", write=False)
         rop = resolve_op(op, recv.dtype, "reduce_scatter")
-        data, dt, finish = reduction_buffer(
-            recv, rop, self.size(), copy_in=False, write_back=True, result=result
-        )
+        data, dt, finish = reduction_buffer(recv, dt, rop, self.size(), copy_in=False, write_back=True)
         source = send.astype(np.float32) if data is not recv else send
         start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
-        return _Call(start, finish, send.nbytes, dtype_code(send), send.size, -1, rop.code)
+        return _Call(start, send.nbytes, finish, result, code, send.size, -1, rop.code)
 
-    def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result) -> MpiWork:
+    def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result, async_op: bool) -> MpiWork | Result:
         queue = self._member_queue("recv")
-        dt = writable(buf, "recv")
+        _, dt = writable(buf, "recv")
         peer = self._peer(src, tag, "recv", "src")
-        describe = f"recv(src={src}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
 
-        def finish(status: MPI.Status) -> Result:
+        def describe() -> str:
+            return f"recv(src={src}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+
+        def finish(status: MPI.Status) -> None:
             got = status.Get_count(dt)
             if got != buf.size:
                 # MPI accepts a shorter message silently; the package treats it as a size mismatch.
-                raise CollectiveMismatchError(f"{describe}: the sender sent {got} elements")
-            return result
+                raise CollectiveMismatchError(f"{describe()}: the sender sent {got} elements")
 
         with queue.lock:
-            work = queue.submit(queue.comm.Irecv([buf, dt], peer, tag), buf, finish, buf.nbytes, describe)
-        return work
+            req = queue.comm.Irecv([buf, dt], peer, tag)
+            return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op)
 
-    def _collective(self, kind: str, plan: Callable[[MPI.Intracomm], _Call]) -> MpiWork:
-        """Validate and issue a collective, after the signature check when it is on."""
+    def _collective(
+        self, kind: str, plan: Callable[[MPI.Intracomm], _Call], async_op: bool
+    ) -> MpiWork | Result:
+        """Validate and issue a collective, after the signature check when it is on: its handle with
+        `async_op`, else its result once complete."""
         queue = self._member_queue(kind)
         with queue.lock:
-            queue.seq += 1
-            what = f"{kind} (seq {queue.seq}) in MPI group {self._ranks}"
-            try:
-                call = plan(queue.comm)
-            except (TypeError, ValueError):
-                if self._check:
-                    check_signatures(queue, invalid_signature(KIND_CODES[kind], queue.seq), self._ranks, what)
-                raise
+            return self._issue(queue, kind, plan, async_op)
+
+    def _issue(
+        self, queue: OpQueue, kind: str, plan: Callable[[MPI.Intracomm], _Call], async_op: bool
+    ) -> MpiWork | Result:
+        """`_collective` with the queue's lock held."""
+        code = KIND_CODES[kind]
+        queue.seq += 1
+        seq = queue.seq
+        describe = partial(self._describe, kind, seq)
+        try:
+            call = plan(queue.comm)
+        except (TypeError, ValueError):
             if self._check:
-                mine = signature(KIND_CODES[kind], call.dtype, call.count, call.root, call.op, queue.seq)
-                check_signatures(queue, mine, self._ranks, what)
-            # The call's start partial holds every buffer of the operation.
-            work = queue.submit(call.start(), call.start, call.finish, call.nbytes, what)
-        return work
+                check_signatures(queue, invalid_signature(code, seq), self._ranks, describe)
+            raise
+        if self._check:
+            mine = signature(1, code, call.dtype, call.count, call.root, call.op, seq)
+            check_signatures(queue, mine, self._ranks, describe)
+        return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
+
+    def _all_reduce_now(self, queue: OpQueue, buf: np.ndarray, code: int, dt: MPI.Datatype, rop: Op) -> None:
+        """A blocking all_reduce on an idle queue, of valid arguments that MPI reduces as they are (not
+        float16): `_issue` and `queue.run` for this one case, without the plan, handle and closures that
+        cost more than the MPI call itself for small messages."""
+        queue.seq += 1
+        # Errors here are raised before the lock is released, while queue.seq is still this call's: the
+        # bound method describes it without building a partial per call.
+        describe = self._describe_current_all_reduce
+        if self._check:
+            mine = signature(1, ALL_REDUCE_CODE, code, buf.size, -1, rop.code, queue.seq)
+            check_signatures(queue, mine, self._ranks, describe)
+        req = queue.comm.Iallreduce(MPI.IN_PLACE, [buf, dt], rop.mpi_op)
+        queue.wait_request(req, buf.nbytes, describe)
+        if rop.average:
+            np.divide(buf, len(self._ranks), out=buf)
+
+    def _describe(self, kind: str, seq: int) -> str:
+        return f"{kind} (seq {seq}) in MPI group {self._ranks}"
+
+    def _describe_current_all_reduce(self) -> str:
+        return self._describe("all_reduce", self._member_queue("all_reduce").seq)
 
     def _member_queue(self, what: str) -> OpQueue:
         if self._queue is None:
@@ -392,14 +437,19 @@ class MpiProcessGroup:
         return peer
 
 
-# In-place operations return their MpiWork with async_op, else None once complete; the *_tensor ones
-# return the MpiWork or the new array (typed Any, like the native groups).
-def _inplace(work: MpiWork, async_op: bool) -> MpiWork | None:
-    if async_op:
-        return work
-    work.wait()
-    return None
+def _direct_all_reduce(buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, Op] | None:
+    """dtype code, MPI datatype and op of an all_reduce that MPI performs on `buf` itself, or None: for
+    float16 (reduced in a float32 copy) and for invalid arguments, which the general path reports after
+    taking part in the signature check."""
+    try:
+        code, dt = writable(buf, "all_reduce")
+        rop = resolve_op(op, buf.dtype, "all_reduce")
+    except (TypeError, ValueError):
+        return None
+    return None if code == FLOAT16_CODE else (code, dt, rop)
 
 
-def _returning(work: MpiWork, async_op: bool) -> Any:
-    return work if async_op else work.wait()
+def _inplace(outcome: MpiWork | Result) -> MpiWork | None:
+    """In-place operations return their handle with async_op, else None once complete (the *_tensor
+    ones return the handle or the new array, typed Any like the native groups)."""
+    return outcome if isinstance(outcome, MpiWork) else None

@@ -28,7 +28,7 @@ from axonml_distributed.exceptions import (
 
 # numpy dtype -> (code used in call signatures, MPI datatype that carries it).
 # MPI has no portable float16 type: float16 travels as its 16-bit pattern (UINT16_T), which is exact
-# for everything that only moves bytes; reductions widen it to float32 instead (see `reduce_via_float32`).
+# for everything that only moves bytes; reductions widen it to float32 instead (see `reduction_buffer`).
 DTYPES: dict[np.dtype, tuple[int, MPI.Datatype]] = {
     np.dtype(np.float16): (1, MPI.UINT16_T),
     np.dtype(np.float32): (2, MPI.FLOAT),
@@ -39,6 +39,9 @@ DTYPES: dict[np.dtype, tuple[int, MPI.Datatype]] = {
     np.dtype(np.int64): (7, MPI.INT64_T),
 }
 DTYPE_NAMES = {code: dt.name for dt, (code, _) in DTYPES.items()}
+# Compared with a dtype rather than with np.float16, which numpy would convert on every comparison.
+FLOAT16 = np.dtype(np.float16)
+FLOAT16_CODE = DTYPES[FLOAT16][0]
 
 # (member, name, MPI op); an op's code in call signatures is its position + 1. ReduceOp members are
 # compared with ==, not hashed: the native enum is not hashable. AVERAGE is MPI SUM, then a division.
@@ -124,11 +127,6 @@ def _op_code(op: OpArg, what: str) -> int:
     raise TypeError(f"{what}: op must be a ReduceOp, got {type(op).__name__}")
 
 
-def reduce_via_float32(dtype: np.dtype) -> bool:
-    # MPI has no float16 arithmetic: widen to float32, reduce, and round to float16 once at the end.
-    return dtype == np.float16
-
-
 # --- arguments ---------------------------------------------------------------------------------------
 
 
@@ -136,23 +134,22 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def readable(arr: object, what: str) -> tuple[int, MPI.Datatype]:
-    """Validate an array MPI reads; returns its `transport_dtype`."""
+def readable(arr: object, what: str, write: bool = False) -> tuple[int, MPI.Datatype]:
+    """Validate an array MPI reads (and writes, with `write`); returns its `transport_dtype`."""
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"{what}: expected a numpy array, got {type(arr).__name__}")
-    entry = transport_dtype(arr, what)
-    if not arr.flags.c_contiguous:
+    entry = DTYPES.get(arr.dtype) or transport_dtype(arr, what)  # the call raises the error
+    flags = arr.flags  # a new object on every access
+    if not flags.c_contiguous:
         raise ValueError(f"{what}: the array must be C-contiguous (pass np.ascontiguousarray(a))")
+    if write and not flags.writeable:
+        raise ValueError(f"{what}: the array is read-only")
     return entry
 
 
 def writable(arr: object, what: str) -> tuple[int, MPI.Datatype]:
     """Validate an array MPI writes; returns its `transport_dtype`."""
-    entry = readable(arr, what)
-    assert isinstance(arr, np.ndarray)  # readable() raised otherwise
-    if not arr.flags.writeable:
-        raise ValueError(f"{what}: the array is read-only")
-    return entry
+    return readable(arr, what, write=True)
 
 
 def companion(ref: np.ndarray, other: object, size: int, what: str, write: bool) -> None:
@@ -171,7 +168,8 @@ def reduction_buffer(
     """The array MPI reduces into (float16 is widened to a float32 copy) and the step that divides for
     AVERAGE and writes the result back to `buf` (None when MPI's result needs nothing more). `dt` is
     `buf`'s transport datatype."""
-    if reduce_via_float32(buf.dtype):
+    # MPI has no float16 arithmetic: widen to float32, reduce, and round to float16 once at the end.
+    if buf.dtype == FLOAT16:
         wide = buf.astype(np.float32) if copy_in else np.empty(buf.shape, np.float32)
 
         def narrow(_status: MPI.Status) -> None:
@@ -194,16 +192,18 @@ def reduction_buffer(
 
 # Three phases, measured on 2 cores with MPICH:
 # - Tight: Test back to back for TIGHT_SPIN_S. A small collective whose peers are already in it completes
-#   within microseconds: an 8-byte Iallreduce completed by tight Tests took 1.7 us, the blocking Allreduce
-#   2-8 us, and a spin that yields between Tests 3-7 us (each sched_yield may hand the core away).
-# - Yielding: Test with sched_yield between tests for 2 ms plus 1 ns per byte moved. With more ranks than
-#   cores, a rank that spins tightly for long starves the peer it waits for (back-to-back 8-byte
-#   all_reduces at 4 ranks: 64 us with a tight spin, 6 us yielding). A transfer also progresses only
-#   inside MPI calls, so sleeping while the bytes could still be flowing slows large messages.
+#   within microseconds: an 8-byte Iallreduce completed by tight Tests took 1.7 us at 2 ranks, the blocking
+#   Allreduce 2-8 us, and a spin that yields between Tests 3-7 us (each sched_yield may hand the core
+#   away). Longer is worse with more ranks than cores: back-to-back 8-byte all_reduces at 4 ranks took
+#   22 us with 5 us of tight spin, 25 us with 10 us, 38 us with 20 us and 120 us with 100 us (at 2 ranks
+#   5 us to 20 us were alike), because a rank spinning tightly starves the peer it waits for.
+# - Yielding: Test with sched_yield between tests for 2 ms plus 1 ns per byte moved. A transfer
+#   progresses only inside MPI calls, so sleeping while the bytes could still be flowing slows large
+#   messages.
 # - Sleeping: past the spin the peers are late; sleep, doubling up to 1 ms, so an idle rank leaves its core
 #   free but notices its peers within a millisecond. Sleeping sooner (after 0.1 ms) made small all_reduces
 #   40x slower at 2 and 4 ranks: once one rank sleeps, its peers time out of their spins too.
-TIGHT_SPIN_S = 20e-6
+TIGHT_SPIN_S = 5e-6
 SPIN_BASE_S = 2e-3
 SPIN_PER_BYTE_S = 1e-9
 SPIN_MAX_S = 0.25
@@ -312,7 +312,7 @@ class OpQueue:
     """One group's pending operations. Each is finished (post-processing such as AVERAGE's division or
     float16's rounding) in issue order, so work on one group completes in issue order."""
 
-    def __init__(self, comm: MPI.Intracomm, timeout: float) -> None:
+    def __init__(self, comm: MPI.Intracomm, timeout: float, check: bool) -> None:
         self.comm = comm
         self.timeout = timeout
         # Issuing takes the signature check, a sequence number and an MPI call in a fixed order on every
@@ -323,6 +323,13 @@ class OpQueue:
         # The signature check's buffer, reused: checks are serialized by `lock`, and each completes
         # before the lock is released.
         self.signature = bytearray(SIGNATURE.size)
+        # With MPI 4, the check is a persistent allreduce over that buffer: starting one cost 0.8 us for
+        # two ranks on 2 cores with MPICH, issuing an Iallreduce 1.7 us. Its creation is collective, like
+        # the communicator's just before it on every member.
+        self._check_request: MPI.Prequest | None = None
+        if check and MPI.Get_version() >= (4, 0):
+            signature_buf = [self.signature, MPI.INT64_T]
+            self._check_request = comm.Allreduce_init(MPI.IN_PLACE, signature_buf, MPI.MAX)
 
     def run(
         self,
@@ -345,19 +352,34 @@ class OpQueue:
             return work.outcome()
         # Blocking with nothing queued ahead, the usual case: completed here, without a handle (the
         # caller holds the buffers until this returns).
-        status = None if finish is None else MPI.Status()
-        try:
-            if not wait_until(req, time.monotonic() + self.timeout, nbytes, status):
-                raise abort_job(self.comm, self._timeout_error(describe()))
-            if finish is not None:
-                finish(status)
-        except MPI.Exception as exc:
-            raise mpi_error(describe(), exc) from exc
+        status = MPI.Status()
+        self.wait_request(req, nbytes, describe, status)
+        if finish is not None:
+            finish(status)
         return result
 
-    def wait_request(self, req: MPI.Request, nbytes: int, describe: Describe) -> None:
-        """Complete a request issued outside the queue (the signature check) or abort the job."""
-        if not wait_until(req, time.monotonic() + self.timeout, nbytes):
+    def idle(self) -> bool:
+        """Whether no operation issued with async_op awaits completion (call with `lock` held)."""
+        return not self._pending
+
+    def start_check(self) -> MPI.Request:
+        """Start the signature check's MAX-allreduce over `signature`."""
+        if self._check_request is None:
+            return self.comm.Iallreduce(MPI.IN_PLACE, [self.signature, MPI.INT64_T], MPI.MAX)
+        self._check_request.Start()
+        return self._check_request
+
+    def wait_request(
+        self, req: MPI.Request, nbytes: int, describe: Describe, status: MPI.Status | None = None
+    ) -> None:
+        """Complete a request that nothing is queued ahead of (a blocking call on an idle queue, or the
+        signature check), or abort the job at the deadline."""
+        try:
+            # One Test before reading the clock: small operations are often complete already.
+            done = req.Test(status) or wait_until(req, time.monotonic() + self.timeout, nbytes, status)
+        except MPI.Exception as exc:
+            raise mpi_error(describe(), exc) from exc
+        if not done:
             raise abort_job(self.comm, self._timeout_error(describe()))
 
     def complete(self, work: MpiWork, block: bool) -> None:
@@ -429,7 +451,7 @@ def check_signatures(queue: OpQueue, both: tuple[int, ...], ranks: list[int], de
     # comes back unchanged.
     packed = queue.signature
     SIGNATURE.pack_into(packed, 0, *both)
-    queue.wait_request(queue.comm.Iallreduce(MPI.IN_PLACE, [packed, MPI.INT64_T], MPI.MAX), 0, describe)
+    queue.wait_request(queue.start_check(), 0, describe)
     if SIGNATURE.unpack_from(packed) == both:
         return True
     # Failure path only: gather everyone's signature so the error can name who differs.

@@ -147,6 +147,16 @@ def check_async(pg: MpiProcessGroup) -> None:
     same_bits(gathered.wait(), inputs[:, :9], "async all_gather_tensor result")
     avg = pg.all_reduce_tensor(inputs[me], reduce_op("AVERAGE"), async_op=True)
     same_bits(avg.wait(), REFERENCE["AVERAGE"](inputs), "async AVERAGE")
+    # Ranks may take different paths for matching calls: odd ranks issue the first all_reduce async, so
+    # their second one queues behind it; even ranks run both blocking on an idle queue (the short path).
+    first, second = inputs[me].copy(), inputs[me].copy()
+    pending = started(pg.all_reduce(first, async_op=True)) if me % 2 else None
+    if pending is None:
+        pg.all_reduce(first)
+    pg.all_reduce(second)
+    assert pending is None or pending.is_completed()
+    same_bits(first, REFERENCE["SUM"](inputs), "all_reduce, async on odd ranks only")
+    same_bits(second, REFERENCE["SUM"](inputs), "blocking all_reduce behind async work")
 
 
 def check_buffer_lifetimes(pg: MpiProcessGroup) -> None:
