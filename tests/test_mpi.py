@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,17 @@ needs_mpi = pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
     reason='needs mpi4py and mpiexec: pip install "axonml-distributed[mpi]"',
 )
+
+
+@pytest.fixture(autouse=True)
+def _remove_segments_of_aborted_jobs() -> Iterator[None]:
+    """MPI_Abort (the point of some tests) leaves MPICH no chance to unlink its shared-memory segments:
+    remove what this test's jobs left in /dev/shm, so the suite leaves nothing behind."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*"))
+    yield
+    for leftover in set(shm.glob("mpich_shm_*")) - before:
+        leftover.unlink(missing_ok=True)
 
 
 @functools.cache
