@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -110,9 +109,6 @@ def test_demo_matches_single_process_on_union_batch() -> None:
     assert summary["check_max_diff"] <= CHECK_TOLERANCE
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("axonml_distributed.shm") is None, reason="the shm backend is not built yet"
-)
 def test_demo_over_shm_processes() -> None:
     _, summary = run_demo("--backend", "shm", "--nproc", "2", "--epochs", "10", "--check")
     assert summary["backend"] == "shm"
