@@ -230,7 +230,7 @@ impl MockBackend {
             event: &comm.event,
             shared: false,
             spin: may_spin(comm.members.len()),
-            deadline: Instant::now() + self.world.timeout,
+            deadline: Some(Instant::now() + self.world.timeout),
             op: &op,
         };
         let ready = || comm.slots.iter().all(|s| which(s).load(Acquire) >= k);

@@ -77,8 +77,11 @@ pub(crate) struct Wait<'a> {
     pub shared: bool,
     /// Whether to busy-poll first.
     pub spin: bool,
-    /// When to give up.
-    pub deadline: Instant,
+    /// When to give up. `None`: never, and no interrupts either: for a rank that has published its
+    /// buffers and must not leave while peers may still read or write them (a peer past its arrival
+    /// wait never blocks before it signals, so such a wait ends; `slow` may still fail it when the
+    /// peers awaited are dead, as they then touch nothing).
+    pub deadline: Option<Instant>,
     /// The operation, for error messages.
     pub op: &'a str,
 }
@@ -131,15 +134,16 @@ impl Wait<'_> {
             let now = Instant::now();
             if now >= next_slow {
                 slow().map_err(Stop::Failed)?;
-                if interrupted() {
+                if self.deadline.is_some() && interrupted() {
                     return Err(Stop::Failed(Error::Interrupted { op: self.op.to_string() }));
                 }
                 next_slow = now + SLICE;
             }
-            if now >= self.deadline {
-                return Err(Stop::TimedOut);
-            }
-            let nap = SLICE.min(self.deadline - now);
+            let nap = match self.deadline {
+                Some(deadline) if now >= deadline => return Err(Stop::TimedOut),
+                Some(deadline) => SLICE.min(deadline - now),
+                None => SLICE,
+            };
             let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
             // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the

@@ -239,7 +239,7 @@ impl Shared {
             shared: true,
             // Every rank of the world is a process on this host competing for its cores.
             spin: may_spin(self.size),
-            deadline: Instant::now() + self.timeout,
+            deadline: Some(Instant::now() + self.timeout),
             op,
         };
         match w.until(ready, || self.check_abort(op, Some(ranks)), || self.check_alive(ranks, op)) {
