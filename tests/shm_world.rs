@@ -92,3 +92,46 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
 fn abort_wakes_every_waiter_with_the_aborting_rank() {
     common::abort_wakes_every_waiter_with_the_aborting_rank(&Shm);
 }
+
+#[test]
+fn a_rank_never_returns_while_peers_still_write_its_segment_array() {
+    // Ranks 0 and 1 loop a zero-copy all_reduce on segment arrays while rank 2 aborts the world at a
+    // varying moment; once a call fails, nothing may write the failing rank's array any more.
+    let len = 1 << 20;
+    for trial in 0..12u64 {
+        let connect = Shm.connect(3, LONG);
+        let go = std::sync::Arc::new(std::sync::Barrier::new(3));
+        let threads: Vec<_> = (0..3)
+            .map(|r| {
+                let (connect, go) = (connect.clone(), go.clone());
+                std::thread::spawn(move || {
+                    let w = connect(r);
+                    if r == 2 {
+                        go.wait();
+                        std::thread::sleep(std::time::Duration::from_millis(20 + trial * 13 % 60));
+                        w.abort("test");
+                        return 0;
+                    }
+                    let sub = w.split(&[0, 1]).unwrap();
+                    let m = w.alloc(len * 4).unwrap().expect("arena space");
+                    // SAFETY: `m` holds len floats; only this thread and the collectives touch it.
+                    let x = unsafe { std::slice::from_raw_parts_mut(m.as_ptr().cast::<f32>(), len) };
+                    go.wait();
+                    loop {
+                        x.fill(1.0);
+                        // SAFETY: as above.
+                        let buf =
+                            unsafe { BufMut::from_raw(axonml_distributed::DType::F32, m.as_ptr(), len) };
+                        if sub.all_reduce(buf, ReduceOp::Sum).is_err() {
+                            x.fill(-7.0);
+                            std::thread::sleep(std::time::Duration::from_millis(100));
+                            return x.iter().filter(|&&v| v != -7.0).count();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let written: Vec<usize> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(written, [0, 0, 0], "trial {trial}: elements written after the call returned");
+    }
+}

@@ -16,6 +16,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{describe_mismatch, CollKind, Signature};
+use crate::transport::wait::{may_spin, Wait};
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;
@@ -201,29 +202,94 @@ impl ShmBackend {
             }
             std::ptr::write_volatile(ctrl.pages[slot].get(), page);
         }
-        ctrl.arrive.store(k, Release);
+        ctrl.arrive.store(k, SeqCst);
         self.world.comm_head(self.slot).event.notify(true);
-        self.wait_all(|c| &c.arrive, k, &op)?;
+        let arrived = self.wait_all(|c| &c.arrive, k, &op);
+        let everyone = arrived.is_ok();
+        let (result, drain) = match arrived {
+            Ok(()) => self.run(&mut local, &call, &sig, &pages_of(self, slot), k, &op),
+            // `wait_all` aborted the world (or found it aborted): a peer that sees every arrival now
+            // re-checks the abort word before touching our buffers, or else we see its arrival below.
+            Err(e) => (Err(e), true),
+        };
+        // From here on we touch nothing of this call: peers waiting for us may go.
+        ctrl.done.store(k, Release);
+        self.world.comm_head(self.slot).event.notify(true);
+        if !drain {
+            return result;
+        }
+        // Wait, without deadline, for every member that may still read or write our buffers: all of them
+        // when everyone arrived, else those whose arrival we can see now (pairs with their re-check of
+        // the abort word: one of the two sides sees the other's store).
+        std::sync::atomic::fence(SeqCst);
+        let busy: Vec<usize> =
+            (0..n).filter(|&j| j != me && (everyone || self.ctrl(j).arrive.load(SeqCst) >= k)).collect();
+        self.drain(&busy, k, &op);
+        match result {
+            Ok(()) => self.world.check_abort(&op, Some(&self.members)),
+            err => err,
+        }
+    }
 
-        // SAFETY: every member published page `k % 2` before its `arrive = k`, acquired above.
-        let pages: Vec<Page> =
-            (0..n).map(|j| unsafe { std::ptr::read_volatile(self.ctrl(j).pages[slot].get()) }).collect();
+    /// Wait with no deadline until every member of `busy` (indices) has stored `done >= k`, or died (a
+    /// dead peer touches nothing). Interrupts and aborts do not end it: peers past their arrival wait
+    /// never block before storing `done`.
+    fn drain(&self, busy: &[usize], k: u64, op: &str) {
+        let dead = std::cell::Cell::new(0u64);
+        let gone = |j: usize| dead.get() >> self.members[j] & 1 == 1;
+        let pending = || busy.iter().copied().filter(|&j| self.ctrl(j).done.load(Acquire) < k && !gone(j));
+        let w = Wait {
+            event: &self.world.comm_head(self.slot).event,
+            shared: true,
+            spin: may_spin(self.world.size),
+            deadline: None,
+            op,
+        };
+        let slow = || {
+            let ranks: Vec<usize> = pending().map(|j| self.members[j]).collect();
+            for r in ranks {
+                if self.world.check_alive(&[r], op).is_err() {
+                    dead.set(dead.get() | 1 << r);
+                }
+            }
+            Ok(())
+        };
+        // Neither check fails and there is no deadline: this returns only once the condition holds.
+        let _ = w.until(|| pending().next().is_none(), || Ok(()), slow);
+    }
+
+    /// Steps 2 and 3 for a call every member arrived at: compare, re-check the abort word, move data.
+    /// Returns the outcome and whether peers may still touch our buffers (then the caller drains).
+    fn run(
+        &self,
+        local: &mut Local,
+        call: &Call,
+        sig: &Signature,
+        pages: &[Page],
+        k: u64,
+        op: &str,
+    ) -> (Result<()>, bool) {
+        let (n, me, p) = (self.members.len(), self.index, &self.world.layout.params);
+        let bytes = call.count * call.dtype.size();
+        let oneshot = sig.kind == CollKind::AllReduce && bytes <= p.small;
+        let slot = (k % 2) as usize;
         let mut calls = Vec::with_capacity(n);
         for (j, pg) in pages.iter().enumerate() {
-            let s = wire::decode(pg.sig).filter(|s| s.seq == k).ok_or_else(|| {
-                self.fail(Error::invalid(format!(
+            let Some(s) = wire::decode(pg.sig).filter(|s| s.seq == k) else {
+                let e = Error::invalid(format!(
                     "rank {} published an unreadable call in the shared segment (corrupted?)",
                     self.members[j]
-                )))
-            })?;
+                ));
+                return (Err(self.fail(e)), true);
+            };
             calls.push((self.members[j], s));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return Err(self.fail(Error::Mismatch { group: self.members.clone(), details, calls }));
+            return (Err(self.fail(Error::Mismatch { group: self.members.clone(), details, calls })), true);
         }
         let (dt, red) = (call.dtype, sig.op.unwrap_or(ReduceOp::Sum));
         if sig.kind == CollKind::Barrier || bytes == 0 {
-            return Ok(());
+            return (Ok(()), false);
         }
         if oneshot {
             let inputs: Vec<*const u8> = (0..n)
@@ -231,14 +297,21 @@ impl ShmBackend {
                 .map(|j| unsafe { self.block(j).add(slot * p.small).cast_const() })
                 .collect();
             // SAFETY: every member copied `bytes` into its slot before arriving; they stay until call
-            // k + 2, which no member starts before we arrive at k + 1.
+            // k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
             unsafe { reduce_raw(dt, red, &inputs, &[call.mine.recv], call.count) };
-            return Ok(());
+            return (Ok(()), false);
         }
-        if let Some(peers) = self.direct(&pages, &sig, call.root) {
+        if let Some(peers) = self.direct(pages, sig, call.root) {
+            // The zero-copy path writes peers' arrays. A rank that left its arrival wait on failure aborted
+            // the world before looking at our arrival: either it sees us arrived (and waits for our done) or
+            // we see its abort here. (The other paths write only our own buffers: no check needed.)
+            std::sync::atomic::fence(SeqCst);
+            if self.world.header().abort_state.load(SeqCst) != 0 {
+                return (self.world.check_abort(op, Some(&self.members)), true);
+            }
             let (i, c, root) = (me, call.count, call.root.unwrap_or(0));
             // SAFETY: every buffer was bounds-checked against its owner's arena, all members agree on
-            // the signature, and each keeps its buffers until the done-sync below.
+            // the signature, and each keeps its buffers until every member stored its done (drain).
             unsafe {
                 match sig.kind {
                     CollKind::AllReduce => owner::reduce_owned(dt, red, &peers, i, c, None),
@@ -251,9 +324,7 @@ impl ShmBackend {
                     CollKind::Barrier => {}
                 }
             }
-            ctrl.done.store(k, Release);
-            self.world.comm_head(self.slot).event.notify(true);
-            return self.wait_all(|c| &c.done, k, &op);
+            return (Ok(()), true);
         }
         let bufs: Vec<[*mut u8; 2]> = (0..n)
             .map(|j| {
@@ -275,15 +346,24 @@ impl ShmBackend {
             bufs: &bufs,
             chunk: p.chunk,
         };
+        let ctrl = self.ctrl(me);
         let event = &self.world.comm_head(self.slot).event;
         let publish = |s: u64| {
             ctrl.step.store(s, Release);
             event.notify(true);
         };
-        let sync = |s: u64| self.wait_all(|c| &c.step, s, &op);
-        // SAFETY: the buffers were validated for this signature, which every member shares.
-        unsafe { staged.run(&mut local.round, publish, sync) }
+        let sync = |s: u64| self.wait_all(|c| &c.step, s, op);
+        // SAFETY: the buffers were validated for this signature, which every member shares. Only their
+        // owner touches private buffers (peers read staging, which lives in the segment and outlives
+        // the call), so a member may leave the pipeline without waiting for the others.
+        (unsafe { staged.run(&mut local.round, publish, sync) }, false)
     }
+}
+
+/// Every member's page `slot`, read after its arrival was acquired.
+fn pages_of(b: &ShmBackend, slot: usize) -> Vec<Page> {
+    // SAFETY: every member published page `slot` before its `arrive = k`, acquired by the caller.
+    (0..b.members.len()).map(|j| unsafe { std::ptr::read_volatile(b.ctrl(j).pages[slot].get()) }).collect()
 }
 
 impl Backend for ShmBackend {

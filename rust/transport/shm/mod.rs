@@ -15,6 +15,15 @@
 //!    (arrays from `alloc`), run the thread world's owner-computes / direct-copy algorithms on them
 //!    (zero copy) and finish with `done = k` and a wait for every member's `done`. Otherwise pipeline
 //!    through the staging buffers (`staged`).
+//! 4. every member that arrived stores `done = k` on every way out. Before writing peers' arrays, a
+//!    member on the zero-copy path re-checks the abort word (SeqCst, after a fence); a member whose
+//!    arrival wait failed first aborts the world and then waits, with no deadline, for the `done` of
+//!    every peer it sees arrived (one side always sees the other: the arrival and the abort are both
+//!    SeqCst, with fences between).
+//!    The zero-copy path, and any member that saw the abort after every arrival, also waits without a
+//!    deadline for every member's `done`, so no rank returns while a peer may still touch its arrays.
+//!    The one-shot and staged paths need no such wait: peers only read staging (in the segment, reused
+//!    two calls later at the earliest) and only the owner writes a private buffer.
 //!
 //! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word, the
 //! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world

@@ -184,7 +184,7 @@ impl Shared {
     /// Abort the world on behalf of this rank (the first abort wins) and wake every waiter.
     pub(crate) fn abort(&self, reason: &str, cause: Cause) {
         let h = self.header();
-        if h.abort_state.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        if h.abort_state.compare_exchange(0, 1, SeqCst, SeqCst).is_ok() {
             let bytes = reason.as_bytes();
             let len = bytes.len().min(REASON);
             // SAFETY: only the CAS winner writes the reason, once, before publishing state 2.
