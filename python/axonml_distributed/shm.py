@@ -8,6 +8,7 @@ is already unlinked, so nothing is left behind even if every rank is killed.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import time
 
@@ -62,11 +63,14 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
             continue
         path = os.path.join(_SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # Never follow a symbolic link, nor block on a FIFO planted under our prefix.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
             head = os.read(fd, _HEADER.size)
         finally:
             os.close(fd)

@@ -53,6 +53,24 @@ fn os(what: String) -> impl FnOnce(rustix::io::Errno) -> Error {
     move |e| Error::os(what, e.into())
 }
 
+/// `shm::open` that never follows a symbolic link planted under the segment's name (`ELOOP` then).
+/// `shm::OFlags` has no `NOFOLLOW`; it passes unnamed bits through to `open(2)`.
+fn open_nofollow(name: &str, flags: shm::OFlags, mode: Mode) -> rustix::io::Result<rustix::fd::OwnedFd> {
+    let nofollow = shm::OFlags::from_bits_retain(rustix::fs::OFlags::NOFOLLOW.bits());
+    shm::open(name, flags | nofollow, mode)
+}
+
+/// The error for a failed open of segment `name` (`doing`: what we were doing).
+fn open_error<'a>(name: &'a str, doing: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error + 'a {
+    move |e| {
+        if e == rustix::io::Errno::LOOP {
+            refuse(name, io::ErrorKind::PermissionDenied, "it is a symbolic link".into())
+        } else {
+            Error::os(format!("{doing} shared-memory segment {name}"), e.into())
+        }
+    }
+}
+
 /// Check that an open segment is a regular file of ours, unreadable to others; returns its size.
 fn check_file(fd: &rustix::fd::OwnedFd, name: &str) -> Result<usize> {
     let st = rustix::fs::fstat(fd).map_err(os(format!("fstat of {name}")))?;
@@ -121,21 +139,21 @@ pub(crate) fn unlink(name: &str) {
 /// Create a segment exclusively under `name`, reserve its memory and write its header.
 /// On any failure the name is removed again.
 pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Mapping> {
-    let fd =
-        shm::open(name, shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR, Mode::RUSR | Mode::WUSR)
-            .map_err(|e| {
-                if e == rustix::io::Errno::EXIST {
-                    refuse(
+    let flags = shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR;
+    // O_EXCL alone already refuses an existing name, symbolic links included; NOFOLLOW makes it explicit.
+    let fd = open_nofollow(name, flags, Mode::RUSR | Mode::WUSR).map_err(|e| {
+        if e == rustix::io::Errno::EXIST {
+            refuse(
                 name,
                 io::ErrorKind::AlreadyExists,
                 "the name already exists (a stale segment of a crashed job with the same AXONML_JOB_ID, \
                  or someone else's file); remove it from /dev/shm or use a new job id"
                     .into(),
             )
-                } else {
-                    Error::os(format!("creating shared-memory segment {name}"), e.into())
-                }
-            })?;
+        } else {
+            open_error(name, "creating")(e)
+        }
+    })?;
     let made = (|| {
         check_file(&fd, name)?;
         rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, layout.total as u64).map_err(os(format!(
@@ -173,8 +191,7 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
 
 /// Open an existing segment (never creating one) and check everything before trusting it.
 pub(crate) fn attach(name: &str, world: usize, nonce: [u8; 16]) -> Result<(Mapping, Layout)> {
-    let fd = shm::open(name, shm::OFlags::RDWR, Mode::empty())
-        .map_err(os(format!("opening shared-memory segment {name}")))?;
+    let fd = open_nofollow(name, shm::OFlags::RDWR, Mode::empty()).map_err(open_error(name, "opening"))?;
     let size = check_file(&fd, name)?;
     if size < size_of::<Header>() {
         return Err(refuse(name, io::ErrorKind::InvalidData, format!("only {size} bytes long")));
@@ -242,6 +259,24 @@ mod tests {
         h.cell = layout.params.cell as u64;
         h.pool = layout.params.pool as u64;
         h
+    }
+
+    #[test]
+    fn segments_behind_symbolic_links_are_refused() {
+        let name = format!("/axonml-test-link-{}", std::process::id());
+        let target = std::env::temp_dir().join(format!("axonml-link-target-{}", std::process::id()));
+        std::fs::write(&target, [0u8; 64]).unwrap();
+        let link = format!("/dev/shm{name}");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let attached = attach(&name, 2, [0; 16]).err().map(|e| e.to_string());
+        let layout = Layout::new(Params::new(1, PAGE)).unwrap();
+        let created = create(&name, &layout, [0; 16]).err().map(|e| e.to_string());
+        let still_there = std::fs::symlink_metadata(&link).is_ok();
+        let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_file(&target);
+        assert!(attached.as_deref().is_some_and(|e| e.contains("symbolic link")), "{attached:?}");
+        assert!(created.as_deref().is_some_and(|e| e.contains("already exists")), "{created:?}");
+        assert!(still_there, "a refused create leaves someone else's name alone");
     }
 
     #[test]
