@@ -48,19 +48,56 @@ fn all_reduce_matches_the_rank_order_reference_on_private_and_segment_buffers() 
 }
 
 #[test]
-fn a_message_of_the_wrong_length_fails_both_sides() {
-    let got = Shm.run(2, LONG, |pg| {
+fn a_message_of_the_wrong_length_fails_the_receiver_and_a_waiting_sender() {
+    // Small: sent eagerly, so only the receiver fails (as in the in-process world). Large: the sender
+    // waits for the receiver and fails too.
+    for len in [4usize, 100_000] {
+        let got = Shm.run(2, LONG, move |pg| {
+            if pg.rank() == 0 {
+                pg.send_tensor(&vec![1.0f32; len], 1, 0).err()
+            } else {
+                let mut x = vec![0.0f32; len + 1];
+                let r = pg.recv_tensor(&mut x, 0, 0).err();
+                assert!(x.iter().all(|&v| v == 0.0), "nothing was copied");
+                r
+            }
+        });
+        let want = format!("{len} x float32");
+        assert!(matches!(&got[1], Some(Error::InvalidArgument(m)) if m.contains(&want)), "{got:?}");
+        assert_eq!(got[0].is_some(), len > 4, "len {len}: {got:?}");
+    }
+}
+
+#[test]
+fn both_ranks_may_send_small_messages_before_receiving() {
+    common::both_ranks_may_send_small_messages_before_receiving(&Shm);
+}
+
+#[test]
+fn receives_match_tags_out_of_order_in_send_order_per_tag() {
+    common::receives_match_tags_out_of_order_in_send_order_per_tag(&Shm);
+}
+
+#[test]
+fn a_large_message_of_another_tag_is_buffered_by_the_receiver() {
+    // shm only: a receiver looking for tag 11 takes the large tag-10 message ahead of it off the
+    // channel into its own memory, so that send completes (the in-process world would wait for a
+    // recv of tag 10 and deadlock here; MPI allows both).
+    let big: Vec<i32> = (0..300_007).collect();
+    let got = Shm.run(2, LONG, move |pg| {
         if pg.rank() == 0 {
-            pg.send_tensor(&[1.0f32; 4], 1, 0).err()
+            pg.send_tensor(&big, 1, 10).unwrap();
+            pg.send_tensor(&[6i32], 1, 11).unwrap();
+            true
         } else {
-            let mut x = [0.0f32; 5];
-            let r = pg.recv_tensor(&mut x, 0, 0).err();
-            assert_eq!(x, [0.0; 5], "nothing was copied");
-            r
+            let mut d = [0i32; 1];
+            pg.recv_tensor(&mut d, 0, 11).unwrap();
+            let mut large = vec![0i32; big.len()];
+            pg.recv_tensor(&mut large, 0, 10).unwrap();
+            d == [6] && large == big
         }
     });
-    assert!(got.iter().all(|e| e.is_some()), "{got:?}");
-    assert!(matches!(&got[1], Some(Error::InvalidArgument(m)) if m.contains("4 x float32")), "{got:?}");
+    assert_eq!(got, [true, true]);
 }
 
 #[test]

@@ -95,3 +95,13 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
 fn abort_wakes_every_waiter_with_the_aborting_rank() {
     common::abort_wakes_every_waiter_with_the_aborting_rank(&Threads);
 }
+
+#[test]
+fn both_ranks_may_send_small_messages_before_receiving() {
+    common::both_ranks_may_send_small_messages_before_receiving(&Threads);
+}
+
+#[test]
+fn receives_match_tags_out_of_order_in_send_order_per_tag() {
+    common::receives_match_tags_out_of_order_in_send_order_per_tag(&Threads);
+}

@@ -176,6 +176,52 @@ pub fn send_recv_match_by_source_and_tag_in_order(w: &impl Worlds) {
     assert_eq!(got[0], vec![5; 5]);
 }
 
+/// The exchange pattern: both ranks send first, then receive. Messages up to 64 KiB are eager, so it
+/// cannot deadlock.
+pub fn both_ranks_may_send_small_messages_before_receiving(w: &impl Worlds) {
+    let got = w.run(2, Duration::from_secs(5), |pg| {
+        let other = 1 - pg.rank();
+        let mut out = vec![];
+        for len in [0usize, 4, 16 * 1024] {
+            pg.send_tensor(&vec![pg.rank() as i32 + 1; len], other, 3).unwrap();
+            let mut got = vec![0i32; len];
+            pg.recv_tensor(&mut got, other, 3).unwrap();
+            out.push(got);
+        }
+        out
+    });
+    for (r, results) in got.iter().enumerate() {
+        for v in results {
+            assert!(v.iter().all(|&x| x == 2 - r as i32), "rank {r}");
+        }
+    }
+}
+
+/// A recv takes the first message of its (source, tag), even behind messages of other tags;
+/// messages of one tag arrive in send order.
+pub fn receives_match_tags_out_of_order_in_send_order_per_tag(w: &impl Worlds) {
+    let big: Vec<i32> = (0..300_007).collect();
+    let got = w.run(2, Duration::from_secs(10), move |pg| {
+        if pg.rank() == 0 {
+            pg.send_tensor(&[1i32, 2], 1, 7).unwrap();
+            pg.send_tensor(&[3i32], 1, 8).unwrap();
+            pg.send_tensor(&[4i32, 5], 1, 7).unwrap();
+            pg.send_tensor(&big, 1, 10).unwrap();
+            vec![]
+        } else {
+            let (mut a, mut b, mut c) = ([0i32; 1], [0i32; 2], [0i32; 2]);
+            pg.recv_tensor(&mut a, 0, 8).unwrap();
+            let mut large = vec![0i32; big.len()];
+            pg.recv_tensor(&mut large, 0, 10).unwrap();
+            assert!(large == big, "the large message arrived intact");
+            pg.recv_tensor(&mut b, 0, 7).unwrap();
+            pg.recv_tensor(&mut c, 0, 7).unwrap();
+            [&a[..], &b, &c].concat()
+        }
+    });
+    assert_eq!(got[1], vec![3, 1, 2, 4, 5]);
+}
+
 pub fn mismatched_calls_fail_on_every_rank_before_touching_buffers(w: &impl Worlds, len: usize) {
     let got = w.run(3, LONG, move |pg| {
         let mut x = vec![pg.rank() as f32; len];

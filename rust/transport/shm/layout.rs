@@ -21,7 +21,7 @@ use crate::transport::wait::Event;
 /// "AXONSHM" + format generation, little endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// Bumped whenever the layout or protocol changes.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators per job (the world plus subgroups; slots are never freed).
@@ -207,16 +207,14 @@ pub(crate) struct Ctrl {
     pub pages: [CachePadded<UnsafeCell<Page>>; 2],
 }
 
-/// The control lines of one ordered pair's channel. The sender writes `tag`/`dtype`/`count` and then
-/// `posted`; the receiver answers; data moves through the two cells that follow.
+/// The control lines of one ordered pair's channel (see `p2p`): chunks move through the two cells
+/// that follow; each message's header travels at the front of its first chunk.
 #[repr(C)]
 pub(crate) struct ChanHead {
-    pub posted: CachePadded<AtomicU64>,
     /// `m << 1 | refused` for the receiver's answer to message m.
     pub answer: CachePadded<AtomicU64>,
     pub filled: CachePadded<AtomicU64>,
     pub drained: CachePadded<AtomicU64>,
-    pub meta: CachePadded<UnsafeCell<[u64; 3]>>,
     pub event: Event,
 }
 

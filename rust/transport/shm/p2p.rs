@@ -1,17 +1,33 @@
 //! Point-to-point messages: one channel per ordered pair of ranks, in the segment.
 //!
-//! The sender writes (tag, dtype, count) and posts message m; the receiver takes message m only when
-//! its tag is the one asked for (so messages of a pair arrive in send order), answers "accepted" or
-//! "refused" (dtype or length differ: both sides fail), and the data streams through two cells: the
-//! sender fills cell q % 2 once the receiver drained chunk q − 2. `send` returns once the receiver has
-//! drained every chunk. Message and chunk numbers count over the pair's life; each side keeps its own
-//! count, under a lock, so threads of one rank take turns on a channel.
+//! Semantics are the in-process world's (`transport::mailbox`): receives match by (source, tag), in
+//! send order per tag but out of order across tags, and small messages are sent eagerly.
+//!
+//! A channel is a stream of chunks through two cells: the sender fills cell q % 2 once the receiver
+//! drained chunk q − 2 (`filled`/`drained` count chunks over the pair's life). Each message starts
+//! with a header (tag, dtype, count, message number) at the front of its first chunk, its bytes
+//! follow. A message whose header and bytes fit in the two cells (and of at most [`EAGER`] bytes) is
+//! eager: the send returns once its chunks are posted (waiting, with the normal deadline, only while
+//! the cells still hold earlier messages). A larger send returns once the receiver has drained all of
+//! it, and fails when the receiver refused it (dtype or length differ from its recv).
+//!
+//! The receiver takes messages off its channel in order. One whose tag is not the one asked for is
+//! copied into this rank's private queue of unexpected messages for that tag (draining the channel, so
+//! the sender can go on), where a later recv for its tag finds it first. Each side keeps its counts
+//! (and the receiver its queue) under a lock, so threads of one rank take turns on a channel.
 
 use std::sync::atomic::Ordering::*;
 
-use super::world::{lock, Shared};
+use super::layout::ChanHead;
+use super::world::{lock, ChanState, Shared};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
+
+/// Messages up to this size are sent eagerly when they fit in the channel's cells (as in the
+/// in-process world).
+pub(crate) const EAGER: usize = crate::transport::mailbox::EAGER;
+/// Bytes of a message header: tag, dtype code, element count, message number.
+const HEADER: usize = 32;
 
 fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
     Error::Timeout {
@@ -23,7 +39,12 @@ fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
     }
 }
 
-/// Send `buf` to `dst`; returns once `dst` has received all of it.
+/// Chunks taken by a message of `bytes` bytes with cells of `cell` bytes.
+fn chunks(bytes: usize, cell: usize) -> u64 {
+    (HEADER + bytes).div_ceil(cell) as u64
+}
+
+/// Send `buf` to `dst` (eagerly when small; module docs).
 pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
     let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
     let mut st = lock(&w.sends[dst]);
@@ -33,76 +54,153 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>
         w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, dst)))
     };
     let m = st.msgs + 1;
-    // SAFETY: only this rank's sender (holding the lock) writes the meta, and the receiver reads it
-    // only after seeing `posted = m` (release below).
-    unsafe { std::ptr::write_volatile(ch.meta.get(), [tag, buf.dtype() as u64, buf.len() as u64]) };
-    ch.posted.store(m, Release);
-    ch.event.notify(true);
-    wait(&|| ch.answer.load(Acquire) >> 1 >= m)?;
     st.msgs = m;
-    if ch.answer.load(Acquire) & 1 == 1 {
-        return Err(Error::invalid(format!(
+    let refused = || ch.answer.load(Acquire) == m << 1 | 1;
+    let refusal = || {
+        Error::invalid(format!(
             "rank {}: {op} was refused by the receiver: dtype or length differ from its recv",
             w.rank
-        )));
-    }
+        ))
+    };
     let cell = w.layout.params.cell;
-    for piece in buf.bytes().chunks(cell) {
+    let data = buf.bytes();
+    let header = [tag, buf.dtype() as u64, buf.len() as u64, m];
+    let mut sent = 0;
+    let mut first = true;
+    while first || sent < data.len() {
         let q = st.chunks + 1;
-        wait(&|| ch.drained.load(Acquire) + 2 >= q)?;
-        // SAFETY: cell q % 2 was drained (chunk q − 2 consumed); the receiver reads it only after
-        // `filled = q`.
+        wait(&|| ch.drained.load(Acquire) + 2 >= q || refused())?;
+        if refused() {
+            return Err(refusal());
+        }
+        let at = cells.wrapping_add((q % 2) as usize * cell);
+        let skip = if first { HEADER } else { 0 };
+        let piece = &data[sent..data.len().min(sent + cell - skip)];
+        // SAFETY: cell q % 2 was drained (chunk q − 2 consumed) and the receiver reads it only after
+        // `filled = q`; header and piece fit in the cell.
         unsafe {
-            std::ptr::copy_nonoverlapping(piece.as_ptr(), cells.add((q % 2) as usize * cell), piece.len())
-        };
+            if first {
+                std::ptr::copy_nonoverlapping(header.as_ptr().cast::<u8>(), at, HEADER);
+            }
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), at.add(skip), piece.len());
+        }
         ch.filled.store(q, Release);
         ch.event.notify(true);
         st.chunks = q;
+        sent += piece.len();
+        first = false;
+    }
+    if data.len() <= EAGER && chunks(data.len(), cell) <= 2 {
+        return Ok(());
     }
     let last = st.chunks;
-    wait(&|| ch.drained.load(Acquire) >= last)
+    wait(&|| ch.drained.load(Acquire) >= last || refused())?;
+    if refused() {
+        return Err(refusal());
+    }
+    Ok(())
 }
 
-/// Receive into `buf` the next message from `src`, which must carry `tag`, `buf`'s dtype and length.
+/// Receive into `buf` the first message from `src` with `tag`, which must carry `buf`'s dtype and
+/// length.
 pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
     let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
     let mut st = lock(&w.recvs[src]);
+    let mismatch = |count: u64, dtype: u64| {
+        let what =
+            DType::from_code(dtype as u8).map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
+        Error::invalid(format!(
+            "rank {}: {op} got a message of {count} x {what} from rank {src}: dtype or length differ",
+            w.rank
+        ))
+    };
+    let fits = |count: u64, dtype: u64| {
+        DType::from_code(dtype as u8).filter(|_| dtype < 256) == Some(buf.dtype())
+            && count == buf.len() as u64
+    };
+    if let Some((dtype, count, data)) = st.early.get_mut(&tag).and_then(|q| q.pop_front()) {
+        if !fits(count, dtype) {
+            return Err(mismatch(count, dtype));
+        }
+        buf.bytes_mut().copy_from_slice(&data);
+        return Ok(());
+    }
     let (ch, cells) = w.chan(src, w.rank);
     let peers = [src];
     let wait = |ready: &dyn Fn() -> bool| {
         w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, src)))
     };
-    let m = st.msgs + 1;
-    // SAFETY: the meta is read only after `posted >= m` (acquire), and the sender rewrites it only for
-    // message m + 1, after our answer.
-    let meta = || unsafe { std::ptr::read_volatile(ch.meta.get()) };
-    wait(&|| ch.posted.load(Acquire) >= m && meta()[0] == tag)?;
-    let [_, dtype, count] = meta();
-    st.msgs = m;
-    if DType::from_code(dtype as u8).filter(|_| dtype < 256) != Some(buf.dtype()) || count != buf.len() as u64
-    {
-        ch.answer.store(m << 1 | 1, Release);
-        ch.event.notify(true);
-        let what =
-            DType::from_code(dtype as u8).map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
-        return Err(Error::invalid(format!(
-            "rank {}: {op} got a message of {count} x {what} from rank {src}: dtype or length differ",
-            w.rank
-        )));
-    }
-    ch.answer.store(m << 1, Release);
-    ch.event.notify(true);
     let cell = w.layout.params.cell;
-    for piece in buf.bytes_mut().chunks_mut(cell) {
-        let q = st.chunks + 1;
+    loop {
+        let (m, q) = (st.msgs + 1, st.chunks + 1);
         wait(&|| ch.filled.load(Acquire) >= q)?;
-        // SAFETY: chunk q is in cell q % 2 (acquired above) and the sender leaves it until we drain it.
+        let mut header = [0u64; 4];
+        // SAFETY: chunk q (acquired above) starts with the message's header; the sender leaves the cell
+        // until we drain it.
         unsafe {
-            std::ptr::copy_nonoverlapping(cells.add((q % 2) as usize * cell), piece.as_mut_ptr(), piece.len())
+            std::ptr::copy_nonoverlapping(
+                cells.add((q % 2) as usize * cell),
+                header.as_mut_ptr().cast::<u8>(),
+                HEADER,
+            )
         };
+        let [got, dtype, count, number] = header;
+        let bytes = DType::from_code(dtype as u8)
+            .filter(|_| dtype < 256 && number == m)
+            .and_then(|d| usize::try_from(count).ok()?.checked_mul(d.size()));
+        let Some(bytes) = bytes else {
+            return Err(Error::invalid(format!(
+                "rank {}: {op}: rank {src} posted an unreadable message (corrupted segment?)",
+                w.rank
+            )));
+        };
+        st.msgs = m;
+        if got == tag && !fits(count, dtype) {
+            ch.answer.store(m << 1 | 1, Release);
+            ch.event.notify(true);
+            return Err(mismatch(count, dtype));
+        }
+        ch.answer.store(m << 1, Release);
+        ch.event.notify(true);
+        if got == tag {
+            return drain(ch, cells, cell, &mut st, buf.bytes_mut(), &wait);
+        }
+        // Not ours yet: keep it for the recv that asks for its tag, and free the channel.
+        let mut data = vec![0u8; bytes];
+        drain(ch, cells, cell, &mut st, &mut data, &wait)?;
+        st.early.entry(got).or_default().push_back((dtype, count, data));
+    }
+}
+
+/// Copy the message whose first chunk (`st.chunks + 1`, already filled) is next on channel `ch` (cells
+/// of `cell` bytes at `cells`) into `out`, draining every chunk.
+fn drain(
+    ch: &ChanHead,
+    cells: *mut u8,
+    cell: usize,
+    st: &mut ChanState,
+    out: &mut [u8],
+    wait: &dyn Fn(&dyn Fn() -> bool) -> Result<()>,
+) -> Result<()> {
+    let mut done = 0;
+    for i in 0..chunks(out.len(), cell) {
+        let q = st.chunks + 1;
+        let skip = if i == 0 { HEADER } else { 0 };
+        let piece = (cell - skip).min(out.len() - done);
+        wait(&|| ch.filled.load(Acquire) >= q)?;
+        // SAFETY: chunk q is in cell q % 2 (acquired above) and the sender leaves it until we drain it;
+        // the header and `piece` bytes fit in the cell, `piece` in what is left of `out`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                cells.add((q % 2) as usize * cell + skip),
+                out[done..].as_mut_ptr(),
+                piece,
+            )
+        };
+        done += piece;
+        st.chunks = q;
         ch.drained.store(q, Release);
         ch.event.notify(true);
-        st.chunks = q;
     }
     Ok(())
 }

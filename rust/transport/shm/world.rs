@@ -1,7 +1,7 @@
 //! One process's view of the shared world: the mapped segment, typed access to its regions, the abort
 //! word, liveness, the communicator table and this rank's arena allocator.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Mutex, MutexGuard};
@@ -19,6 +19,9 @@ use crate::transport::wait::{may_spin, Event, Stop, Wait};
 pub(crate) struct ChanState {
     pub msgs: u64,
     pub chunks: u64,
+    /// Receive side: messages taken off the channel before a recv asked for their tag, per tag in
+    /// arrival order: (dtype code, count, bytes).
+    pub early: HashMap<u64, VecDeque<(u64, u64, Vec<u8>)>>,
 }
 
 pub(crate) struct Shared {
