@@ -116,3 +116,15 @@ def test_sending_to_oneself_is_refused() -> None:
     pg = ad.ProcessGroup(ad.MockBackend.create_world(2)[0])
     with pytest.raises(ValueError, match="itself"):
         pg.send(np.ones(100_000, np.float32), 0)
+
+
+def test_bad_arguments_to_backend_methods_abort_the_peers() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 0:
+            with pytest.raises(ValueError, match="C-contiguous"):
+                pg.backend().all_reduce(np.ones((4, 4), np.float32).T)
+        else:
+            with pytest.raises(ad.PeerFailureError, match="rank 0"):
+                pg.backend().barrier()
+
+    ad.spawn(fn, 2, timeout=30)
