@@ -64,7 +64,7 @@ def test_world_is_unusable_after_a_mismatch() -> None:
         with pytest.raises(ad.PeerFailureError):
             pg.barrier()
 
-    outcomes(2, fn)
+    assert outcomes(2, fn) == [None, None]
 
 
 def test_a_rank_that_never_arrives_is_named_by_a_timeout() -> None:
@@ -138,7 +138,7 @@ def test_bad_input_raises_a_clear_error_and_aborts_the_peers(case: str) -> None:
         return None
 
     start = time.monotonic()
-    outcomes(2, fn, timeout=30)
+    assert outcomes(2, fn, timeout=30) == [None, None]
     assert time.monotonic() - start < 5
 
 
@@ -154,7 +154,7 @@ def test_a_non_member_cannot_call_a_group_collective() -> None:
             with pytest.raises(ad.PeerFailureError, match="rank 2"):
                 pg.barrier()  # rank 2 never gets here: its bad call aborted the world
 
-    outcomes(3, fn)
+    assert outcomes(3, fn) == [None, None, None]
 
 
 def test_two_threads_on_one_rank_are_refused() -> None:
