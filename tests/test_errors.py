@@ -202,3 +202,19 @@ def test_eight_ranks_on_two_cores_make_progress() -> None:
         return float(x[0] + big[0])
 
     assert ad.spawn(fn, 8, timeout=30) == [1.0 + 28 * 8**4] * 8
+
+
+def test_a_rank_that_returns_early_fails_its_waiting_peers_at_once() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = ad.World(pg.backend()).new_group([1, 2])
+        if pg.rank() == 0:
+            return None  # leaves without the final barrier
+        x = np.ones(4, np.float32)
+        sub.all_reduce(x)  # a subgroup without rank 0 is unaffected
+        with pytest.raises(ad.PeerFailureError, match="rank 0"):
+            pg.barrier()
+        return float(x[0])
+
+    start = time.monotonic()
+    assert outcomes(3, fn, timeout=60) == [None, 2.0, 2.0]
+    assert time.monotonic() - start < 5, "not a timeout"

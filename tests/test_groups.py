@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -108,8 +109,21 @@ def test_recv_from_a_silent_peer_times_out() -> None:
         if pg.rank() == 1:
             with pytest.raises(ad.CollectiveTimeoutError, match="rank 0"):
                 pg.recv(np.zeros(1, np.float32), 0)
+        else:
+            time.sleep(1.0)  # alive but silent (a rank that returned would be reported at once)
 
     ad.spawn(fn, 2, timeout=0.3)
+
+
+def test_recv_from_a_rank_that_returned_fails_at_once() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 1:
+            with pytest.raises(ad.PeerFailureError, match="rank 0"):
+                pg.recv(np.zeros(1, np.float32), 0)
+
+    start = time.monotonic()
+    ad.spawn(fn, 2, timeout=60)
+    assert time.monotonic() - start < 5
 
 
 def test_sending_to_oneself_is_refused() -> None:

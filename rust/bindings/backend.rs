@@ -211,6 +211,11 @@ impl PyBackend {
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
     }
+    /// Say that this rank will make no more calls: peers waiting for it raise PeerFailureError naming
+    /// it instead of timing out (`spawn` does this when a rank's function returns).
+    fn leave(&self) {
+        self.inner.leave()
+    }
     fn __repr__(&self) -> String {
         format!(
             "Backend(name={:?}, rank={}, world_size={})",

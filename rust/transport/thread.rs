@@ -110,6 +110,8 @@ pub(crate) struct World {
     /// Per rank: how many times it has split each rank set, so the n-th split of a set on every member
     /// finds the same communicator.
     splits: Vec<Mutex<HashMap<Vec<usize>, usize>>>,
+    /// Per rank: it said it will make no more calls (its thread is ending), so nobody should wait for it.
+    departed: Vec<AtomicBool>,
     pub(crate) mailbox: Mailbox,
 }
 
@@ -145,6 +147,18 @@ impl World {
 
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Fails when `rank` has left the world, naming it: a wait for it could only time out.
+    pub(crate) fn check_present(&self, rank: usize, op: &str) -> Result<()> {
+        if self.departed[rank].load(SeqCst) {
+            return Err(Error::PeerDied {
+                peer: rank,
+                op: op.to_string(),
+                detail: Some("its thread left the world (e.g. its spawn function returned)".into()),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -182,6 +196,7 @@ impl MockBackend {
             abort_reason: Mutex::new(None),
             comms: Mutex::new(HashMap::new()),
             splits: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+            departed: (0..n).map(|_| AtomicBool::new(false)).collect(),
             mailbox: Mailbox::default(),
         });
         let comm = world.comm((0..n).collect(), 0);
@@ -243,7 +258,11 @@ impl MockBackend {
             op: &op,
         };
         let ready = || comm.slots.iter().all(|s| which(s) >= k);
-        match wait.until(ready, || self.world.check_abort(), || Ok(())) {
+        let present = || {
+            let mut absent = comm.slots.iter().zip(&comm.members).filter(|(s, _)| which(s) < k);
+            absent.try_for_each(|(_, &r)| self.world.check_present(r, &op))
+        };
+        match wait.until(ready, || self.world.check_abort(), present) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(self.fail(e)),
             Err(Stop::TimedOut) => {
@@ -433,5 +452,13 @@ impl Backend for MockBackend {
 
     fn abort(&self, reason: &str) {
         self.world.abort(self.rank, reason.to_string());
+    }
+
+    fn leave(&self) {
+        self.world.departed[self.rank].store(true, SeqCst);
+        for comm in self.world.comms.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            comm.event.notify(false);
+        }
+        self.world.mailbox.wake_all();
     }
 }
