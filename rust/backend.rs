@@ -50,6 +50,11 @@ pub trait Backend: Send + Sync {
     /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
     fn abort(&self, reason: &str);
 
+    /// Say that this rank will make no more calls (its thread or process is ending): peers waiting for
+    /// it then fail at once, naming it, instead of timing out. Worlds that detect dead peers
+    /// themselves (processes) need not do anything.
+    fn leave(&self) {}
+
     /// `bytes` of memory every member can address (a shared segment), for buffers whose collectives
     /// then move no staging copies. `None` when the backend has no such memory (or none left).
     fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {

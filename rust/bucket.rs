@@ -95,9 +95,13 @@ impl GradientBucket {
         if self.len + grad.len() > self.capacity {
             return Ok(false);
         }
-        let size = grad.dtype().size();
-        let start = self.len * size;
-        self.bytes_mut()[start..start + grad.byte_len()].copy_from_slice(grad.bytes());
+        let start = self.len * grad.dtype().size();
+        // SAFETY: `start + byte_len` is within the capacity (checked above) of the storage allocated for
+        // this dtype. Only the new range is touched: a view of the used part may be in a collective.
+        unsafe {
+            let dst = self.storage.as_mut_ptr().cast::<u8>().add(start);
+            std::ptr::copy_nonoverlapping(grad.as_ptr(), dst, grad.byte_len());
+        }
         self.entries.push(Entry { offset: self.len, shape: shape.to_vec() });
         self.len += grad.len();
         Ok(true)
@@ -106,12 +110,6 @@ impl GradientBucket {
     /// Copy a 1-D gradient in (see [`GradientBucket::add_buf`]).
     pub fn add<T: Element>(&mut self, grad: &[T]) -> Result<bool> {
         self.add_buf(Buf::new(grad), &[grad.len()])
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        let n = self.capacity * self.dtype.map_or(0, DType::size);
-        // SAFETY: `storage` holds at least `n` bytes (allocated with the dtype), and u8 has no alignment.
-        unsafe { std::slice::from_raw_parts_mut(self.storage.as_mut_ptr().cast(), n) }
     }
 
     /// The used part of the flat buffer.

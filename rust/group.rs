@@ -49,13 +49,9 @@ impl ProcessGroup {
     /// on a non-member it is a handle whose collectives fail.
     pub fn with_ranks(backend: Arc<dyn Backend>, ranks: &[usize]) -> Result<Self> {
         let ranks = validate_ranks(ranks, backend.world_size())?;
-        let comm = if ranks == backend.members() {
-            Some(backend.clone())
-        } else if ranks.contains(&backend.rank()) {
-            Some(backend.split(&ranks)?)
-        } else {
-            None
-        };
+        // Always a communicator of its own, even over every rank: two groups sharing one would share
+        // sequence numbers, and calls on different groups could then match each other.
+        let comm = if ranks.contains(&backend.rank()) { Some(backend.split(&ranks)?) } else { None };
         Ok(ProcessGroup { backend, comm, ranks, queue: WorkQueue::default() })
     }
 

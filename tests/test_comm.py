@@ -58,6 +58,26 @@ def test_broadcast_gather_scatter_helpers() -> None:
         assert info == (r, 3, r == 0)
 
 
+def test_gathering_helpers_accept_non_contiguous_input() -> None:
+    # They return new arrays, so a strided view or a transpose is fine (as for gather_tensor).
+    def fn(pg: ad.ProcessGroup) -> Any:
+        me = pg.rank()
+        t = (np.arange(12, dtype=np.float32) * (me + 1)).reshape(3, 4)
+        g = ad.all_gather(t.T)
+        rs = ad.reduce_scatter_sum(t[:, ::2].T)
+        rm = ad.reduce_scatter_mean(np.arange(8, dtype=np.float32)[::-2] * (me + 1))
+        return g, rs, rm
+
+    res = ad.spawn(fn, 2)
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sums = base[:, ::2].T * 3
+    means = np.arange(8, dtype=np.float32)[::-2] * 1.5
+    for r, (g, rs, rm) in enumerate(res):
+        assert same_bits(g, np.stack([base.T, base.T * 2]))
+        assert same_bits(rs, sums[r : r + 1])
+        assert same_bits(rm, means[2 * r : 2 * r + 2])
+
+
 def test_sync_gradients_averages_each_gradient_in_place() -> None:
     def fn(pg: ad.ProcessGroup) -> Any:
         grads = [data(pg.rank(), 7, np.float32).reshape(7), data(pg.rank(), 6, np.float64).reshape(2, 3)]

@@ -64,7 +64,7 @@ def test_world_is_unusable_after_a_mismatch() -> None:
         with pytest.raises(ad.PeerFailureError):
             pg.barrier()
 
-    outcomes(2, fn)
+    assert outcomes(2, fn) == [None, None]
 
 
 def test_a_rank_that_never_arrives_is_named_by_a_timeout() -> None:
@@ -138,7 +138,7 @@ def test_bad_input_raises_a_clear_error_and_aborts_the_peers(case: str) -> None:
         return None
 
     start = time.monotonic()
-    outcomes(2, fn, timeout=30)
+    assert outcomes(2, fn, timeout=30) == [None, None]
     assert time.monotonic() - start < 5
 
 
@@ -154,7 +154,7 @@ def test_a_non_member_cannot_call_a_group_collective() -> None:
             with pytest.raises(ad.PeerFailureError, match="rank 2"):
                 pg.barrier()  # rank 2 never gets here: its bad call aborted the world
 
-    outcomes(3, fn)
+    assert outcomes(3, fn) == [None, None, None]
 
 
 def test_two_threads_on_one_rank_are_refused() -> None:
@@ -202,3 +202,19 @@ def test_eight_ranks_on_two_cores_make_progress() -> None:
         return float(x[0] + big[0])
 
     assert ad.spawn(fn, 8, timeout=30) == [1.0 + 28 * 8**4] * 8
+
+
+def test_a_rank_that_returns_early_fails_its_waiting_peers_at_once() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = ad.World(pg.backend()).new_group([1, 2])
+        if pg.rank() == 0:
+            return None  # leaves without the final barrier
+        x = np.ones(4, np.float32)
+        sub.all_reduce(x)  # a subgroup without rank 0 is unaffected
+        with pytest.raises(ad.PeerFailureError, match="rank 0"):
+            pg.barrier()
+        return float(x[0])
+
+    start = time.monotonic()
+    assert outcomes(3, fn, timeout=60) == [None, 2.0, 2.0]
+    assert time.monotonic() - start < 5, "not a timeout"

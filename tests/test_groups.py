@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -108,11 +109,36 @@ def test_recv_from_a_silent_peer_times_out() -> None:
         if pg.rank() == 1:
             with pytest.raises(ad.CollectiveTimeoutError, match="rank 0"):
                 pg.recv(np.zeros(1, np.float32), 0)
+        else:
+            time.sleep(1.0)  # alive but silent (a rank that returned would be reported at once)
 
     ad.spawn(fn, 2, timeout=0.3)
+
+
+def test_recv_from_a_rank_that_returned_fails_at_once() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 1:
+            with pytest.raises(ad.PeerFailureError, match="rank 0"):
+                pg.recv(np.zeros(1, np.float32), 0)
+
+    start = time.monotonic()
+    ad.spawn(fn, 2, timeout=60)
+    assert time.monotonic() - start < 5
 
 
 def test_sending_to_oneself_is_refused() -> None:
     pg = ad.ProcessGroup(ad.MockBackend.create_world(2)[0])
     with pytest.raises(ValueError, match="itself"):
         pg.send(np.ones(100_000, np.float32), 0)
+
+
+def test_bad_arguments_to_backend_methods_abort_the_peers() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 0:
+            with pytest.raises(ValueError, match="C-contiguous"):
+                pg.backend().all_reduce(np.ones((4, 4), np.float32).T)
+        else:
+            with pytest.raises(ad.PeerFailureError, match="rank 0"):
+                pg.backend().barrier()
+
+    ad.spawn(fn, 2, timeout=30)

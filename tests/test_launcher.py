@@ -54,7 +54,7 @@ def _script(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def _start(*args: str | Path, cwd: Path | None = None, process_group: int = -1) -> subprocess.Popen[str]:
+def _start(*args: str | Path, cwd: Path | None = None, own_group: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "axonml_distributed.run", *map(str, args)],
         env=_ENV,
@@ -62,7 +62,7 @@ def _start(*args: str | Path, cwd: Path | None = None, process_group: int = -1) 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        process_group=None if process_group < 0 else process_group,
+        start_new_session=own_group,  # `process_group=0` needs Python 3.11
     )
 
 
@@ -122,6 +122,29 @@ def test_every_worker_gets_the_torchrun_environment(tmp_path: Path) -> None:
             "AXONML_LAUNCHER_PID": str(launcher.pid),
             "OMP_NUM_THREADS": "1",
         }
+
+
+def test_every_worker_leads_its_own_session_and_process_group(tmp_path: Path) -> None:
+    # A new session (start_new_session, Python 3.10) rather than only a new group (process_group=0, 3.11).
+    script = _script(
+        tmp_path,
+        """
+        pid = os.getpid()
+        (OUT / f"ids.{RANK}.json").write_text(json.dumps([os.getpgid(0) == pid, os.getsid(0) == pid]))
+    """,
+    )
+    launcher = _start("--nproc-per-node", "2", script, tmp_path)
+    _finish(launcher)
+    assert launcher.returncode == 0
+    for rank in range(2):
+        assert json.loads((tmp_path / f"ids.{rank}.json").read_text()) == [True, True]
+
+
+def test_segment_name_uses_the_effective_uid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backend names the segment with geteuid(); under setuid the real uid would name another file.
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    assert run.segment_name("ab12") == "/axonml-4242-ab12"
 
 
 def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
@@ -246,7 +269,7 @@ def test_sigint_to_the_launcher_reaches_every_worker_once(tmp_path: Path, from_t
         time.sleep(0.5)
     """,
     )
-    launcher = _start("--nproc-per-node", "2", script, tmp_path, process_group=0)
+    launcher = _start("--nproc-per-node", "2", script, tmp_path, own_group=True)
     for rank in range(2):
         _wait_for(tmp_path / f"ready.{rank}")
     if from_terminal:
@@ -287,7 +310,7 @@ def test_leftover_segment_is_removed_after_sigkilled_workers(tmp_path: Path) -> 
     script = _script(
         tmp_path,
         """
-        segment = f"/dev/shm/axonml-{os.getuid()}-{os.environ['AXONML_JOB_ID']}"
+        segment = f"/dev/shm/axonml-{os.geteuid()}-{os.environ['AXONML_JOB_ID']}"
         if RANK == 0:
             os.close(os.open(segment, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             (OUT / "segment.json").write_text(json.dumps([os.environ["AXONML_JOB_ID"], segment]))

@@ -105,3 +105,56 @@ fn both_ranks_may_send_small_messages_before_receiving() {
 fn receives_match_tags_out_of_order_in_send_order_per_tag() {
     common::receives_match_tags_out_of_order_in_send_order_per_tag(&Threads);
 }
+
+/// A member leaving a collective on an abort must not leave while a peer may still write into its
+/// buffer: after the error, the buffer stays exactly as the caller leaves it.
+#[test]
+fn no_peer_writes_into_a_buffer_after_its_collective_returned() {
+    let len = 4 << 20;
+    for trial in 0..24u64 {
+        let mut ws = MockBackend::create_world_with_timeout(3, LONG);
+        let (w2, w1, w0) = (ws.pop().unwrap(), ws.pop().unwrap(), ws.pop().unwrap());
+        let go = Arc::new(std::sync::Barrier::new(3));
+        let member = |w: MockBackend, go: Arc<std::sync::Barrier>| {
+            std::thread::spawn(move || {
+                let sub = w.split(&[0, 1]).unwrap();
+                let mut x = vec![1.0f32; len];
+                go.wait();
+                loop {
+                    if sub.all_reduce(axonml_distributed::BufMut::new(&mut x), ReduceOp::Sum).is_err() {
+                        x.iter_mut().for_each(|v| *v = -7.0);
+                        std::thread::sleep(std::time::Duration::from_millis(30));
+                        return x.iter().filter(|v| **v != -7.0).count();
+                    }
+                    x.iter_mut().for_each(|v| *v = 1.0);
+                }
+            })
+        };
+        let (h0, h1) = (member(w0, go.clone()), member(w1, go.clone()));
+        go.wait();
+        std::thread::sleep(std::time::Duration::from_millis(5 + trial * 7 % 30));
+        w2.abort("a rank outside the subgroup failed");
+        assert_eq!((h0.join().unwrap(), h1.join().unwrap()), (0, 0), "trial {trial}");
+    }
+}
+
+/// A group over every rank is a group of its own: calls on it never match calls on the world.
+#[test]
+fn a_group_over_every_rank_does_not_share_the_world_sequence() {
+    let got = Threads.run(2, std::time::Duration::from_millis(300), |pg| {
+        let all = ProcessGroup::with_ranks(pg.backend().clone(), &[0, 1]).unwrap();
+        let (mut x, mut y) = (vec![1.0f32; 4], vec![10.0f32; 4]);
+        if pg.rank() == 0 {
+            (
+                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
+                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
+            )
+        } else {
+            (
+                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
+                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
+            )
+        }
+    });
+    assert_eq!(got, vec![(false, false), (false, false)], "crossed calls on two groups must fail, not match");
+}

@@ -54,17 +54,17 @@ def broadcast_from(t: np.ndarray, src: int, pg: Any = None, *, async_op: bool = 
 
 def all_gather(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
     """Every member's `t`, stacked in group order: shape ``(group size, *t.shape)``."""
-    return _group(pg).all_gather_tensor(t, async_op=async_op)
+    return _group(pg).all_gather_tensor(np.ascontiguousarray(t), async_op=async_op)
 
 
 def reduce_scatter_sum(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
     """This member's chunk (dimension 0 split in group-size parts, which must divide) of the sum of `t`."""
-    return _group(pg).reduce_scatter_tensor(t, ReduceOp.SUM, async_op=async_op)
+    return _group(pg).reduce_scatter_tensor(np.ascontiguousarray(t), ReduceOp.SUM, async_op=async_op)
 
 
 def reduce_scatter_mean(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
     """Like `reduce_scatter_sum`, averaged."""
-    return _group(pg).reduce_scatter_tensor(t, ReduceOp.AVERAGE, async_op=async_op)
+    return _group(pg).reduce_scatter_tensor(np.ascontiguousarray(t), ReduceOp.AVERAGE, async_op=async_op)
 
 
 def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:

@@ -7,12 +7,18 @@ code written against the default group runs unchanged in both worlds.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
+from types import TracebackType
 from typing import Any
 
 _default: Any = None
 _local = threading.local()
+# The sys.excepthook that `init_process_group("shm")` installed and the one it replaced, which
+# `destroy_process_group` restores.
+_excepthooks: tuple[Any, Any] | None = None
 
 
 def _set_default_group(pg: Any) -> None:
@@ -54,6 +60,7 @@ def init_process_group(
         from axonml_distributed.shm import init_shm_process_group
 
         _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), timeout)
+        _install_excepthook()
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'shm' or 'mpi' (threads: use spawn())")
     return _default
@@ -73,6 +80,32 @@ def get_default_group() -> Any:
 
 
 def destroy_process_group() -> None:
-    """Forget the process's default group (its resources go with the last reference)."""
-    global _default
+    """Forget the process's default group and the calling thread's (their resources go with the last
+    reference)."""
+    global _default, _excepthooks
     _default = None
+    _set_default_group(None)
+    if _excepthooks is not None:
+        ours, previous = _excepthooks
+        _excepthooks = None
+        if sys.excepthook is ours:  # unless someone replaced it since
+            sys.excepthook = previous
+
+
+def _install_excepthook() -> None:
+    """Abort the shm world when an exception ends this process's main thread, so the peers fail at once
+    even if the process lingers (a non-daemon thread keeps it alive), then report it as before. MPI needs
+    none: its jobs run under ``python -m mpi4py``, which aborts the job."""
+    global _excepthooks
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        pg = _default
+        if pg is not None:
+            # Reporting the original exception matters more than a failure to abort.
+            with contextlib.suppress(Exception):
+                pg.backend().abort(f"{kind.__name__} in rank {pg.rank()}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    _excepthooks = (hook, previous)

@@ -108,7 +108,7 @@ def resolve_op(op: OpArg, dtype: np.dtype, what: str) -> Op:
     code = _op_code(op, what)
     if code == AVERAGE_CODE and dtype.kind != "f":
         # An integer mean would have to truncate; the native backends refuse it too.
-        raise ValueError(f"{what}: AVERAGE needs a floating dtype, got {dtype}; use SUM and divide")
+        raise TypeError(f"{what}: AVERAGE needs a floating dtype, got {dtype}; use SUM and divide")
     return OP_TABLE[code - 1]
 
 

@@ -57,7 +57,7 @@ exit status:
 
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job ``job_id``'s shared-memory segment, for the launcher and backend."""
-    return f"/axonml-{os.getuid()}-{job_id}"
+    return f"/axonml-{os.geteuid()}-{job_id}"
 
 
 def launch(argv: Sequence[str] | None = None) -> int:
@@ -197,11 +197,11 @@ def _job_env(nproc: int, port: int, job_id: str, *, prefix_output: bool) -> dict
 
 
 def _spawn(command: list[str], env: dict[str, str], rank: int, *, prefix_output: bool) -> _Worker:
-    # Own process group: a terminal's Ctrl-C then reaches the launcher alone, and each worker gets exactly
-    # one forwarded SIGINT. In the launcher's group (torchrun's way) it would get the terminal's SIGINT and
-    # the forwarded one, the second interrupting its cleanup. A group also lets teardown reach the
-    # worker's own children. Its cost: the workers are a background job of the terminal, so a read from
-    # it would stop them (SIGTTIN) and hang the job; stdin is /dev/null instead.
+    # Own session, so own process group (`start_new_session`: `process_group=0` needs Python 3.11): a
+    # terminal's Ctrl-C then reaches the launcher alone, and each worker gets exactly one forwarded SIGINT.
+    # In the launcher's group (torchrun's way) it would get the terminal's SIGINT and the forwarded one,
+    # the second interrupting its cleanup. A group also lets teardown reach the worker's own children. Its
+    # cost: the workers have no controlling terminal to read from; stdin is /dev/null instead.
     pipe = subprocess.PIPE if prefix_output else None
     return subprocess.Popen(
         command,
@@ -209,7 +209,7 @@ def _spawn(command: list[str], env: dict[str, str], rank: int, *, prefix_output:
         stdin=subprocess.DEVNULL,
         stdout=pipe,
         stderr=pipe,
-        process_group=0,
+        start_new_session=True,
     )
 
 

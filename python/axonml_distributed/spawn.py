@@ -18,9 +18,10 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
 
     Collectives release the GIL while they wait, so the rank threads really run together. If any rank
     raises, the world is aborted (the other ranks' collectives fail at once instead of hanging) and
-    `SpawnError` names the first rank that raised, with its exception chained. ``timeout`` bounds every
-    wait inside the world (seconds, default 300). Inside ``fn`` the rank's group is also the default
-    group, so comm functions and DDP called without a group use it.
+    `SpawnError` names the first rank that raised, with its exception chained. A rank whose function
+    returns while peers still wait for it in a collective makes them raise `PeerFailureError` naming
+    it. ``timeout`` bounds every wait inside the world (seconds, default 300). Inside ``fn`` the rank's
+    group is also the default group, so comm functions and DDP called without a group use it.
     """
     backends = MockBackend.create_world(world_size, timeout=timeout)
     results: list[Any] = [None] * world_size
@@ -36,6 +37,9 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
             with lock:
                 errors.append((rank, e))
             backends[rank].abort(f"{type(e).__name__} in rank {rank}: {e}")
+        finally:
+            # A rank that returned makes no more calls: peers still waiting for it fail at once.
+            backends[rank].leave()
 
     threads = [
         threading.Thread(target=run, args=(r,), name=f"axonml-rank-{r}", daemon=True)

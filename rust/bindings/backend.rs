@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::array::{readable, writable};
+use super::exceptions::abort_on_bad_arguments;
 use crate::backend::Backend;
 use crate::reduce::ReduceOp;
 use crate::transport::thread::{MockBackend, DEFAULT_TIMEOUT};
@@ -83,6 +84,12 @@ pub(crate) struct PyBackend {
     pub(crate) inner: Arc<dyn Backend>,
 }
 
+impl PyBackend {
+    fn checked<T>(&self, r: PyResult<T>) -> PyResult<T> {
+        abort_on_bad_arguments(&*self.inner, r)
+    }
+}
+
 #[pymethods]
 impl PyBackend {
     /// This rank's global rank.
@@ -105,21 +112,21 @@ impl PyBackend {
         buf: &Bound<'_, PyAny>,
         op: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let op = parse_op(op)?;
-        let a = writable(buf, "buf")?;
+        let op = self.checked(parse_op(op))?;
+        let a = self.checked(writable(buf, "buf"))?;
         let b = self.inner.clone();
         // SAFETY (every detached closure here): the borrow guard in `a` outlives the call.
         Ok(py.detach(|| b.all_reduce(unsafe { a.raw.buf_mut() }, op))?)
     }
     /// Copy global rank `src`'s `buf` into every member's `buf`.
     fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize) -> PyResult<()> {
-        let a = writable(buf, "buf")?;
+        let a = self.checked(writable(buf, "buf"))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.broadcast(unsafe { a.raw.buf_mut() }, src))?)
     }
     /// Concatenate every member's `send` into `recv`.
     fn all_gather(&self, py: Python<'_>, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (s, r) = (readable(send, "send")?, writable(recv, "recv")?);
+        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.all_gather(unsafe { s.raw.buf() }, unsafe { r.raw.buf_mut() }))?)
     }
@@ -132,8 +139,8 @@ impl PyBackend {
         recv: &Bound<'_, PyAny>,
         op: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let op = parse_op(op)?;
-        let (s, r) = (readable(send, "send")?, writable(recv, "recv")?);
+        let op = self.checked(parse_op(op))?;
+        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.reduce_scatter(unsafe { s.raw.buf() }, unsafe { r.raw.buf_mut() }, op))?)
     }
@@ -146,8 +153,8 @@ impl PyBackend {
         recv: Option<&Bound<'_, PyAny>>,
         dst: usize,
     ) -> PyResult<()> {
-        let s = readable(send, "send")?;
-        let r = recv.map(|r| writable(r, "recv")).transpose()?;
+        let s = self.checked(readable(send, "send"))?;
+        let r = self.checked(recv.map(|r| writable(r, "recv")).transpose())?;
         let raw = r.as_ref().map(|r| r.raw);
         let b = self.inner.clone();
         Ok(py.detach(|| b.gather(unsafe { s.raw.buf() }, raw.map(|r| unsafe { r.buf_mut() }), dst))?)
@@ -161,9 +168,9 @@ impl PyBackend {
         recv: &Bound<'_, PyAny>,
         src: usize,
     ) -> PyResult<()> {
-        let s = send.map(|s| readable(s, "send")).transpose()?;
+        let s = self.checked(send.map(|s| readable(s, "send")).transpose())?;
         let raw = s.as_ref().map(|s| s.raw);
-        let r = writable(recv, "recv")?;
+        let r = self.checked(writable(recv, "recv"))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.scatter(raw.map(|s| unsafe { s.buf() }), unsafe { r.raw.buf_mut() }, src))?)
     }
@@ -176,8 +183,8 @@ impl PyBackend {
         dst: usize,
         op: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let op = parse_op(op)?;
-        let a = writable(buf, "buf")?;
+        let op = self.checked(parse_op(op))?;
+        let a = self.checked(writable(buf, "buf"))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.reduce(unsafe { a.raw.buf_mut() }, dst, op))?)
     }
@@ -189,20 +196,25 @@ impl PyBackend {
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: usize, tag: u64) -> PyResult<()> {
-        let a = readable(buf, "buf")?;
+        let a = self.checked(readable(buf, "buf"))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.send(unsafe { a.raw.buf() }, dst, tag))?)
     }
     /// Receive into `buf` from global rank `src`.
     #[pyo3(signature = (buf, src, tag=0))]
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize, tag: u64) -> PyResult<()> {
-        let a = writable(buf, "buf")?;
+        let a = self.checked(writable(buf, "buf"))?;
         let b = self.inner.clone();
         Ok(py.detach(|| b.recv(unsafe { a.raw.buf_mut() }, src, tag))?)
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
+    }
+    /// Say that this rank will make no more calls: peers waiting for it raise PeerFailureError naming
+    /// it instead of timing out (`spawn` does this when a rank's function returns).
+    fn leave(&self) {
+        self.inner.leave()
     }
     fn __repr__(&self) -> String {
         format!(

@@ -1,8 +1,9 @@
 //! The Python exception hierarchy, and the one place core errors become Python exceptions.
 
 use pyo3::exceptions::{PyKeyboardInterrupt, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
-use pyo3::{create_exception, PyErr};
+use pyo3::{create_exception, PyErr, PyResult, Python};
 
+use crate::backend::Backend;
 use crate::error::Error;
 
 create_exception!(axonml_distributed, DistributedError, PyRuntimeError, "Base of every collective failure.");
@@ -38,4 +39,17 @@ impl From<Error> for PyErr {
             Error::Os { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         }
     }
+}
+
+/// Abort `backend`'s world when `r` is an argument error (TypeError, ValueError): a rank that cannot
+/// enter a collective must not leave its peers waiting for it until the timeout.
+pub(crate) fn abort_on_bad_arguments<T>(backend: &dyn Backend, r: PyResult<T>) -> PyResult<T> {
+    if let Err(e) = &r {
+        Python::attach(|py| {
+            if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) {
+                backend.abort(&format!("rank {} passed bad arguments: {e}", backend.rank()));
+            }
+        });
+    }
+    r
 }

@@ -7,11 +7,12 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::array::{readable, writable, zeros, Array};
 use super::backend::{parse_op, PyBackend};
+use super::exceptions::abort_on_bad_arguments;
 use super::work::PyWork;
 use crate::backend::Backend;
 use crate::error::Result;
@@ -29,16 +30,7 @@ impl PyProcessGroup {
     /// Abort the world when `r` is an argument error: a rank that cannot enter a collective must not
     /// leave its peers waiting.
     fn checked<T>(&self, r: PyResult<T>) -> PyResult<T> {
-        if let Err(e) = &r {
-            Python::attach(|py| {
-                if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) {
-                    self.inner
-                        .backend()
-                        .abort(&format!("rank {} passed bad arguments: {e}", self.inner.rank()));
-                }
-            });
-        }
-        r
+        abort_on_bad_arguments(&**self.inner.backend(), r)
     }
 
     /// Run `job` now with the GIL released (the borrow guards in `arrays` outlive it), or queue it.

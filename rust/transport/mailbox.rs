@@ -64,8 +64,15 @@ impl Mailbox {
 
     /// Sleep one slice on the condition variable. Fails with the reason (`None`: the deadline passed)
     /// and gives the guard back.
-    fn nap<'a>(&'a self, world: &World, guard: Guard<'a>, deadline: Instant, op: &str) -> Nap<'a> {
-        if let Err(e) = world.check_abort() {
+    fn nap<'a>(
+        &'a self,
+        world: &World,
+        peer: usize,
+        guard: Guard<'a>,
+        deadline: Instant,
+        op: &str,
+    ) -> Nap<'a> {
+        if let Err(e) = world.check_abort().and_then(|()| world.check_present(peer, op)) {
             return Err((Some(e), guard));
         }
         if super::wait::interrupted() {
@@ -114,7 +121,7 @@ impl Mailbox {
                 }
                 _ => {}
             }
-            q = match self.nap(world, q, deadline, &op) {
+            q = match self.nap(world, dst, q, deadline, &op) {
                 Ok(g) => g,
                 Err((e, mut g)) => {
                     if letter.state.load(Acquire) != QUEUED {
@@ -146,7 +153,7 @@ impl Mailbox {
                 l.state.store(COPYING, Release);
                 break l;
             }
-            q = match self.nap(world, q, deadline, &op) {
+            q = match self.nap(world, src, q, deadline, &op) {
                 Ok(g) => g,
                 Err((e, _)) => return Err(e.unwrap_or_else(|| timeout(dst, op, world, src))),
             };

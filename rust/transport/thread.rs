@@ -9,6 +9,13 @@
 //! 3. move data with the `algo` functions, each member doing its disjoint share on the peers' buffers;
 //! 4. store `done = k`, wait until every member's `done >= k` (peers may still read our buffers until then).
 //!
+//! A member never leaves a call while a peer may still touch its buffers. Every way out of a call it
+//! arrived at stores `done = k`; a member that fails in step 2 (abort, timeout, interrupt) first makes
+//! sure the world is aborted, then waits without a deadline for `done` of every peer that arrived; and
+//! a member that saw every arrival re-checks the abort flag (all of this `SeqCst`) before step 3, so
+//! a peer that failed meanwhile is never written to. Peers past step 2 never block before step 4, so
+//! these waits end.
+//!
 //! Pages alternate so that a member publishing call k+1 never overwrites what a slower peer still reads
 //! for call k: to reach k+2 every peer must have arrived at k+1, which it does only after finishing k.
 //! All-reduces of at most [`INLINE`] bytes copy their data into the page itself; each member then reduces
@@ -103,6 +110,8 @@ pub(crate) struct World {
     /// Per rank: how many times it has split each rank set, so the n-th split of a set on every member
     /// finds the same communicator.
     splits: Vec<Mutex<HashMap<Vec<usize>, usize>>>,
+    /// Per rank: it said it will make no more calls (its thread is ending), so nobody should wait for it.
+    departed: Vec<AtomicBool>,
     pub(crate) mailbox: Mailbox,
 }
 
@@ -113,7 +122,7 @@ impl World {
     }
 
     pub(crate) fn check_abort(&self) -> Result<()> {
-        if !self.aborted.load(Acquire) {
+        if !self.aborted.load(SeqCst) {
             return Ok(());
         }
         let reason = self.abort_reason.lock().unwrap_or_else(|e| e.into_inner());
@@ -128,7 +137,7 @@ impl World {
             if r.is_none() {
                 *r = Some((by, reason));
             }
-            self.aborted.store(true, Release);
+            self.aborted.store(true, SeqCst);
         }
         for comm in self.comms.lock().unwrap_or_else(|e| e.into_inner()).values() {
             comm.event.notify(false);
@@ -138,6 +147,18 @@ impl World {
 
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Fails when `rank` has left the world, naming it: a wait for it could only time out.
+    pub(crate) fn check_present(&self, rank: usize, op: &str) -> Result<()> {
+        if self.departed[rank].load(SeqCst) {
+            return Err(Error::PeerDied {
+                peer: rank,
+                op: op.to_string(),
+                detail: Some("its thread left the world (e.g. its spawn function returned)".into()),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -175,6 +196,7 @@ impl MockBackend {
             abort_reason: Mutex::new(None),
             comms: Mutex::new(HashMap::new()),
             splits: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+            departed: (0..n).map(|_| AtomicBool::new(false)).collect(),
             mailbox: Mailbox::default(),
         });
         let comm = world.comm((0..n).collect(), 0);
@@ -222,8 +244,10 @@ impl MockBackend {
         err
     }
 
-    /// Wait until every member's counter (picked by `which`) reaches `k`.
-    fn wait_all(&self, which: fn(&Slot) -> &AtomicU64, k: u64, sig: &Signature) -> Result<()> {
+    /// Wait until every member arrived at call `k`; fails (aborting the world) on abort, interrupt or
+    /// timeout, naming the members that never arrived.
+    fn wait_arrivals(&self, k: u64, sig: &Signature) -> Result<()> {
+        let which = |s: &Slot| s.arrive.load(SeqCst);
         let comm = &*self.comm;
         let op = sig.to_string();
         let wait = Wait {
@@ -233,8 +257,12 @@ impl MockBackend {
             deadline: Some(Instant::now() + self.world.timeout),
             op: &op,
         };
-        let ready = || comm.slots.iter().all(|s| which(s).load(Acquire) >= k);
-        match wait.until(ready, || self.world.check_abort(), || Ok(())) {
+        let ready = || comm.slots.iter().all(|s| which(s) >= k);
+        let present = || {
+            let mut absent = comm.slots.iter().zip(&comm.members).filter(|(s, _)| which(s) < k);
+            absent.try_for_each(|(_, &r)| self.world.check_present(r, &op))
+        };
+        match wait.until(ready, || self.world.check_abort(), present) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(self.fail(e)),
             Err(Stop::TimedOut) => {
@@ -242,7 +270,7 @@ impl MockBackend {
                     .slots
                     .iter()
                     .zip(&comm.members)
-                    .filter(|(s, _)| which(s).load(Acquire) < k)
+                    .filter(|(s, _)| which(s) < k)
                     .map(|(_, &r)| r)
                     .collect();
                 Err(self.fail(Error::Timeout {
@@ -254,6 +282,31 @@ impl MockBackend {
                 }))
             }
         }
+    }
+
+    /// Signal that this member is done with call `k`: it no longer touches any peer's buffers. Every
+    /// way out of a call this member arrived at passes here, so peers draining on it never wait forever.
+    fn finish(&self, k: u64) {
+        self.comm.slots[self.index].done.store(k, SeqCst);
+        self.comm.event.notify(false);
+    }
+
+    /// Wait until every member that arrived at call `k` is done with it, whatever else happens: until
+    /// then a peer may still read or write this member's buffers. Peers past their arrival wait never
+    /// block before finishing, and the ones that had not arrived see the abort before touching data
+    /// (the re-check in `execute`), so this ends.
+    fn drain(&self, k: u64) {
+        let comm = &*self.comm;
+        let wait = Wait {
+            event: &comm.event,
+            shared: false,
+            spin: may_spin(comm.members.len()),
+            deadline: None,
+            op: "",
+        };
+        let ready = || comm.slots.iter().all(|s| s.arrive.load(SeqCst) < k || s.done.load(SeqCst) >= k);
+        // Nothing can fail a wait without a deadline whose checks always pass.
+        let _ = wait.until(ready, || Ok(()), || Ok(()));
     }
 
     /// Run one validated collective through the protocol in the module docs.
@@ -276,46 +329,61 @@ impl MockBackend {
                 std::ptr::copy_nonoverlapping(call.mine.send, page.inline.as_mut_ptr().cast(), bytes);
             }
         }
-        slot.arrive.store(k, Release);
+        slot.arrive.store(k, SeqCst);
         comm.event.notify(false);
-        self.wait_all(|s| &s.arrive, k, &sig)?;
-
+        if let Err(e) = self.wait_arrivals(k, &sig) {
+            // The world is aborted now; peers that saw every arrival may still be moving data.
+            self.finish(k);
+            self.drain(k);
+            return Err(e);
+        }
         let pages: Vec<Page> = (0..comm.members.len()).map(|j| comm.page(j, k)).collect();
         let calls: Vec<(usize, Signature)> =
             comm.members.iter().copied().zip(pages.iter().map(|p| p.sig)).collect();
         if let Some(details) = describe_mismatch(&calls) {
-            return Err(self.fail(Error::Mismatch { group: comm.members.clone(), details, calls }));
+            // Every member sees the same signatures and leaves here: nobody touches any buffer.
+            let err = self.fail(Error::Mismatch { group: comm.members.clone(), details, calls });
+            self.finish(k);
+            return Err(err);
+        }
+        // Everyone arrived, but an abort may have sent a member away meanwhile: then touch none of the
+        // peers' buffers. (Inline all-reduces and barriers read only the pages, which stay valid.)
+        let touches_peers = !inline && sig.kind != CollKind::Barrier;
+        if touches_peers {
+            if let Err(e) = self.world.check_abort() {
+                self.finish(k);
+                self.drain(k);
+                return Err(e);
+            }
         }
         let peers: Vec<Peer> = pages.iter().map(|p| p.peer).collect();
         let (i, n, dt) = (self.index, call.count, call.dtype);
+        let op = sig.op.unwrap_or(ReduceOp::Sum);
         // SAFETY: every member validated its buffers for this signature, and all agree on it; peers keep
-        // their buffers until the done-sync below (or, inline, read only the pages).
+        // their buffers until they drained (or, inline, read only the pages).
         unsafe {
             match sig.kind {
                 CollKind::AllReduce if inline => {
                     let inputs: Vec<*const u8> = pages.iter().map(|p| p.inline.as_ptr().cast()).collect();
-                    reduce_raw(dt, sig.op.unwrap_or(ReduceOp::Sum), &inputs, &[call.mine.recv], n);
-                    return Ok(());
+                    reduce_raw(dt, op, &inputs, &[call.mine.recv], n);
                 }
-                CollKind::Barrier => return Ok(()),
-                CollKind::AllReduce => {
-                    owner::reduce_owned(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n, None)
-                }
-                CollKind::Reduce => {
-                    owner::reduce_owned(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n, call.root)
-                }
-                CollKind::ReduceScatter => {
-                    owner::reduce_scatter(dt, sig.op.unwrap_or(ReduceOp::Sum), &peers, i, n)
-                }
+                CollKind::Barrier => {}
+                CollKind::AllReduce => owner::reduce_owned(dt, op, &peers, i, n, None),
+                CollKind::Reduce => owner::reduce_owned(dt, op, &peers, i, n, call.root),
+                CollKind::ReduceScatter => owner::reduce_scatter(dt, op, &peers, i, n),
                 CollKind::Broadcast => copy::broadcast(&peers, i, call.root.unwrap_or(0), bytes),
                 CollKind::AllGather => copy::all_gather(&peers, i, bytes),
                 CollKind::Gather => copy::gather(&peers, i, call.root.unwrap_or(0), bytes),
                 CollKind::Scatter => copy::scatter(&peers, i, call.root.unwrap_or(0), bytes),
             }
         }
-        slot.done.store(k, Release);
-        comm.event.notify(false);
-        self.wait_all(|s| &s.done, k, &sig)
+        self.finish(k);
+        // Wait until no peer touches our buffers any more (even if the world is aborted meanwhile: the
+        // call itself completed).
+        if touches_peers {
+            self.drain(k);
+        }
+        Ok(())
     }
 }
 
@@ -384,5 +452,13 @@ impl Backend for MockBackend {
 
     fn abort(&self, reason: &str) {
         self.world.abort(self.rank, reason.to_string());
+    }
+
+    fn leave(&self) {
+        self.world.departed[self.rank].store(true, SeqCst);
+        for comm in self.world.comms.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            comm.event.notify(false);
+        }
+        self.world.mailbox.wake_all();
     }
 }

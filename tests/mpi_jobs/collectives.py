@@ -258,7 +258,7 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
     raises(ValueError, pg.all_reduce, np.zeros(8, np.float32)[::2], match="contiguous")
     raises(ValueError, pg.all_reduce, np.zeros((4, 4), np.float32, order="F"), match="contiguous")
     raises(ValueError, pg.all_reduce, readonly, match="read-only")
-    raises(ValueError, pg.all_reduce, np.zeros(3, np.int32), reduce_op("AVERAGE"), match="AVERAGE")
+    raises(TypeError, pg.all_reduce, np.zeros(3, np.int32), reduce_op("AVERAGE"), match="AVERAGE")
     raises(ValueError, pg.broadcast, a, n, match="not a member")
     raises(ValueError, pg.broadcast, a, -1, match="not a member")
     raises(ValueError, pg.reduce, a, 1.5, match="not a member")

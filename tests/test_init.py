@@ -1,0 +1,96 @@
+"""The default group of a launched process: `init_process_group("shm")` and `destroy_process_group`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import axonml_distributed as ad
+
+pytestmark = pytest.mark.timeout(60)
+
+# The launched workers must import the same copy of the package as this test.
+_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(ad.__file__).parents[1]), os.environ.get("PYTHONPATH")])
+    ),
+}
+
+
+def _launch(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(body))
+    start = time.monotonic()
+    job = subprocess.run(
+        [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    return job, time.monotonic() - start
+
+
+def test_an_exception_aborts_the_world_even_if_the_process_lingers(tmp_path: Path) -> None:
+    # Rank 1 raises while a non-daemon thread keeps its process alive for 10 s: its peers must fail at
+    # once, not wait for the timeout (30 s) or for the process to end.
+    job, took = _launch(
+        tmp_path,
+        """
+        import sys, threading, time
+        import axonml_distributed as ad
+
+        pg = ad.init_process_group("shm", timeout=30)
+        if pg.rank() == 1:
+            threading.Thread(target=time.sleep, args=(10,)).start()
+            raise ValueError("bad batch on rank 1")
+        try:
+            ad.barrier()
+        except ad.PeerFailureError as e:
+            print(f"rank 0: {type(e).__name__}: {e}", flush=True)
+            sys.exit(3)
+        """,
+    )
+    assert took < 7, (took, job.stdout, job.stderr)
+    assert job.returncode == 1, job.stderr
+    assert "rank 0: PeerFailureError:" in job.stdout, job.stdout
+    assert "ValueError in rank 1: bad batch on rank 1" in job.stdout, job.stdout
+    assert "ValueError: bad batch on rank 1" in job.stderr, "the original hook still reports it"
+
+
+def test_destroy_process_group_forgets_the_group_and_the_hook(tmp_path: Path) -> None:
+    job, _ = _launch(
+        tmp_path,
+        """
+        import json, os, sys
+        from pathlib import Path
+        import axonml_distributed as ad
+
+        before = sys.excepthook
+        ad.init_process_group("shm", timeout=30)
+        installed = sys.excepthook is not before
+        ad.barrier()
+        ad.destroy_process_group()
+        result = [installed, sys.excepthook is before, ad.is_initialized()]
+        Path(sys.argv[1], f"out.{os.environ['RANK']}").write_text(json.dumps(result))
+        """,
+    )
+    assert job.returncode == 0, job.stderr
+    for rank in range(2):
+        assert (tmp_path / f"out.{rank}").read_text() == "[true, true, false]"
+
+
+def test_destroy_process_group_clears_the_thread_default() -> None:
+    def fn(pg: ad.ProcessGroup) -> bool:
+        assert ad.is_initialized()
+        ad.destroy_process_group()
+        return ad.is_initialized()
+
+    assert ad.spawn(fn, 2) == [False, False]
