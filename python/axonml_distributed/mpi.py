@@ -12,11 +12,14 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
   operation and calls MPI_Abort: the whole job dies.
 - Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
-  sequence number) with one small allreduce (a persistent one with MPI 4); on disagreement every rank
+  sequence number) with one small float64 SUM-allreduce, the same MPI call on every rank (a persistent
+  one with MPI 4; see `check_signatures` in mpi_work); on disagreement every rank
   raises CollectiveMismatchError naming the ranks that differ, no data moves, and the group stays usable.
   A rank whose arguments are invalid takes part with an "invalid" signature and raises its
   TypeError/ValueError, so its peers fail at once instead of timing out. Without the check, mismatched
-  calls are undefined behaviour in MPI. Its cost: `python -m axonml_distributed.bench --backend mpi`.
+  calls are undefined behaviour in MPI. A blocking SUM/AVERAGE all_reduce of at most 8 float32/float64
+  elements rides along with the check when every rank's does: one MPI call in all (float32 is summed in
+  float64 and rounded once). Its cost: `python -m axonml_distributed.bench --backend mpi`.
 - Small messages: Python overhead is most of the time of an 8-byte all_reduce, so a blocking all_reduce
   with nothing pending takes a short path (`_all_reduce_now`) and waits start with a tight Test spin.
 """
@@ -43,6 +46,8 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
 from axonml_distributed.exceptions import CollectiveMismatchError
 from axonml_distributed.mpi_work import (
     FLOAT16_CODE,
+    FUSABLE_DTYPES,
+    FUSE_SLOTS,
     KIND_CODES,
     Finish,
     MpiWork,
@@ -387,11 +392,11 @@ class MpiProcessGroup:
             call = plan(queue.comm)
         except (TypeError, ValueError):
             if self._check:
-                check_signatures(queue, invalid_signature(code, seq), self._ranks, describe)
+                check_signatures(queue, invalid_signature(code), seq, self._ranks, describe)
             raise
         if self._check:
-            mine = signature(1, code, call.dtype, call.count, call.root, call.op, seq)
-            check_signatures(queue, mine, self._ranks, describe)
+            mine = signature(1, code, call.dtype, call.count, call.root, call.op)
+            check_signatures(queue, mine, seq, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 
     def _all_reduce_now(self, queue: OpQueue, buf: np.ndarray, code: int, dt: MPI.Datatype, rop: Op) -> None:
@@ -403,8 +408,18 @@ class MpiProcessGroup:
         # bound method describes it without building a partial per call.
         describe = self._describe_current_all_reduce
         if self._check:
-            mine = signature(1, ALL_REDUCE_CODE, code, buf.size, -1, rop.code, queue.seq)
-            check_signatures(queue, mine, self._ranks, describe)
+            count = buf.size
+            mine = (1, ALL_REDUCE_CODE, code, count, -1, rop.code)  # signature(...), spelled out
+            if rop.sums and count <= FUSE_SLOTS and code in FUSABLE_DTYPES:
+                # Small enough to ride along with the check: one MPI call instead of two, when every
+                # rank's data rode along (see FUSE_SLOTS in mpi_work).
+                flat = buf if buf.ndim == 1 else buf.reshape(-1)
+                if check_signatures(queue, mine, queue.seq, self._ranks, describe, flat):
+                    if rop.average:
+                        np.divide(buf, len(self._ranks), out=buf)
+                    return
+            else:
+                check_signatures(queue, mine, queue.seq, self._ranks, describe)
         req = queue.comm.Iallreduce(MPI.IN_PLACE, [buf, dt], rop.mpi_op)
         queue.wait_request(req, buf.nbytes, describe)
         if rop.average:

@@ -159,6 +159,36 @@ def check_async(pg: MpiProcessGroup) -> None:
     same_bits(second, REFERENCE["SUM"](inputs), "blocking all_reduce behind async work")
 
 
+def check_small_all_reduces(pg: MpiProcessGroup) -> None:
+    """Blocking float SUM/AVERAGE all_reduces of at most 8 elements ride along with the signature check
+    when every rank's does; when some rank's cannot (async here, or work pending), all fall back to the
+    data call. Either way the result is the same, up to and past the 8-element limit and in any shape."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for dtype in (np.float32, np.float64):
+        for op in ("SUM", "AVERAGE"):
+            for shape in ((), (1,), (8,), (9,), (2, 4), (4, 1, 2)):
+                case = f"small-{np.dtype(dtype).name}-{op}-{shape}"
+                inputs = all_inputs(n, case, shape, dtype, op)
+                expected = REFERENCE[op](inputs)
+                buf = np.array(inputs[me])  # a 0-d array for shape (), not a numpy scalar
+                pg.all_reduce(buf, reduce_op(op))
+                same_bits(buf, expected, f"all_reduce {case}")
+                # Odd ranks' call cannot ride along: async, then a blocking one behind it.
+                first, second = np.array(inputs[me]), np.array(inputs[me])
+                pending = started(pg.all_reduce(first, reduce_op(op), async_op=True)) if me % 2 else None
+                if pending is None:
+                    pg.all_reduce(first, reduce_op(op))
+                pg.all_reduce(second, reduce_op(op))
+                assert pending is None or pending.is_completed()
+                same_bits(first, expected, f"all_reduce {case}, async on odd ranks")
+                same_bits(second, expected, f"all_reduce {case}, behind async work on odd ranks")
+    # float32 rides along as float64: the sum, exact there, is rounded to float32 once.
+    big = np.array([2.0**24, -(2.0**24)], np.float32) if me == 0 else np.ones(2, np.float32)
+    pg.all_reduce(big)
+    want = np.array([2.0**24 + n - 1, -(2.0**24) + n - 1], np.float64).astype(np.float32)
+    same_bits(big, want, "small float32 all_reduce, summed in float64")
+
+
 def check_buffer_lifetimes(pg: MpiProcessGroup) -> None:
     """Async operations whose MPI buffers exist only inside the group (float16's float32 staging copies,
     the contiguous copy of a strided send_tensor) must keep them alive until completion: churn the heap
@@ -327,6 +357,7 @@ def main() -> None:
     check_movers(pg)
     check_tensor_variants(pg)
     check_async(pg)
+    check_small_all_reduces(pg)
     check_buffer_lifetimes(pg)
     check_random_floats(pg)
     check_unaligned(pg)

@@ -47,6 +47,9 @@ def main() -> None:
     # A different count on every rank (Horovod's [17 + rank] case).
     b = np.ones(1000 + pg.rank(), np.float32)
     expect_mismatch(pg, lambda: pg.all_reduce(b), b, "count=1000", "count=1001")
+    # Small all_reduces whose data rides along with the check: still no buffer changes on a mismatch.
+    small = np.ones(3 + pg.rank(), np.float64)
+    expect_mismatch(pg, lambda: pg.all_reduce(small), small, "count=3", "count=4")
     # A different dtype.
     c = np.zeros(6, np.float64 if odd else np.float32)
     expect_mismatch(pg, lambda: pg.all_reduce(c), c, differ, "dtype=float64", "dtype=float32")
