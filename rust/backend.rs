@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
 use crate::reduce::ReduceOp;
+use crate::work::Lanes;
 
 /// A communication backend, as seen by one rank. Every collective blocks until all members of the
 /// communicator arrive (or fails for all of them), and leaves every member with bitwise-identical results.
@@ -49,6 +50,16 @@ pub trait Backend: Send + Sync {
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;
     /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
     fn abort(&self, reason: &str);
+
+    /// This communicator's lanes of queued work, shared by every group over it (see [`crate::work`]).
+    fn lanes(&self) -> &Lanes;
+
+    /// True once a call on this communicator returned an error while a peer that may still read or
+    /// write its buffers (a stopped process) never said it was done: those buffers must then be kept
+    /// alive, never freed or reused (the bindings keep the arrays for the process's life).
+    fn buffers_may_be_in_use(&self) -> bool {
+        false
+    }
 
     /// Say that this rank will make no more calls (its thread or process is ending): peers waiting for
     /// it then fail at once, naming it, instead of timing out. Worlds that detect dead peers

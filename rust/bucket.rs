@@ -88,11 +88,11 @@ impl GradientBucket {
             }
             Some(_) => {}
             None => {
+                self.storage = storage(self.capacity, grad.dtype())?;
                 self.dtype = Some(grad.dtype());
-                self.storage = vec![0u64; (self.capacity * grad.dtype().size()).div_ceil(8)];
             }
         }
-        if self.len + grad.len() > self.capacity {
+        if self.len.checked_add(grad.len()).is_none_or(|end| end > self.capacity) {
             return Ok(false);
         }
         let start = self.len * grad.dtype().size();
@@ -151,6 +151,30 @@ impl GradientBucket {
         self.len = 0;
         self.entries.clear();
     }
+}
+
+/// Zeroed 8-byte words for `capacity` elements of `dtype`: a clear error, never a wrapped size or an
+/// allocation failure that aborts the process. Zeroed by the allocator, so pages are touched only
+/// as gradients fill them.
+fn storage(capacity: usize, dtype: DType) -> Result<Vec<u64>> {
+    let too_large = || {
+        Error::invalid(format!("a bucket of {capacity} {dtype} elements is larger than any address space"))
+    };
+    let bytes = capacity.checked_mul(dtype.size()).ok_or_else(too_large)?;
+    let words = bytes.div_ceil(8);
+    if words == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u64>(words).map_err(|_| too_large())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
+    if ptr.is_null() {
+        return Err(Error::OutOfMemory(format!(
+            "cannot allocate a bucket of {capacity} {dtype} elements ({bytes} bytes)"
+        )));
+    }
+    // SAFETY: allocated by the global allocator with the layout of `words` u64s, all zero (valid u64s).
+    Ok(unsafe { Vec::from_raw_parts(ptr, words, words) })
 }
 
 #[cfg(test)]

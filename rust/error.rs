@@ -30,7 +30,7 @@ pub enum Error {
     /// Some members never arrived before the deadline. The world is aborted.
     #[error(
         "rank {rank} timed out after {waited:?} in {op}: rank(s) {missing:?} of group {group:?} never arrived \
-         (they are hung, dead, or called a different number of collectives)"
+         (they are hung, dead, or called a different number of collectives){progress}"
     )]
     Timeout {
         /// The rank that gave up.
@@ -43,6 +43,8 @@ pub enum Error {
         missing: Vec<usize>,
         /// Global ranks of the group.
         group: Vec<usize>,
+        /// Where each member is, when known ("; last completed: rank 0 #3 all_reduce, ..."), else empty.
+        progress: String,
     },
 
     /// A peer process died (or a rank failed) while this rank was waiting for it.
@@ -72,6 +74,19 @@ pub enum Error {
         op: String,
     },
 
+    /// Memory for a buffer could not be allocated.
+    #[error("{0}")]
+    OutOfMemory(String),
+
+    /// The group was used wrongly: e.g. a second thread of this rank called while a collective ran.
+    /// Nothing was sent and the world is not aborted.
+    #[error("{0}")]
+    Usage(String),
+
+    /// A bug: a queued job panicked. Its `Work` fails with this and the world is aborted.
+    #[error("internal error: {0}")]
+    Internal(String),
+
     /// An operating-system call failed (shared memory, futex, pidfd).
     #[error("{context}: {source}")]
     Os {
@@ -87,6 +102,17 @@ impl Error {
     /// An [`Error::InvalidArgument`] from anything printable.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
+    }
+
+    /// An [`Error::Timeout`] with no progress report yet (the transport adds it where it knows it).
+    pub fn timeout(
+        rank: usize,
+        op: impl Into<String>,
+        waited: Duration,
+        missing: Vec<usize>,
+        group: Vec<usize>,
+    ) -> Self {
+        Error::Timeout { rank, op: op.into(), waited, missing, group, progress: String::new() }
     }
 
     /// An [`Error::Os`] with what we were doing.

@@ -4,6 +4,7 @@
 //! only its members, and groups run concurrently without interfering (each has its own rendezvous state
 //! and sequence numbers). Group order is ascending global rank; results of a group come in that order.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use crate::backend::Backend;
@@ -11,7 +12,7 @@ use crate::dtype::{Buf, BufMut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::transport::thread::MockBackend;
-use crate::work::{Work, WorkQueue};
+use crate::work::{Lane, Work};
 
 /// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
 pub fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<usize>> {
@@ -35,14 +36,13 @@ pub struct ProcessGroup {
     /// The communicator over `ranks`; `None` when this rank is not a member.
     comm: Option<Arc<dyn Backend>>,
     ranks: Vec<usize>,
-    queue: WorkQueue,
 }
 
 impl ProcessGroup {
     /// The group of every rank the backend's communicator spans.
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         let ranks = backend.members().to_vec();
-        ProcessGroup { comm: Some(backend.clone()), backend, ranks, queue: WorkQueue::default() }
+        ProcessGroup { comm: Some(backend.clone()), backend, ranks }
     }
 
     /// The group of `ranks` (global). Every member must create it (same ranks, same order of creation);
@@ -52,7 +52,7 @@ impl ProcessGroup {
         // Always a communicator of its own, even over every rank: two groups sharing one would share
         // sequence numbers, and calls on different groups could then match each other.
         let comm = if ranks.contains(&backend.rank()) { Some(backend.split(&ranks)?) } else { None };
-        Ok(ProcessGroup { backend, comm, ranks, queue: WorkQueue::default() })
+        Ok(ProcessGroup { backend, comm, ranks })
     }
 
     /// A world of one rank (the seed's `ProcessGroup::mock`).
@@ -103,36 +103,55 @@ impl ProcessGroup {
         })
     }
 
-    /// Queue `job` to run on this group's worker thread, after every job queued before it.
-    pub fn submit(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
-        self.queue.submit(job)
+    /// Queue `job` on `lane` of this group's communicator, after every job queued there before it (by
+    /// any group over the same communicator). A job that panics fails its `Work` with
+    /// [`Error::Internal`] and aborts the world, so no peer waits for what it never finished.
+    pub fn submit(&self, lane: Lane, job: impl FnOnce() -> Result<()> + Send + 'static) -> Result<Work> {
+        let comm = self.comm()?.clone();
+        let guard = comm.clone();
+        Ok(comm.lanes().submit(lane, move || {
+            catch_unwind(AssertUnwindSafe(job)).unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                let e = Error::Internal(format!(
+                    "a queued operation on rank {} panicked ({what}); the world is aborted",
+                    guard.rank()
+                ));
+                guard.abort(&e.to_string());
+                Err(e)
+            })
+        }))
     }
 
-    /// Wait until every queued job has finished (so a blocking call keeps issue order).
-    pub fn flush(&self) {
-        self.queue.flush()
+    /// Wait until every job queued on `lane` has finished (so a blocking call keeps issue order).
+    /// Fails only when interrupted (Ctrl-C), or when this rank is not a member.
+    pub fn flush(&self, lane: Lane) -> Result<()> {
+        self.comm()?.lanes().flush(lane)
     }
 
     /// All-reduce `buf` in place (the seed's `all_reduce_tensor`, on a slice).
     pub fn all_reduce_tensor<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         self.comm()?.all_reduce(BufMut::new(buf), op)
     }
     /// Copy global rank `root`'s `buf` into every member's.
     pub fn broadcast_tensor<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         self.comm()?.broadcast(BufMut::new(buf), root)
     }
     /// Every member's `send`, concatenated in group order.
     pub fn all_gather_tensor<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         let mut out = send.repeat(self.size());
         self.comm()?.all_gather(Buf::new(send), BufMut::new(&mut out))?;
         Ok(out)
     }
     /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
     pub fn reduce_scatter_tensor<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         let n = self.size();
         let mut out = send[..send.len() / n].to_vec();
         self.comm()?.reduce_scatter(Buf::new(send), BufMut::new(&mut out), op)?;
@@ -140,22 +159,22 @@ impl ProcessGroup {
     }
     /// Reduce `buf` into global rank `root`'s `buf`.
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         self.comm()?.reduce(BufMut::new(buf), root, op)
     }
     /// Block until every member arrives.
     pub fn barrier(&self) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Collectives)?;
         self.comm()?.barrier()
     }
     /// Send `buf` to global rank `dst`.
     pub fn send_tensor<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Send(dst))?;
         self.comm()?.send(Buf::new(buf), dst, tag)
     }
     /// Receive into `buf` from global rank `src`.
     pub fn recv_tensor<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        self.flush();
+        self.flush(Lane::Recv(src))?;
         self.comm()?.recv(BufMut::new(buf), src, tag)
     }
 }

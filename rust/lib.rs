@@ -50,4 +50,4 @@ pub use reduce::ReduceOp;
 pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
 pub use transport::thread::MockBackend;
 pub use transport::wait::set_interrupt_hook;
-pub use work::Work;
+pub use work::{Lane, Work};

@@ -29,6 +29,22 @@ pub enum CollKind {
 }
 
 impl CollKind {
+    const ALL: [CollKind; 8] = [
+        CollKind::AllReduce,
+        CollKind::Broadcast,
+        CollKind::AllGather,
+        CollKind::ReduceScatter,
+        CollKind::Gather,
+        CollKind::Scatter,
+        CollKind::Reduce,
+        CollKind::Barrier,
+    ];
+
+    /// The kind with this code (`kind as u8`), if any.
+    pub fn from_code(code: u8) -> Option<CollKind> {
+        Self::ALL.into_iter().find(|k| *k as u8 == code)
+    }
+
     /// The name users call it by.
     pub const fn name(self) -> &'static str {
         match self {
@@ -108,4 +124,39 @@ pub(crate) fn describe_mismatch(calls: &[(usize, Signature)]) -> Option<String> 
     let odd: Vec<String> =
         calls.iter().filter(|(_, s)| s != s0).map(|(r, s)| format!("rank {r} called {s}")).collect();
     (!odd.is_empty()).then(|| format!("rank {r0} called {s0}, but {}", odd.join(", ")))
+}
+
+/// Where one member of a group is, for timeout reports: the last call it completed and the one it
+/// has entered since, if any.
+pub(crate) struct Progress {
+    /// Global rank.
+    pub rank: usize,
+    /// Sequence number of the last call it completed (0: none yet), and its kind when known.
+    pub done: (u64, Option<CollKind>),
+    /// Sequence number of the last call it entered, and its kind when known.
+    pub entered: (u64, Option<CollKind>),
+}
+
+/// "; where each rank is: rank 0 completed #3 all_reduce and waits in #4 barrier, rank 1 completed #3
+/// all_reduce", so a user sees who skipped what.
+pub(crate) fn describe_progress(members: &[Progress]) -> String {
+    let call = |(seq, kind): (u64, Option<CollKind>)| {
+        format!("#{seq} {}", kind.map_or("(unknown call)", CollKind::name))
+    };
+    let each: Vec<String> = members
+        .iter()
+        .map(|p| {
+            let done = if p.done.0 == 0 {
+                "completed no collective yet".into()
+            } else {
+                format!("completed {}", call(p.done))
+            };
+            if p.entered.0 > p.done.0 {
+                format!("rank {} {done} and waits in {}", p.rank, call(p.entered))
+            } else {
+                format!("rank {} {done}", p.rank)
+            }
+        })
+        .collect();
+    format!("; where each rank is: {}", each.join(", "))
 }

@@ -14,7 +14,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
-use crate::work::Work;
+use crate::work::{Lane, Work};
 
 /// The seed's default bucket size: 25M elements (~100 MB of f32).
 pub const DEFAULT_BUCKET_SIZE: usize = 25_000_000;
@@ -165,7 +165,7 @@ impl GradientSynchronizer {
                     GradSyncStrategy::Overlapped => slot.work = Some(launch(group, &slot.bucket)?),
                     _ => {
                         let comm = group.comm()?;
-                        group.flush();
+                        group.flush(Lane::Collectives)?;
                         comm.all_reduce(lock(&slot.bucket).data_mut(), ReduceOp::Average)?;
                     }
                 }
@@ -234,5 +234,5 @@ impl GradientSynchronizer {
 fn launch(group: &Arc<ProcessGroup>, bucket: &Arc<Mutex<GradientBucket>>) -> Result<Work> {
     let comm = group.comm()?.clone();
     let bucket = bucket.clone();
-    Ok(group.submit(move || comm.all_reduce(lock(&bucket).data_mut(), ReduceOp::Average)))
+    group.submit(Lane::Collectives, move || comm.all_reduce(lock(&bucket).data_mut(), ReduceOp::Average))
 }

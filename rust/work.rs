@@ -1,10 +1,17 @@
-//! Asynchronous collectives: a per-group worker thread runs queued jobs in issue order, and a [`Work`]
-//! handle reports each job's result.
+//! Asynchronous work: per-communicator lanes, each a worker thread that runs its jobs in issue order,
+//! and a [`Work`] handle that reports each job's result.
+//!
+//! A communicator has one lane for collectives and, per peer, one for sends and one for receives. So
+//! calls issued in the same order on every rank meet in that order whatever object issued them (every
+//! group over one communicator shares its lanes), and an `isend` / `recv` exchange completes at any
+//! size: the receive does not queue behind this rank's own send, which waits for the peer's receive.
 
+use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::transport::wait::{interrupted, SLICE};
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -21,11 +28,15 @@ pub struct Work {
 }
 
 impl Work {
-    /// Block until the job has run; returns its result (every call returns the same).
+    /// Block until the job has run; returns its result (every call returns the same). Fails with
+    /// [`Error::Interrupted`] when the interrupt hook fires (Ctrl-C) first; the job goes on.
     pub fn wait(&self) -> Result<()> {
         let mut r = self.state.result.lock().unwrap_or_else(|e| e.into_inner());
         while r.is_none() {
-            r = self.state.finished.wait(r).unwrap_or_else(|e| e.into_inner());
+            r = self.state.finished.wait_timeout(r, SLICE).unwrap_or_else(|e| e.into_inner()).0;
+            if r.is_none() && interrupted() {
+                return Err(Error::Interrupted { op: "a wait for queued work".into() });
+            }
         }
         r.clone().expect("checked above")
     }
@@ -41,40 +52,71 @@ impl Work {
     }
 }
 
-/// A lazily started worker thread and the last job given to it.
-#[derive(Default)]
-pub(crate) struct WorkQueue {
-    inner: Mutex<Option<(Sender<Job>, Work)>>,
+/// Which lane of a communicator a call goes through.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Lane {
+    /// Every collective (they match by sequence number, so they must run in issue order).
+    Collectives,
+    /// Sends to this global rank (matched by tag in send order).
+    Send(usize),
+    /// Receives from this global rank.
+    Recv(usize),
 }
 
-impl WorkQueue {
-    pub(crate) fn submit(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
+/// A lazily started worker thread and the last job given to it.
+struct Queue {
+    tx: Sender<Job>,
+    last: Work,
+}
+
+fn start_worker() -> Sender<Job> {
+    let (tx, rx) = channel::<Job>();
+    // The thread ends when its sender (the communicator's lanes) is dropped.
+    std::thread::Builder::new()
+        .name("axonml-work".into())
+        .spawn(move || rx.into_iter().for_each(|job| job()))
+        .expect("spawning a work thread");
+    tx
+}
+
+/// The lanes of one communicator (see the module docs).
+#[derive(Default)]
+pub struct Lanes {
+    queues: Mutex<HashMap<Lane, Queue>>,
+}
+
+impl Lanes {
+    /// Queue `job` on `lane`, after every job queued there before it. `job` must not unwind
+    /// ([`crate::ProcessGroup::submit`] catches panics).
+    pub fn submit(&self, lane: Lane, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
         let work = Work::default();
         let handle = work.clone();
         let task: Job = Box::new(move || handle.finish(job()));
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let tx = match inner.take() {
-            Some((tx, _)) => tx,
-            None => {
-                let (tx, rx) = channel::<Job>();
-                // The thread ends when the group (and with it the sender) is dropped.
-                std::thread::Builder::new()
-                    .name("axonml-work".into())
-                    .spawn(move || rx.into_iter().for_each(|job| job()))
-                    .expect("spawning the group's work thread");
-                tx
-            }
-        };
-        tx.send(task).expect("the work thread lives as long as its sender");
-        *inner = Some((tx, work.clone()));
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
+        if let Err(unsent) = q.tx.send(task) {
+            // Only if the worker thread died: start another one for the job.
+            q.tx = start_worker();
+            let _ = q.tx.send(unsent.0);
+        }
+        q.last = work.clone();
         work
     }
 
-    /// Wait for the last submitted job (and so for every earlier one).
-    pub(crate) fn flush(&self) {
-        let last = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(_, w)| w.clone());
-        if let Some(w) = last {
-            let _ = w.wait();
+    /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
+    /// `Work`; this fails only when interrupted.
+    pub fn flush(&self, lane: Lane) -> Result<()> {
+        let last = self.queues.lock().unwrap_or_else(|e| e.into_inner()).get(&lane).map(|q| q.last.clone());
+        match last.map(|w| w.wait()) {
+            Some(Err(e @ Error::Interrupted { .. })) => Err(e),
+            _ => Ok(()),
         }
+    }
+
+    /// Wait for every lane.
+    pub fn flush_all(&self) -> Result<()> {
+        let lanes: Vec<Lane> =
+            self.queues.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        lanes.into_iter().try_for_each(|lane| self.flush(lane))
     }
 }

@@ -157,25 +157,27 @@ def test_a_non_member_cannot_call_a_group_collective() -> None:
     assert outcomes(3, fn) == [None, None, None]
 
 
-def test_two_threads_on_one_rank_are_refused() -> None:
-    (b,) = ad.MockBackend.create_world(1)
-    pg2 = ad.MockBackend.create_world(2, timeout=2)
-    pg = ad.ProcessGroup(pg2[0])
-    errors: list[BaseException] = []
+def test_two_threads_on_one_rank_are_a_usage_error_that_does_not_abort() -> None:
+    backends = ad.MockBackend.create_world(2, timeout=30)
+    pg = ad.ProcessGroup(backends[0])
+    got: list[object] = []
 
-    def blocked() -> None:
-        try:
-            pg.barrier()  # rank 1 never comes: blocks until the timeout
-        except ad.DistributedError as e:
-            errors.append(e)
+    def first() -> None:
+        x = np.ones(2, np.float32)
+        pg.all_reduce(x)  # waits for rank 1, which comes after the refused call below
+        got.append(x.copy())
 
-    t = threading.Thread(target=blocked)
+    t = threading.Thread(target=first)
     t.start()
-    time.sleep(0.2)
-    with pytest.raises(ValueError, match="another collective is already running"):
+    time.sleep(0.3)
+    with pytest.raises(ad.DistributedError, match="another collective is already running") as e:
         pg.all_reduce(np.ones(2, np.float32))
+    assert not isinstance(e.value, (ValueError, ad.PeerFailureError))
+    y = np.full(2, 2.0, np.float32)
+    ad.ProcessGroup(backends[1]).all_reduce(y)  # the world was not aborted: the first call completes
     t.join()
-    assert b.world_size() == 1
+    np.testing.assert_array_equal(got[0], [3.0, 3.0])
+    np.testing.assert_array_equal(y, [3.0, 3.0])
 
 
 def test_ctrl_c_interrupts_a_waiting_collective() -> None:

@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use axonml_distributed::reduce::reduce_slices;
+use axonml_distributed::work::Lane;
 use axonml_distributed::{Backend, Error, MockBackend, ProcessGroup, ReduceOp};
 
 use common::{input, Threads, Worlds, LONG};
@@ -53,12 +54,13 @@ fn async_work_completes_in_issue_order() {
         let works: Vec<_> = (0..5)
             .map(|i| {
                 let p = pg.clone();
-                pg.submit(move || {
+                pg.submit(Lane::Collectives, move || {
                     let mut v = vec![i as f64; 10];
                     p.comm()?.all_reduce(axonml_distributed::BufMut::new(&mut v), ReduceOp::Sum)?;
                     assert_eq!(v[0], 2.0 * i as f64);
                     Ok(())
                 })
+                .unwrap()
             })
             .collect();
         works.iter().all(|w| w.wait().is_ok())

@@ -1,6 +1,7 @@
-//! numpy arrays in and out: dtype dispatch, borrow-checked views, and the checks in-place operations
-//! need (C-contiguous, writable, aligned). Errors: TypeError for a dtype or type we cannot take,
-//! ValueError for a layout or borrow we cannot use.
+//! numpy arrays (and CPU torch tensors, through their zero-copy numpy view) in and out: dtype
+//! dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous, writable,
+//! aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
+//! we cannot use.
 
 use half::f16;
 use numpy::{
@@ -106,10 +107,51 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
     })
 }
 
-fn untyped<'a, 'py>(obj: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
-    let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+/// True when `obj` is a torch tensor (torch is never imported here: without it loaded, nothing is one).
+pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let modules = obj.py().import("sys")?.getattr("modules")?;
+    match modules.get_item("torch") {
+        Ok(torch) => obj.is_instance(&torch.getattr("Tensor")?),
+        Err(_) => Ok(false),
+    }
+}
+
+/// `obj` as a numpy array: itself, or a CPU tensor's zero-copy view (which keeps the tensor alive).
+pub(crate) fn as_ndarray<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    if obj.cast::<PyUntypedArray>().is_ok() || !is_tensor(obj)? {
+        return Ok(obj.clone());
+    }
+    let device = obj.getattr("device")?.getattr("type")?.extract::<String>()?;
+    if device != "cpu" {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is a torch tensor on {device}; only CPU tensors are supported"
+        )));
+    }
+    if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(format!(
+            "{what} is a non-contiguous torch tensor; pass t.contiguous() and copy the result back"
+        )));
+    }
+    obj.call_method0("detach")?.call_method0("numpy").map_err(|e| {
+        PyTypeError::new_err(format!(
+            "{what}: this torch tensor has no numpy view ({e}); use a supported dtype"
+        ))
+    })
+}
+
+/// `out` (a numpy array) as the caller's type: a torch tensor sharing its memory when `like` is one.
+pub(crate) fn like<'py>(out: Bound<'py, PyAny>, like: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if out.cast::<PyUntypedArray>().is_ok() && is_tensor(like)? {
+        return out.py().import("torch")?.call_method1("from_numpy", (out,));
+    }
+    Ok(out)
+}
+
+fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+    let arr = as_ndarray(obj, what)?.cast_into::<PyUntypedArray>().map_err(|e| {
+        let obj = e.into_inner();
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        PyTypeError::new_err(format!("{what} must be a numpy.ndarray, got {ty}"))
+        PyTypeError::new_err(format!("{what} must be a numpy.ndarray or a CPU torch.Tensor, got {ty}"))
     })?;
     if !arr.is_c_contiguous() {
         return Err(PyValueError::new_err(format!(
@@ -138,34 +180,36 @@ fn misaligned(what: &str) -> PyErr {
 /// Borrow `obj` for reading and writing.
 pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
     let arr = untyped(obj, what)?;
-    let dtype = dtype_of(arr, what)?;
+    let dtype = dtype_of(&arr, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {
-        let typed = obj.cast::<PyArrayDyn<T>>()?;
+        let typed = arr.cast::<PyArrayDyn<T>>()?;
         let mut guard: PyReadwriteArrayDyn<'py, T> = typed.try_readwrite().map_err(|e| borrow_error(what, e))?;
         let slice = guard.as_slice_mut().map_err(|_| misaligned(what))?;
         let raw = RawArray { dtype, ptr: slice.as_mut_ptr().cast(), len: slice.len() };
-        Ok(Array { raw, obj: obj.clone(), shape, _guard: Box::new(guard) })
+        Ok(Array { raw, obj: arr.into_any(), shape, _guard: Box::new(guard) })
     })
 }
 
 /// Borrow `obj` for reading.
 pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
     let arr = untyped(obj, what)?;
-    let dtype = dtype_of(arr, what)?;
+    let dtype = dtype_of(&arr, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {
-        let typed = obj.cast::<PyArrayDyn<T>>()?;
+        let typed = arr.cast::<PyArrayDyn<T>>()?;
         let guard: PyReadonlyArrayDyn<'py, T> = typed.try_readonly().map_err(|e| borrow_error(what, e))?;
         let slice = guard.as_slice().map_err(|_| misaligned(what))?;
         let raw = RawArray { dtype, ptr: slice.as_ptr().cast_mut().cast(), len: slice.len() };
-        Ok(Array { raw, obj: obj.clone(), shape, _guard: Box::new(guard) })
+        Ok(Array { raw, obj: arr.into_any(), shape, _guard: Box::new(guard) })
     })
 }
 
-/// A new zero-filled array of `dtype` and `shape`.
-pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> Bound<'py, PyAny> {
-    with_type!(dtype, T => PyArrayDyn::<T>::zeros(py, shape, false).into_any())
+/// A new zero-filled array of `dtype` and `shape` (numpy's own size checks: a ValueError or
+/// MemoryError for a shape too large, never a wrapped size).
+pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    let descr = with_type!(dtype, T => numpy::dtype::<T>(py));
+    py.import("numpy")?.call_method1("zeros", (shape.to_vec(), descr))
 }
 
 /// A 1-D numpy array over `len` elements of `dtype` at `ptr`, keeping `owner` alive as its base.

@@ -7,11 +7,14 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use super::array::{readable, writable};
+use super::array::{readable, writable, Array};
 use super::exceptions::abort_on_bad_arguments;
+use super::work::{run_blocking, Job};
 use crate::backend::Backend;
 use crate::reduce::ReduceOp;
 use crate::transport::thread::{MockBackend, DEFAULT_TIMEOUT};
+use crate::transport::wait::MAX_TIMEOUT;
+use crate::work::Lane;
 
 /// How values from the ranks are combined.
 #[pyclass(name = "ReduceOp", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
@@ -34,6 +37,16 @@ pub(crate) enum PyReduceOp {
     Average,
 }
 
+#[pymethods]
+impl PyReduceOp {
+    /// torch's name for AVERAGE.
+    #[classattr]
+    #[pyo3(name = "AVG")]
+    fn avg() -> PyReduceOp {
+        PyReduceOp::Average
+    }
+}
+
 impl From<PyReduceOp> for ReduceOp {
     fn from(op: PyReduceOp) -> ReduceOp {
         match op {
@@ -46,7 +59,8 @@ impl From<PyReduceOp> for ReduceOp {
     }
 }
 
-/// A `ReduceOp`, or its name in any case ("sum", "AVERAGE"); `None` means SUM.
+/// A `ReduceOp`, or its name in any case ("sum", "AVERAGE", and "avg" or "mean" for AVERAGE); `None`
+/// means SUM.
 pub(crate) fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
     let Some(op) = op else {
         return Ok(ReduceOp::Sum);
@@ -58,7 +72,7 @@ pub(crate) fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
         let name = s.to_str()?.to_ascii_uppercase();
         return ReduceOp::ALL
             .into_iter()
-            .find(|o| o.name() == name || (name == "MEAN" && *o == ReduceOp::Average))
+            .find(|o| o.name() == name || (matches!(&*name, "MEAN" | "AVG") && *o == ReduceOp::Average))
             .ok_or_else(|| {
                 PyValueError::new_err(format!("unknown reduce op {name:?}; use a ReduceOp member"))
             });
@@ -66,14 +80,16 @@ pub(crate) fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
     Err(PyTypeError::new_err("op must be a ReduceOp (or its name)"))
 }
 
-/// Seconds (float or None) to a timeout.
+/// Seconds (float or None) to a timeout: positive, finite and at most `MAX_TIMEOUT` (about 31 years),
+/// so no deadline computed from it can overflow.
 pub(crate) fn timeout_from(seconds: Option<f64>) -> PyResult<Duration> {
     match seconds {
         None => Ok(DEFAULT_TIMEOUT),
-        Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
-        Some(s) => {
-            Err(PyValueError::new_err(format!("timeout must be a positive number of seconds, got {s}")))
-        }
+        Some(s) if s > 0.0 && s <= MAX_TIMEOUT.as_secs_f64() => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "timeout must be a positive number of seconds up to {:.0} (about 31 years), got {s}",
+            MAX_TIMEOUT.as_secs_f64()
+        ))),
     }
 }
 
@@ -87,6 +103,11 @@ pub(crate) struct PyBackend {
 impl PyBackend {
     fn checked<T>(&self, r: PyResult<T>) -> PyResult<T> {
         abort_on_bad_arguments(&*self.inner, r)
+    }
+
+    /// Run `job` now, after the work that groups over this communicator queued on `lane`.
+    fn run(&self, py: Python<'_>, lane: Lane, arrays: Vec<Array<'_>>, job: Job) -> PyResult<()> {
+        run_blocking(py, &self.inner, lane, arrays, job)
     }
 }
 
@@ -114,21 +135,32 @@ impl PyBackend {
     ) -> PyResult<()> {
         let op = self.checked(parse_op(op))?;
         let a = self.checked(writable(buf, "buf"))?;
-        let b = self.inner.clone();
-        // SAFETY (every detached closure here): the borrow guard in `a` outlives the call.
-        Ok(py.detach(|| b.all_reduce(unsafe { a.raw.buf_mut() }, op))?)
+        let raw = a.raw;
+        // SAFETY (every job here): `run_blocking` keeps the arrays' borrow guards until the job ends.
+        self.run(
+            py,
+            Lane::Collectives,
+            vec![a],
+            Box::new(move |b| b.all_reduce(unsafe { raw.buf_mut() }, op)),
+        )
     }
     /// Copy global rank `src`'s `buf` into every member's `buf`.
     fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize) -> PyResult<()> {
         let a = self.checked(writable(buf, "buf"))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.broadcast(unsafe { a.raw.buf_mut() }, src))?)
+        let raw = a.raw;
+        self.run(
+            py,
+            Lane::Collectives,
+            vec![a],
+            Box::new(move |b| b.broadcast(unsafe { raw.buf_mut() }, src)),
+        )
     }
     /// Concatenate every member's `send` into `recv`.
     fn all_gather(&self, py: Python<'_>, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<()> {
         let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.all_gather(unsafe { s.raw.buf() }, unsafe { r.raw.buf_mut() }))?)
+        let (sr, rr) = (s.raw, r.raw);
+        let job: Job = Box::new(move |b| b.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() }));
+        self.run(py, Lane::Collectives, vec![s, r], job)
     }
     /// Reduce `send` and keep this member's chunk in `recv`.
     #[pyo3(signature = (send, recv, op=None))]
@@ -141,8 +173,9 @@ impl PyBackend {
     ) -> PyResult<()> {
         let op = self.checked(parse_op(op))?;
         let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.reduce_scatter(unsafe { s.raw.buf() }, unsafe { r.raw.buf_mut() }, op))?)
+        let (sr, rr) = (s.raw, r.raw);
+        let job: Job = Box::new(move |b| b.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op));
+        self.run(py, Lane::Collectives, vec![s, r], job)
     }
     /// Concatenate every member's `send` into `dst`'s `recv` (None elsewhere).
     #[pyo3(signature = (send, recv, dst))]
@@ -155,9 +188,10 @@ impl PyBackend {
     ) -> PyResult<()> {
         let s = self.checked(readable(send, "send"))?;
         let r = self.checked(recv.map(|r| writable(r, "recv")).transpose())?;
-        let raw = r.as_ref().map(|r| r.raw);
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.gather(unsafe { s.raw.buf() }, raw.map(|r| unsafe { r.buf_mut() }), dst))?)
+        let (sr, rr) = (s.raw, r.as_ref().map(|r| r.raw));
+        let job: Job =
+            Box::new(move |b| b.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst));
+        self.run(py, Lane::Collectives, std::iter::once(s).chain(r).collect(), job)
     }
     /// Split `src`'s `send` (None elsewhere) into every member's `recv`.
     #[pyo3(signature = (send, recv, src))]
@@ -169,10 +203,11 @@ impl PyBackend {
         src: usize,
     ) -> PyResult<()> {
         let s = self.checked(send.map(|s| readable(s, "send")).transpose())?;
-        let raw = s.as_ref().map(|s| s.raw);
         let r = self.checked(writable(recv, "recv"))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.scatter(raw.map(|s| unsafe { s.buf() }), unsafe { r.raw.buf_mut() }, src))?)
+        let (sr, rr) = (s.as_ref().map(|s| s.raw), r.raw);
+        let job: Job =
+            Box::new(move |b| b.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src));
+        self.run(py, Lane::Collectives, s.into_iter().chain(std::iter::once(r)).collect(), job)
     }
     /// Reduce `buf` into `dst`'s `buf`.
     #[pyo3(signature = (buf, dst, op=None))]
@@ -185,27 +220,31 @@ impl PyBackend {
     ) -> PyResult<()> {
         let op = self.checked(parse_op(op))?;
         let a = self.checked(writable(buf, "buf"))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.reduce(unsafe { a.raw.buf_mut() }, dst, op))?)
+        let raw = a.raw;
+        self.run(
+            py,
+            Lane::Collectives,
+            vec![a],
+            Box::new(move |b| b.reduce(unsafe { raw.buf_mut() }, dst, op)),
+        )
     }
     /// Block until every member arrives.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.barrier())?)
+        self.run(py, Lane::Collectives, vec![], Box::new(|b| b.barrier()))
     }
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: usize, tag: u64) -> PyResult<()> {
         let a = self.checked(readable(buf, "buf"))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.send(unsafe { a.raw.buf() }, dst, tag))?)
+        let raw = a.raw;
+        self.run(py, Lane::Send(dst), vec![a], Box::new(move |b| b.send(unsafe { raw.buf() }, dst, tag)))
     }
     /// Receive into `buf` from global rank `src`.
     #[pyo3(signature = (buf, src, tag=0))]
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize, tag: u64) -> PyResult<()> {
         let a = self.checked(writable(buf, "buf"))?;
-        let b = self.inner.clone();
-        Ok(py.detach(|| b.recv(unsafe { a.raw.buf_mut() }, src, tag))?)
+        let raw = a.raw;
+        self.run(py, Lane::Recv(src), vec![a], Box::new(move |b| b.recv(unsafe { raw.buf_mut() }, src, tag)))
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.
     fn abort(&self, reason: &str) {

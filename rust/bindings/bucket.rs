@@ -182,7 +182,9 @@ impl PyGradientSynchronizer {
     fn prepare(&self, py: Python<'_>, num_params: usize, process_group: Option<&Bound<'_, PyAny>>) {
         let mut st = state(py, &self.state);
         let group = process_group.and_then(native);
-        st.sync.prepare(num_params, group);
+        let sync = &mut st.sync;
+        // Waits for last step's background buckets, whose jobs need the GIL to finish.
+        py.detach(|| sync.prepare(num_params, group));
         st.grads.clear();
     }
     /// Add `grad` to bucket `bucket_idx` (buckets fill in index order). `sync_all` writes the average
@@ -206,7 +208,8 @@ impl PyGradientSynchronizer {
         };
         let mut st = state(py, &self.state);
         if self.strategy == PyGradSyncStrategy::NoSync {
-            st.sync.clear();
+            let sync = &mut st.sync;
+            py.detach(|| sync.clear());
             st.grads.clear();
             return Ok(());
         }
@@ -235,13 +238,15 @@ impl PyGradientSynchronizer {
             // SAFETY: the borrow guard in `a` lives across the copy.
             st.sync.averaged(i, unsafe { a.raw.buf_mut() })?;
         }
-        st.sync.clear();
+        let sync = &mut st.sync;
+        py.detach(|| sync.clear());
         Ok(())
     }
     /// Forget every gradient and bucket.
     fn clear(&self, py: Python<'_>) {
         let mut st = state(py, &self.state);
-        st.sync.clear();
+        let sync = &mut st.sync;
+        py.detach(|| sync.clear());
         st.grads.clear();
     }
 }

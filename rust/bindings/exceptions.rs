@@ -1,6 +1,8 @@
 //! The Python exception hierarchy, and the one place core errors become Python exceptions.
 
-use pyo3::exceptions::{PyKeyboardInterrupt, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyKeyboardInterrupt, PyMemoryError, PyOSError, PyRuntimeError, PyTypeError, PyValueError,
+};
 use pyo3::{create_exception, PyErr, PyResult, Python};
 
 use crate::backend::Backend;
@@ -36,6 +38,8 @@ impl From<Error> for PyErr {
             Error::Timeout { .. } => CollectiveTimeoutError::new_err(msg),
             Error::PeerDied { .. } | Error::Aborted { .. } => PeerFailureError::new_err(msg),
             Error::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
+            Error::OutOfMemory(_) => PyMemoryError::new_err(msg),
+            Error::Usage(_) | Error::Internal(_) => DistributedError::new_err(msg),
             Error::Os { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         }
     }

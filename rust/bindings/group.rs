@@ -10,21 +10,18 @@ use std::sync::Arc;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::array::{readable, writable, zeros, Array};
+use super::array::{as_ndarray, like, readable, writable, zeros, Array};
 use super::backend::{parse_op, PyBackend};
 use super::exceptions::abort_on_bad_arguments;
-use super::work::PyWork;
-use crate::backend::Backend;
-use crate::error::Result;
+use super::work::{queued, run_blocking, Job, PyWork};
 use crate::group::ProcessGroup;
+use crate::work::Lane;
 
 /// A group of ranks as seen from this rank: collectives involve only its members.
 #[pyclass(name = "ProcessGroup", module = "axonml_distributed", frozen)]
 pub(crate) struct PyProcessGroup {
     pub(crate) inner: Arc<ProcessGroup>,
 }
-
-type Job = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send>;
 
 impl PyProcessGroup {
     /// Abort the world when `r` is an argument error: a rank that cannot enter a collective must not
@@ -33,10 +30,12 @@ impl PyProcessGroup {
         abort_on_bad_arguments(&**self.inner.backend(), r)
     }
 
-    /// Run `job` now with the GIL released (the borrow guards in `arrays` outlive it), or queue it.
+    /// Run `job` now with the GIL released (the borrow guards in `arrays` outlive it), after the work
+    /// queued on `lane`, or queue it there.
     fn run<'py>(
         &self,
         py: Python<'py>,
+        lane: Lane,
         async_op: bool,
         arrays: Vec<Array<'py>>,
         result: Option<Bound<'py, PyAny>>,
@@ -44,22 +43,11 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let comm = self.checked(self.inner.comm().map_err(PyErr::from))?.clone();
         if !async_op {
-            let pg = self.inner.clone();
-            py.detach(move || {
-                pg.flush();
-                job(&*comm)
-            })?;
-            drop(arrays);
+            run_blocking(py, &comm, lane, arrays, job)?;
             return Ok(result.map_or_else(|| py.None(), Bound::unbind));
         }
-        // The job keeps the arrays alive; it drops those references attached, once it is done.
-        let mut keep: Option<Vec<Py<PyAny>>> = Some(arrays.into_iter().map(|a| a.obj.unbind()).collect());
-        let work = self.inner.submit(move || {
-            let r = job(&*comm);
-            Python::try_attach(|_| drop(keep.take()));
-            r
-        });
-        let w = PyWork { work, result: result.map(Bound::unbind) };
+        let work = self.inner.submit(lane, queued(comm.clone(), arrays, job))?;
+        let w = PyWork { work, result: result.map(Bound::unbind), comm };
         Ok(Bound::new(py, w)?.into_any().unbind())
     }
 
@@ -67,10 +55,11 @@ impl PyProcessGroup {
         root.unwrap_or(self.inner.ranks()[0])
     }
 
-    /// A C-ordered copy of `t`, for the `*_tensor` collectives that return new arrays.
+    /// A C-ordered numpy copy of `t` (an array or a CPU tensor), for the `*_tensor` collectives that
+    /// return new arrays.
     fn copy_of<'py>(t: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let np = t.py().import("numpy")?;
-        np.call_method1("array", (t,))?.call_method1("copy", ("C",))
+        np.call_method1("array", (as_ndarray(t, "t")?,))?.call_method1("copy", ("C",))
     }
 }
 
@@ -166,7 +155,14 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
         let raw = a.raw;
-        self.run(py, async_op, vec![a], None, Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)))
+        self.run(
+            py,
+            Lane::Collectives,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
+        )
     }
     /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
     #[pyo3(signature = (buf, src=None, *, async_op=false))]
@@ -179,7 +175,14 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(writable(buf, "buf"))?;
         let (raw, root) = (a.raw, self.root_or_first(src));
-        self.run(py, async_op, vec![a], None, Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)))
+        self.run(
+            py,
+            Lane::Collectives,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
+        )
     }
     /// Concatenate every member's `send` into `recv` (shape `(size, *send.shape)`).
     #[pyo3(signature = (send, recv, *, async_op=false))]
@@ -194,6 +197,7 @@ impl PyProcessGroup {
         let (sr, rr) = (s.raw, r.raw);
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![s, r],
             None,
@@ -216,6 +220,7 @@ impl PyProcessGroup {
         let (sr, rr) = (s.raw, r.raw);
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![s, r],
             None,
@@ -239,6 +244,7 @@ impl PyProcessGroup {
         let arrays = std::iter::once(s).chain(r).collect();
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             arrays,
             None,
@@ -262,6 +268,7 @@ impl PyProcessGroup {
         let arrays = s.into_iter().chain(std::iter::once(r)).collect();
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             arrays,
             None,
@@ -280,12 +287,19 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
         let raw = a.raw;
-        self.run(py, async_op, vec![a], None, Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)))
+        self.run(
+            py,
+            Lane::Collectives,
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)),
+        )
     }
     /// Block until every member arrives.
     #[pyo3(signature = (*, async_op=false))]
     fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
-        self.run(py, async_op, vec![], None, Box::new(|c| c.barrier()))
+        self.run(py, Lane::Collectives, async_op, vec![], None, Box::new(|c| c.barrier()))
     }
     /// Send `buf` to global rank `dst`; returns once the receiver has it.
     #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]
@@ -299,7 +313,14 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(readable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(py, async_op, vec![a], None, Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)))
+        self.run(
+            py,
+            Lane::Send(dst),
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)),
+        )
     }
     /// Receive into `buf` from global rank `src` (dtype and size must match the send).
     #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
@@ -313,7 +334,14 @@ impl PyProcessGroup {
     ) -> PyResult<Py<PyAny>> {
         let a = self.checked(writable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(py, async_op, vec![a], None, Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)))
+        self.run(
+            py,
+            Lane::Recv(src),
+            async_op,
+            vec![a],
+            None,
+            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
+        )
     }
 
     /// A new array: `t` reduced across the group.
@@ -330,9 +358,10 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![a],
-            Some(out.clone()),
+            Some(like(out.clone(), t)?),
             Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
         )
     }
@@ -350,9 +379,10 @@ impl PyProcessGroup {
         let (raw, root) = (a.raw, self.root_or_first(src));
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![a],
-            Some(out.clone()),
+            Some(like(out.clone(), t)?),
             Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
         )
     }
@@ -361,14 +391,15 @@ impl PyProcessGroup {
     fn all_gather_tensor(&self, py: Python<'_>, t: &Bound<'_, PyAny>, async_op: bool) -> PyResult<Py<PyAny>> {
         let s = self.checked(readable(t, "t"))?;
         let shape: Vec<usize> = std::iter::once(self.inner.size()).chain(s.shape.iter().copied()).collect();
-        let out = zeros(py, s.raw.dtype, &shape);
+        let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
         let r = writable(&out, "out")?;
         let (sr, rr) = (s.raw, r.raw);
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![s, r],
-            Some(out.clone()),
+            Some(like(out.clone(), t)?),
             Box::new(move |c| c.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() })),
         )
     }
@@ -391,14 +422,15 @@ impl PyProcessGroup {
             ))));
         }
         let shape: Vec<usize> = std::iter::once(first / n).chain(s.shape[1..].iter().copied()).collect();
-        let out = zeros(py, s.raw.dtype, &shape);
+        let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
         let r = writable(&out, "out")?;
         let (sr, rr) = (s.raw, r.raw);
         self.run(
             py,
+            Lane::Collectives,
             async_op,
             vec![s, r],
-            Some(out.clone()),
+            Some(like(out.clone(), t)?),
             Box::new(move |c| c.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op)),
         )
     }
@@ -430,6 +462,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
+            Lane::Recv(src),
             async_op,
             vec![a],
             Some(out.clone()),

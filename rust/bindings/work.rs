@@ -1,23 +1,86 @@
-//! `Work` for Python: the handle of an asynchronous collective.
+//! Running work for Python: blocking calls (the GIL released, after the lane's queued work) and
+//! `Work`, the handle of an asynchronous one.
+
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use crate::work::Work;
+use super::array::Array;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::work::{Lane, Work};
+
+/// One collective or point-to-point call on a communicator, ready to run.
+pub(crate) type Job = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send>;
+
+/// A Ctrl-C while this rank waits for its own queued work ends the wait, and aborts the world: the
+/// queued call goes on in the background and its peers must not wait for the rest of this rank.
+fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
+    if let Err(Error::Interrupted { .. }) = &r {
+        comm.abort(&format!(
+            "rank {} was interrupted (Ctrl-C) while waiting for its queued work",
+            comm.rank()
+        ));
+    }
+    r
+}
+
+/// Run `job` on `comm` now, with the GIL released, after the work queued on `lane`. When it fails
+/// while a peer may still touch the arrays (a stopped process), the arrays are kept alive (leaked,
+/// still marked in use) so that memory is never freed or reused under the peer.
+pub(crate) fn run_blocking(
+    py: Python<'_>,
+    comm: &Arc<dyn Backend>,
+    lane: Lane,
+    arrays: Vec<Array<'_>>,
+    job: Job,
+) -> PyResult<()> {
+    let c = comm.clone();
+    let r = py.detach(move || {
+        interrupted_abort(&*c, c.lanes().flush(lane))?;
+        job(&*c)
+    });
+    if r.is_err() && comm.buffers_may_be_in_use() {
+        std::mem::forget(arrays);
+    }
+    Ok(r?)
+}
+
+/// Wrap `job` for a lane: it keeps `arrays` alive until it has run, then drops them attached (or keeps
+/// them for good, as in [`run_blocking`]).
+pub(crate) fn queued(
+    comm: Arc<dyn Backend>,
+    arrays: Vec<Array<'_>>,
+    job: Job,
+) -> impl FnOnce() -> Result<()> + Send + 'static {
+    let keep: Vec<Py<PyAny>> = arrays.into_iter().map(|a| a.obj.unbind()).collect();
+    move || {
+        let r = job(&*comm);
+        if r.is_err() && comm.buffers_may_be_in_use() {
+            std::mem::forget(keep);
+        } else {
+            let mut keep = Some(keep);
+            Python::try_attach(|_| drop(keep.take()));
+        }
+        r
+    }
+}
 
 /// The handle of an asynchronous collective.
 #[pyclass(name = "Work", module = "axonml_distributed", frozen)]
 pub(crate) struct PyWork {
     pub(crate) work: Work,
     pub(crate) result: Option<Py<PyAny>>,
+    pub(crate) comm: Arc<dyn Backend>,
 }
 
 #[pymethods]
 impl PyWork {
-    /// Block (GIL released) until the collective finished; re-raise its error, or return its result
-    /// (None for in-place collectives, the new array for the `*_tensor` ones).
+    /// Block (GIL released, Ctrl-C honoured) until the collective finished; re-raise its error, or
+    /// return its result (None for in-place collectives, the new array for the `*_tensor` ones).
     fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let w = self.work.clone();
-        py.detach(|| w.wait())?;
+        let (w, comm) = (self.work.clone(), self.comm.clone());
+        py.detach(|| interrupted_abort(&*comm, w.wait()))?;
         Ok(self.result.as_ref().map(|r| r.clone_ref(py)))
     }
     /// True once the collective has finished (successfully or not).

@@ -43,7 +43,8 @@ unsafe impl Sync for Letter {}
 
 type Key = (usize, usize, u64);
 type Guard<'a> = MutexGuard<'a, HashMap<Key, VecDeque<Arc<Letter>>>>;
-type Nap<'a> = std::result::Result<Guard<'a>, (Option<Error>, Guard<'a>)>;
+/// A nap's outcome: the guard back, or why it ended (`None`: the deadline) with the guard.
+type Nap<'a> = std::result::Result<Guard<'a>, (Option<Box<Error>>, Guard<'a>)>;
 
 /// Every pending message of a world.
 #[derive(Default)]
@@ -73,10 +74,10 @@ impl Mailbox {
         op: &str,
     ) -> Nap<'a> {
         if let Err(e) = world.check_abort().and_then(|()| world.check_present(peer, op)) {
-            return Err((Some(e), guard));
+            return Err((Some(Box::new(e)), guard));
         }
         if super::wait::interrupted() {
-            return Err((Some(Error::Interrupted { op: op.to_string() }), guard));
+            return Err((Some(Box::new(Error::Interrupted { op: op.to_string() })), guard));
         }
         let now = Instant::now();
         if now >= deadline {
@@ -131,7 +132,7 @@ impl Mailbox {
                     if let Some(queue) = g.get_mut(&(src, dst, tag)) {
                         queue.retain(|l| !Arc::ptr_eq(l, &letter));
                     }
-                    return Err(e.unwrap_or_else(|| timeout(src, op, world, dst)));
+                    return Err(e.map_or_else(|| timeout(src, op, world, dst), |e| *e));
                 }
             };
         }
@@ -155,7 +156,7 @@ impl Mailbox {
             }
             q = match self.nap(world, src, q, deadline, &op) {
                 Ok(g) => g,
-                Err((e, _)) => return Err(e.unwrap_or_else(|| timeout(dst, op, world, src))),
+                Err((e, _)) => return Err(e.map_or_else(|| timeout(dst, op, world, src), |e| *e)),
             };
         };
         drop(q);
@@ -177,5 +178,5 @@ impl Mailbox {
 }
 
 fn timeout(rank: usize, op: String, world: &World, peer: usize) -> Error {
-    Error::Timeout { rank, op, waited: world.timeout(), missing: vec![peer], group: vec![rank, peer] }
+    Error::timeout(rank, op, world.timeout(), vec![peer], vec![rank, peer])
 }

@@ -9,12 +9,13 @@
 //! 3. move data with the `algo` functions, each member doing its disjoint share on the peers' buffers;
 //! 4. store `done = k`, wait until every member's `done >= k` (peers may still read our buffers until then).
 //!
-//! A member never leaves a call while a peer may still touch its buffers. Every way out of a call it
+//! A member does not leave a call while a peer may still touch its buffers. Every way out of a call it
 //! arrived at stores `done = k`; a member that fails in step 2 (abort, timeout, interrupt) first makes
-//! sure the world is aborted, then waits without a deadline for `done` of every peer that arrived; and
-//! a member that saw every arrival re-checks the abort flag (all of this `SeqCst`) before step 3, so
-//! a peer that failed meanwhile is never written to. Peers past step 2 never block before step 4, so
-//! these waits end.
+//! sure the world is aborted, then drains: waits for `done` of every peer that arrived; and a member
+//! that saw every arrival re-checks the abort flag (all of this `SeqCst`) before step 3, so a peer
+//! that failed meanwhile is never written to. Peers past step 2 never block before step 4, so drains
+//! end at once in practice; they are still bounded (Ctrl-C, the timeout), and a drain that gives up
+//! marks the handle (`buffers_may_be_in_use`) so the bindings keep the buffers alive for good.
 //!
 //! Pages alternate so that a member publishing call k+1 never overwrites what a slower peer still reads
 //! for call k: to reach k+2 every peer must have arrived at k+1, which it does only after finishing k.
@@ -23,21 +24,22 @@
 
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::*};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
 use super::mailbox::Mailbox;
-use super::wait::{may_spin, Event, Stop, Wait};
+use super::wait::{may_spin, Event, Stop, Wait, MAX_TIMEOUT};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::Backend;
 use crate::call::{self, Call};
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
-use crate::signature::{describe_mismatch, CollKind, Signature};
+use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
+use crate::work::Lanes;
 
 /// All-reduces up to this many bytes travel inside the rendezvous page.
 pub const INLINE: usize = 256;
@@ -54,6 +56,8 @@ struct Page {
 struct Slot {
     arrive: AtomicU64,
     done: AtomicU64,
+    /// The kind of call k in `kinds[k % 2]` (for timeout reports, read without the page).
+    kinds: [AtomicU8; 2],
     pages: [UnsafeCell<Page>; 2],
 }
 
@@ -83,11 +87,27 @@ impl Comm {
                 CachePadded::new(Slot {
                     arrive: AtomicU64::new(0),
                     done: AtomicU64::new(0),
+                    kinds: [AtomicU8::new(0), AtomicU8::new(0)],
                     pages: [UnsafeCell::new(page), UnsafeCell::new(page)],
                 })
             })
             .collect();
         Comm { members, slots, event: Event::default() }
+    }
+
+    /// Where every member is, for timeout reports.
+    fn progress(&self) -> String {
+        let kind = |s: &Slot, k: u64| CollKind::from_code(s.kinds[(k % 2) as usize].load(SeqCst));
+        let at: Vec<Progress> = self
+            .slots
+            .iter()
+            .zip(&self.members)
+            .map(|(s, &rank)| {
+                let (done, entered) = (s.done.load(SeqCst), s.arrive.load(SeqCst));
+                Progress { rank, done: (done, kind(s, done)), entered: (entered, kind(s, entered)) }
+            })
+            .collect();
+        describe_progress(&at)
     }
 
     /// A copy of member `j`'s page for call `k`. Only valid after seeing `arrive >= k` for `j`.
@@ -105,7 +125,8 @@ pub(crate) struct World {
     size: usize,
     timeout: Duration,
     aborted: AtomicBool,
-    abort_reason: Mutex<Option<(usize, String)>>,
+    /// Who aborted, why, and the ranks that never arrived when the cause was a timeout.
+    abort_reason: Mutex<Option<(usize, String, Vec<usize>)>>,
     comms: Mutex<HashMap<CommKey, Arc<Comm>>>,
     /// Per rank: how many times it has split each rank set, so the n-th split of a set on every member
     /// finds the same communicator.
@@ -126,16 +147,43 @@ impl World {
             return Ok(());
         }
         let reason = self.abort_reason.lock().unwrap_or_else(|e| e.into_inner());
-        let (by, reason) = reason.clone().unwrap_or((usize::MAX, String::new()));
+        let (by, reason, _) = reason.clone().unwrap_or((usize::MAX, String::new(), Vec::new()));
         Err(Error::Aborted { by, reason })
+    }
+
+    /// As [`World::check_abort`], for a rank waiting in a collective of `comm`: when the world was
+    /// aborted because ranks never arrived, this rank times out naming them too (as in the shm world).
+    fn check_abort_waiting(&self, rank: usize, op: &str, comm: &Comm) -> Result<()> {
+        let err = match self.check_abort() {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        let missing =
+            self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|r| r.2.clone());
+        match missing {
+            Some(missing) if !missing.is_empty() => Err(Error::Timeout {
+                rank,
+                op: op.to_string(),
+                waited: self.timeout,
+                missing,
+                group: comm.members.clone(),
+                progress: comm.progress(),
+            }),
+            _ => Err(err),
+        }
     }
 
     /// Abort the world on behalf of rank `by`; the first reason wins. Wakes every sleeper.
     pub(crate) fn abort(&self, by: usize, reason: String) {
+        self.abort_for(by, reason, Vec::new())
+    }
+
+    /// [`World::abort`], recording the ranks whose absence caused it.
+    fn abort_for(&self, by: usize, reason: String, missing: Vec<usize>) {
         {
             let mut r = self.abort_reason.lock().unwrap_or_else(|e| e.into_inner());
             if r.is_none() {
-                *r = Some((by, reason));
+                *r = Some((by, reason, missing));
             }
             self.aborted.store(true, SeqCst);
         }
@@ -171,6 +219,9 @@ pub struct MockBackend {
     rank: usize,
     seq: AtomicU64,
     busy: AtomicBool,
+    /// A drain gave up: a peer may still touch buffers of a call that returned.
+    undrained: AtomicBool,
+    lanes: Lanes,
 }
 
 /// Clears the busy flag when a collective returns, however it returns.
@@ -187,11 +238,11 @@ impl MockBackend {
         Self::create_world_with_timeout(n, DEFAULT_TIMEOUT)
     }
 
-    /// A world of `n` ranks whose waits fail after `timeout`.
+    /// A world of `n` ranks whose waits fail after `timeout` (at most [`MAX_TIMEOUT`]).
     pub fn create_world_with_timeout(n: usize, timeout: Duration) -> Vec<MockBackend> {
         let world = Arc::new(World {
             size: n,
-            timeout,
+            timeout: timeout.min(MAX_TIMEOUT),
             aborted: AtomicBool::new(false),
             abort_reason: Mutex::new(None),
             comms: Mutex::new(HashMap::new()),
@@ -216,6 +267,8 @@ impl MockBackend {
             rank,
             seq: AtomicU64::new(0),
             busy: AtomicBool::new(false),
+            undrained: AtomicBool::new(false),
+            lanes: Lanes::default(),
         }
     }
 
@@ -227,7 +280,7 @@ impl MockBackend {
     fn enter(&self) -> Result<Busy<'_>> {
         self.world.check_abort()?;
         if self.busy.swap(true, Acquire) {
-            return Err(Error::invalid(format!(
+            return Err(Error::Usage(format!(
                 "rank {}: another collective is already running on this group from another thread; \
                  use one thread per rank (or async_op=True, which queues in order)",
                 self.rank
@@ -238,8 +291,12 @@ impl MockBackend {
 
     /// Abort on behalf of this rank and return `err`: a failing rank must not leave its peers waiting.
     fn fail(&self, err: Error) -> Error {
-        if !matches!(err, Error::Aborted { .. }) {
-            self.world.abort(self.rank, err.to_string());
+        match &err {
+            Error::Aborted { .. } | Error::Timeout { .. } if self.world.check_abort().is_err() => {}
+            Error::Timeout { missing, .. } => {
+                self.world.abort_for(self.rank, err.to_string(), missing.clone())
+            }
+            _ => self.world.abort(self.rank, err.to_string()),
         }
         err
     }
@@ -254,7 +311,7 @@ impl MockBackend {
             event: &comm.event,
             shared: false,
             spin: may_spin(comm.members.len()),
-            deadline: Some(Instant::now() + self.world.timeout),
+            deadline: Instant::now() + self.world.timeout,
             op: &op,
         };
         let ready = || comm.slots.iter().all(|s| which(s) >= k);
@@ -262,7 +319,8 @@ impl MockBackend {
             let mut absent = comm.slots.iter().zip(&comm.members).filter(|(s, _)| which(s) < k);
             absent.try_for_each(|(_, &r)| self.world.check_present(r, &op))
         };
-        match wait.until(ready, || self.world.check_abort(), present) {
+        let aborted = || self.world.check_abort_waiting(self.rank, &op, comm);
+        match wait.until(ready, aborted, present) {
             Ok(()) => Ok(()),
             Err(Stop::Failed(e)) => Err(self.fail(e)),
             Err(Stop::TimedOut) => {
@@ -279,6 +337,7 @@ impl MockBackend {
                     waited: self.world.timeout,
                     missing,
                     group: comm.members.clone(),
+                    progress: comm.progress(),
                 }))
             }
         }
@@ -291,22 +350,42 @@ impl MockBackend {
         self.comm.event.notify(false);
     }
 
-    /// Wait until every member that arrived at call `k` is done with it, whatever else happens: until
-    /// then a peer may still read or write this member's buffers. Peers past their arrival wait never
-    /// block before finishing, and the ones that had not arrived see the abort before touching data
-    /// (the re-check in `execute`), so this ends.
-    fn drain(&self, k: u64) {
+    /// Wait until every member that arrived at call `k` is done with it: until then a peer may still
+    /// read or write this member's buffers. Peers past their arrival wait never block before
+    /// finishing, and the ones that had not arrived see the abort before touching data (the re-check
+    /// in `execute`), so this ends at once in practice. It is bounded all the same (by the timeout,
+    /// and by Ctrl-C): when it gives up, the handle is marked so the buffers are kept alive for good,
+    /// and the error says who never finished.
+    fn drain(&self, k: u64) -> Result<()> {
         let comm = &*self.comm;
+        let op = format!("the end of call #{k}");
         let wait = Wait {
             event: &comm.event,
             shared: false,
             spin: may_spin(comm.members.len()),
-            deadline: None,
-            op: "",
+            deadline: Instant::now() + self.world.timeout,
+            op: &op,
         };
-        let ready = || comm.slots.iter().all(|s| s.arrive.load(SeqCst) < k || s.done.load(SeqCst) >= k);
-        // Nothing can fail a wait without a deadline whose checks always pass.
-        let _ = wait.until(ready, || Ok(()), || Ok(()));
+        let busy = |s: &Slot| s.arrive.load(SeqCst) >= k && s.done.load(SeqCst) < k;
+        match wait.until(|| !comm.slots.iter().any(|s| busy(s)), || Ok(()), || Ok(())) {
+            Ok(()) => Ok(()),
+            Err(stop) => {
+                self.undrained.store(true, SeqCst);
+                let stuck: Vec<usize> =
+                    comm.slots.iter().zip(&comm.members).filter(|(s, _)| busy(s)).map(|(_, &r)| r).collect();
+                Err(match stop {
+                    Stop::Failed(e) => e,
+                    Stop::TimedOut => Error::Timeout {
+                        rank: self.rank,
+                        op,
+                        waited: self.world.timeout,
+                        missing: stuck,
+                        group: comm.members.clone(),
+                        progress: comm.progress(),
+                    },
+                })
+            }
+        }
     }
 
     /// Run one validated collective through the protocol in the module docs.
@@ -320,6 +399,7 @@ impl MockBackend {
         let bytes = call.count * call.dtype.size();
         let inline = sig.kind == CollKind::AllReduce && bytes <= INLINE;
         let slot = &comm.slots[self.index];
+        slot.kinds[(k % 2) as usize].store(sig.kind as u8, SeqCst);
         // SAFETY: only this member writes its pages, and page k % 2 is no longer read (module docs).
         unsafe {
             let page = &mut *slot.pages[(k % 2) as usize].get();
@@ -332,10 +412,10 @@ impl MockBackend {
         slot.arrive.store(k, SeqCst);
         comm.event.notify(false);
         if let Err(e) = self.wait_arrivals(k, &sig) {
-            // The world is aborted now; peers that saw every arrival may still be moving data.
+            // The world is aborted now; peers that saw every arrival may still be moving data. (An
+            // interrupted drain reports the interrupt: the signal it consumed must reach Python.)
             self.finish(k);
-            self.drain(k);
-            return Err(e);
+            return Err(self.drain(k).err().filter(|d| matches!(d, Error::Interrupted { .. })).unwrap_or(e));
         }
         let pages: Vec<Page> = (0..comm.members.len()).map(|j| comm.page(j, k)).collect();
         let calls: Vec<(usize, Signature)> =
@@ -352,8 +432,11 @@ impl MockBackend {
         if touches_peers {
             if let Err(e) = self.world.check_abort() {
                 self.finish(k);
-                self.drain(k);
-                return Err(e);
+                return Err(self
+                    .drain(k)
+                    .err()
+                    .filter(|d| matches!(d, Error::Interrupted { .. }))
+                    .unwrap_or(e));
             }
         }
         let peers: Vec<Peer> = pages.iter().map(|p| p.peer).collect();
@@ -381,7 +464,7 @@ impl MockBackend {
         // Wait until no peer touches our buffers any more (even if the world is aborted meanwhile: the
         // call itself completed).
         if touches_peers {
-            self.drain(k);
+            return self.drain(k);
         }
         Ok(())
     }
@@ -399,6 +482,12 @@ impl Backend for MockBackend {
     }
     fn members(&self) -> &[usize] {
         &self.comm.members
+    }
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
+    }
+    fn buffers_may_be_in_use(&self) -> bool {
+        self.undrained.load(SeqCst)
     }
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {

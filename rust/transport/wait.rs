@@ -16,6 +16,9 @@ use crate::error::{Error, Result};
 
 /// How long one futex sleep lasts before the slow checks run again.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
+/// The longest timeout accepted (about 31 years): `Instant + Duration` must never overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
 /// Busy-poll budget when every rank has a core: covers a peer that is a few microseconds behind.
 const SPIN: Duration = Duration::from_micros(60);
 /// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
@@ -77,11 +80,9 @@ pub(crate) struct Wait<'a> {
     pub shared: bool,
     /// Whether to busy-poll first.
     pub spin: bool,
-    /// When to give up. `None`: never, and no interrupts either: for a rank that has published its
-    /// buffers and must not leave while peers may still read or write them (a peer past its arrival
-    /// wait never blocks before it signals, so such a wait ends; `slow` may still fail it when the
-    /// peers awaited are dead, as they then touch nothing).
-    pub deadline: Option<Instant>,
+    /// When to give up. Every wait has one, and every wait on a thread with an interrupt hook
+    /// (Python's main thread) ends on Ctrl-C within a slice.
+    pub deadline: Instant,
     /// The operation, for error messages.
     pub op: &'a str,
 }
@@ -134,16 +135,15 @@ impl Wait<'_> {
             let now = Instant::now();
             if now >= next_slow {
                 slow().map_err(Stop::Failed)?;
-                if self.deadline.is_some() && interrupted() {
+                if interrupted() {
                     return Err(Stop::Failed(Error::Interrupted { op: self.op.to_string() }));
                 }
                 next_slow = now + SLICE;
             }
-            let nap = match self.deadline {
-                Some(deadline) if now >= deadline => return Err(Stop::TimedOut),
-                Some(deadline) => SLICE.min(deadline - now),
-                None => SLICE,
-            };
+            if now >= self.deadline {
+                return Err(Stop::TimedOut);
+            }
+            let nap = SLICE.min(self.deadline - now);
             let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
             // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the

@@ -2,7 +2,7 @@
 
 use std::any::Any;
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering::*;
+use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::{Arc, Mutex, TryLockError};
 
 use super::layout::{Ctrl, Page, NOT_SHARED};
@@ -15,8 +15,9 @@ use crate::call::{self, Call};
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
-use crate::signature::{describe_mismatch, CollKind, Signature};
-use crate::transport::wait::{may_spin, Wait};
+use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
+use crate::transport::wait::{may_spin, Stop, Wait, MAX_TIMEOUT};
+use crate::work::Lanes;
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;
@@ -38,6 +39,9 @@ pub struct ShmBackend {
     index: usize,
     first_block: usize,
     local: Mutex<Local>,
+    /// A drain gave up: a peer may still touch segment arrays of a call that returned.
+    undrained: AtomicBool,
+    lanes: Lanes,
 }
 
 /// Returns a segment range to this rank's arena when the array using it is dropped.
@@ -68,7 +72,8 @@ fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) {
 
 impl ShmBackend {
     /// Join the job described by `opts`: rendezvous, attach the segment, open peers' pidfds.
-    pub fn connect(opts: ShmOptions) -> Result<ShmBackend> {
+    pub fn connect(mut opts: ShmOptions) -> Result<ShmBackend> {
+        opts.timeout = opts.timeout.min(MAX_TIMEOUT);
         let joined = rendezvous::join(&opts)?;
         let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout));
         let n = world.size;
@@ -83,6 +88,8 @@ impl ShmBackend {
             index: opts.rank,
             first_block: 0,
             local: Mutex::default(),
+            undrained: AtomicBool::new(false),
+            lanes: Lanes::default(),
         })
     }
 
@@ -111,24 +118,52 @@ impl ShmBackend {
         err
     }
 
+    /// Where every member is, for timeout reports: its `done` and `arrive` counts, with the kinds read
+    /// from its pages (peers' bytes: an unreadable page only shows as an unknown call).
+    fn progress(&self) -> String {
+        let at: Vec<Progress> = (0..self.members.len())
+            .map(|j| {
+                let c = self.ctrl(j);
+                let kind = |k: u64| {
+                    // SAFETY: plain words in the segment; a torn read only decodes to garbage or None.
+                    let page = unsafe { std::ptr::read_volatile(c.pages[(k % 2) as usize].get()) };
+                    wire::decode(page.sig).filter(|s| s.seq == k).map(|s| s.kind)
+                };
+                let (done, entered) = (c.done.load(Acquire), c.arrive.load(Acquire));
+                Progress {
+                    rank: self.members[j],
+                    done: (done, kind(done)),
+                    entered: (entered, kind(entered)),
+                }
+            })
+            .collect();
+        describe_progress(&at)
+    }
+
+    /// Add where each member is to a timeout that does not say it yet.
+    fn with_progress(&self, mut e: Error) -> Error {
+        if let Error::Timeout { progress, .. } = &mut e {
+            if progress.is_empty() {
+                *progress = self.progress();
+            }
+        }
+        e
+    }
+
     /// Wait until every member's counter (picked by `which`) reaches `k`.
     fn wait_all(&self, which: fn(&Ctrl) -> &std::sync::atomic::AtomicU64, k: u64, op: &str) -> Result<()> {
         let n = self.members.len();
         let ready = || (0..n).all(|j| which(self.ctrl(j)).load(Acquire) >= k);
         let event = &self.world.comm_head(self.slot).event;
         self.world.wait(event, &self.members, op, ready).map_err(|e| {
-            self.fail(e.unwrap_or_else(|| {
-                Error::Timeout {
-                    rank: self.world.rank,
-                    op: op.to_string(),
-                    waited: self.world.timeout,
-                    missing: (0..n)
-                        .filter(|&j| which(self.ctrl(j)).load(Acquire) < k)
-                        .map(|j| self.members[j])
-                        .collect(),
-                    group: self.members.clone(),
-                }
-            }))
+            let e = e.unwrap_or_else(|| {
+                let missing = (0..n)
+                    .filter(|&j| which(self.ctrl(j)).load(Acquire) < k)
+                    .map(|j| self.members[j])
+                    .collect();
+                Error::timeout(self.world.rank, op, self.world.timeout, missing, self.members.clone())
+            });
+            self.with_progress(self.fail(e))
         })
     }
 
@@ -170,7 +205,7 @@ impl ShmBackend {
             Ok(l) => l,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => {
-                return Err(Error::invalid(format!(
+                return Err(Error::Usage(format!(
                     "rank {}: another collective is already running on this group from another thread; \
                      use one thread per rank (or async_op=True, which queues in order)",
                     self.world.rank
@@ -224,17 +259,23 @@ impl ShmBackend {
         std::sync::atomic::fence(SeqCst);
         let busy: Vec<usize> =
             (0..n).filter(|&j| j != me && (everyone || self.ctrl(j).arrive.load(SeqCst) >= k)).collect();
-        self.drain(&busy, k, &op);
-        match result {
-            Ok(()) => self.world.check_abort(&op, Some(&self.members)),
-            err => err,
-        }
+        let drained = self.drain(&busy, k, &op);
+        let result = match (result, drained) {
+            // An interrupted drain reports the interrupt: the signal it consumed must reach Python.
+            (_, Err(e @ Error::Interrupted { .. })) | (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(())) => self.world.check_abort(&op, Some(&self.members)),
+            (err, _) => err,
+        };
+        result.map_err(|e| self.with_progress(e))
     }
 
-    /// Wait with no deadline until every member of `busy` (indices) has stored `done >= k`, or died (a
-    /// dead peer touches nothing). Interrupts and aborts do not end it: peers past their arrival wait
-    /// never block before storing `done`.
-    fn drain(&self, busy: &[usize], k: u64, op: &str) {
+    /// Wait until every member of `busy` (indices) has stored `done >= k`, or died (a dead peer touches
+    /// nothing). Aborts do not end it: peers past their arrival wait never block before storing
+    /// `done`. A stopped peer (SIGSTOP) would hold it forever, so it is bounded by the timeout and by
+    /// Ctrl-C; when it gives up, the handle is marked so the bindings keep the arrays alive for good
+    /// (segment arrays a peer may still write never return to the arena), and the error names the
+    /// peers that never finished.
+    fn drain(&self, busy: &[usize], k: u64, op: &str) -> Result<()> {
         let dead = std::cell::Cell::new(0u64);
         let gone = |j: usize| dead.get() >> self.members[j] & 1 == 1;
         let pending = || busy.iter().copied().filter(|&j| self.ctrl(j).done.load(Acquire) < k && !gone(j));
@@ -242,7 +283,7 @@ impl ShmBackend {
             event: &self.world.comm_head(self.slot).event,
             shared: true,
             spin: may_spin(self.world.size),
-            deadline: None,
+            deadline: std::time::Instant::now() + self.world.timeout,
             op,
         };
         let slow = || {
@@ -254,8 +295,19 @@ impl ShmBackend {
             }
             Ok(())
         };
-        // Neither check fails and there is no deadline: this returns only once the condition holds.
-        let _ = w.until(|| pending().next().is_none(), || Ok(()), slow);
+        match w.until(|| pending().next().is_none(), || Ok(()), slow) {
+            Ok(()) => Ok(()),
+            Err(stop) => {
+                self.undrained.store(true, SeqCst);
+                let stuck: Vec<usize> = pending().map(|j| self.members[j]).collect();
+                Err(match stop {
+                    Stop::Failed(e) => e,
+                    Stop::TimedOut => {
+                        Error::timeout(self.world.rank, op, self.world.timeout, stuck, self.members.clone())
+                    }
+                })
+            }
+        }
     }
 
     /// Steps 2 and 3 for a call every member arrived at: compare, re-check the abort word, move data.
@@ -379,6 +431,12 @@ impl Backend for ShmBackend {
     fn members(&self) -> &[usize] {
         &self.members
     }
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
+    }
+    fn buffers_may_be_in_use(&self) -> bool {
+        self.undrained.load(SeqCst)
+    }
 
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.execute(call::all_reduce(&mut buf, op))
@@ -428,6 +486,8 @@ impl Backend for ShmBackend {
             index,
             first_block: first as usize,
             local: Mutex::default(),
+            undrained: AtomicBool::new(false),
+            lanes: Lanes::default(),
         }))
     }
 

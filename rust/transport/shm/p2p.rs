@@ -36,6 +36,7 @@ fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
         waited: w.timeout,
         missing: vec![peer],
         group: vec![w.rank, peer],
+        progress: String::new(),
     }
 }
 

@@ -116,6 +116,7 @@ fn timeout(opts: &ShmOptions, missing: Vec<usize>) -> Error {
         waited: opts.timeout,
         missing,
         group: (0..opts.world_size).collect(),
+        progress: String::new(),
     }
 }
 

@@ -12,13 +12,6 @@ pub(crate) fn encode(s: &Signature) -> [u64; 4] {
     [s.seq, s.count, s.root.map_or(NONE, u64::from), codes]
 }
 
-fn kind(code: u8) -> Option<CollKind> {
-    use CollKind::*;
-    [AllReduce, Broadcast, AllGather, ReduceScatter, Gather, Scatter, Reduce, Barrier]
-        .into_iter()
-        .find(|k| *k as u8 == code)
-}
-
 pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
     let [seq, count, root, codes] = w;
     let byte = |shift: u32| (codes >> shift) as u8;
@@ -31,7 +24,7 @@ pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
         seq,
         count,
         root,
-        kind: kind(byte(0))?,
+        kind: CollKind::from_code(byte(0))?,
         dtype: match opt(byte(8)) {
             None => None,
             Some(c) => Some(DType::from_code(c)?),

@@ -179,6 +179,7 @@ impl Shared {
                 waited: self.timeout,
                 missing: (0..self.size).filter(|r| missing >> r & 1 == 1).collect(),
                 group: group.to_vec(),
+                progress: String::new(),
             }),
             _ => Err(Error::Aborted { by, reason }),
         }
@@ -242,7 +243,7 @@ impl Shared {
             shared: true,
             // Every rank of the world is a process on this host competing for its cores.
             spin: may_spin(self.size),
-            deadline: Some(Instant::now() + self.timeout),
+            deadline: Instant::now() + self.timeout,
             op,
         };
         match w.until(ready, || self.check_abort(op, Some(ranks)), || self.check_alive(ranks, op)) {
@@ -288,6 +289,7 @@ impl Shared {
                     waited: self.timeout,
                     missing: vec![],
                     group: members,
+                    progress: String::new(),
                 }));
             }
             if c.members.load(Relaxed) == mask && c.occurrence.load(Relaxed) == occurrence {
