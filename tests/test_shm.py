@@ -656,3 +656,100 @@ def test_cleanup_removes_only_our_stale_segments():
         for p in [stale, *keep]:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardening regressions in the shm world (the in-process ones are in test_hardening.py)
+
+
+def w_two_groups(rank, n, ports, job, timeout, q):
+    """Two groups over one backend, async on one and blocking on the other, in the same program order."""
+    pg = _connect(rank, n, ports[0], timeout)
+    g2 = ProcessGroup(pg.backend())
+    seen = []
+    for i in range(100):
+        a = np.full(4, 10.0 * (rank + 1) + i, np.float64)
+        c = np.full(4, 1.0 * (rank + 1), np.float64)
+        w = pg.all_reduce(a, async_op=True)
+        g2.all_reduce(c)
+        w.wait()
+        seen.append((float(a[0]), float(c[0])))
+    return seen == [(30.0 + 2 * i, 3.0) for i in range(100)]
+
+
+def w_exchange(rank, n, ports, job, timeout, q, size):
+    """isend then a blocking recv on both ranks, above the eager limit."""
+    pg = _connect(rank, n, ports[0], timeout)
+    peer = 1 - rank
+    x = np.arange(size, dtype=np.float32) + 1000 * rank
+    y = np.zeros(size, np.float32)
+    w = pg.send(x, peer, async_op=True)
+    pg.recv(y, peer)
+    w.wait()
+    return bool(np.array_equal(y, np.arange(size, dtype=np.float32) + 1000 * peer))
+
+
+def w_late_barrier(rank, n, ports, job, timeout, q):
+    """Rank 2 completes one all_reduce, then never comes to the barrier."""
+    pg = _connect(rank, n, ports[0], timeout)
+    pg.all_reduce(np.ones(4, np.float32))
+    if rank == 2:
+        time.sleep(timeout + 3)
+        return "left"
+    pg.barrier()
+    return "no error"
+
+
+def w_stopped_peer(rank, n, ports, job, timeout, q):
+    """Rank 2 never calls; rank 1 arrives and is then SIGSTOPped by the test; rank 0 times out."""
+    pg = _connect(rank, n, ports[0], timeout)
+    x = pg.empty(1 << 16, np.float32)  # segment arrays: peers may write them (the zero-copy path)
+    x[:] = 1
+    q.put((rank, "started"))
+    if rank == 2:
+        time.sleep(12)
+        return "left"
+    pg.all_reduce(x)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_two_groups_over_one_shm_backend_match_calls_in_program_order():
+    assert _ok(_run(2, "w_two_groups", timeout=30)) == [True, True]
+
+
+@pytest.mark.timeout(90)
+def test_the_isend_recv_exchange_completes_above_the_eager_limit():
+    assert _ok(_run(2, "w_exchange", 1 << 20, timeout=30)) == [True, True]
+
+
+@pytest.mark.timeout(90)
+def test_every_waiting_shm_rank_gets_the_timeout_with_where_each_rank_is():
+    res = _run(3, "w_late_barrier", timeout=2.0)
+    for r in (0, 1):
+        status, msg, _ = res[r]
+        assert status == "CollectiveTimeoutError", res[r]
+        assert "[2]" in msg and "rank 2 completed #1 all_reduce" in msg, msg
+        assert f"rank {r} completed #1 all_reduce and waits in #2 barrier" in msg, msg
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_peer_does_not_hold_a_timed_out_rank_forever():
+    times: dict[str, float] = {}
+
+    def stop_then_resume(procs):
+        def run():
+            time.sleep(0.5)
+            os.kill(procs[1].pid, signal.SIGSTOP)
+            times["stopped"] = time.time()
+            time.sleep(10)
+            os.kill(procs[1].pid, signal.SIGCONT)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    res = _run(3, "w_stopped_peer", timeout=2.0, on_started=stop_then_resume)
+    status, msg, t = res[0]
+    assert status == "CollectiveTimeoutError", res[0]
+    # Its own timeout, then at most one more for the drain, not the 10 s until rank 1 resumes.
+    assert t - times["stopped"] < 7.0, (t - times["stopped"], msg)
+    assert res[1][0] in ("CollectiveTimeoutError", "PeerFailureError"), res[1]

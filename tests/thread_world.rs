@@ -160,3 +160,14 @@ fn a_group_over_every_rank_does_not_share_the_world_sequence() {
     });
     assert_eq!(got, vec![(false, false), (false, false)], "crossed calls on two groups must fail, not match");
 }
+
+#[test]
+fn a_panicking_queued_job_fails_its_work_and_aborts_the_world_without_killing_the_lane() {
+    let mut world = MockBackend::create_world(2).into_iter().map(|b| ProcessGroup::new(Arc::new(b)));
+    let (pg0, pg1) = (world.next().unwrap(), world.next().unwrap());
+    let w = pg0.submit(Lane::Collectives, || panic!("boom")).unwrap();
+    assert!(matches!(w.wait(), Err(Error::Internal(m)) if m.contains("boom")), "the Work reports the panic");
+    let later = pg0.submit(Lane::Collectives, || Ok(())).unwrap();
+    assert!(later.wait().is_ok(), "the lane's thread survived");
+    assert!(matches!(pg1.barrier(), Err(Error::Aborted { by: 0, .. })), "the peer is told");
+}
