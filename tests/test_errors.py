@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 import axonml_distributed as ad
+from interrupts import sigint_once_in
 from reference import data, same_bits
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,8 +182,7 @@ def test_two_threads_on_one_rank_are_a_usage_error_that_does_not_abort() -> None
 def test_ctrl_c_interrupts_a_waiting_collective() -> None:
     backends = ad.MockBackend.create_world(2, timeout=60)
     pg = ad.ProcessGroup(backends[0])
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    sigint_once_in("pg.barrier()  # rank 1 never arrives")
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         pg.barrier()  # rank 1 never arrives

@@ -3,8 +3,6 @@ in-process world. Each failed (wrong result, hang, crash) before its fix."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 
 import axonml_distributed as ad
+from interrupts import sigint_once_in
 from test_errors import outcomes
 
 
@@ -178,21 +177,15 @@ def test_synchronizer_waits_release_the_gil() -> None:
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
 
 
-def _sigint_later(delay: float) -> threading.Timer:
-    t = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-    t.start()
-    return t
-
-
 @pytest.mark.timeout(60)
 def test_ctrl_c_ends_a_work_wait() -> None:
     backends = _world(2, timeout=60)
     pg = ad.ProcessGroup(backends[0])
     w = pg.barrier(async_op=True)  # rank 1 never arrives
     start = time.monotonic()
+    sigint_once_in("w.wait()  # interrupted")
     with pytest.raises(KeyboardInterrupt):
-        _sigint_later(0.3)
-        w.wait()
+        w.wait()  # interrupted
     assert time.monotonic() - start < 3
     with pytest.raises(ad.PeerFailureError, match="interrupted"):
         ad.ProcessGroup(backends[1]).barrier()  # the peer is told
@@ -206,9 +199,9 @@ def test_ctrl_c_ends_a_blocking_calls_wait_for_queued_work() -> None:
     pg = ad.ProcessGroup(backends[0])
     pg.barrier(async_op=True)  # rank 1 never arrives
     start = time.monotonic()
+    sigint_once_in("pg.all_reduce(np.ones(2, np.float32))  # interrupted")
     with pytest.raises(KeyboardInterrupt):
-        _sigint_later(0.3)
-        pg.all_reduce(np.ones(2, np.float32))
+        pg.all_reduce(np.ones(2, np.float32))  # interrupted
     assert time.monotonic() - start < 3
 
 
