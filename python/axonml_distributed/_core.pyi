@@ -31,6 +31,7 @@ class ReduceOp:
     MIN: ClassVar[ReduceOp]
     MAX: ClassVar[ReduceOp]
     AVERAGE: ClassVar[ReduceOp]
+    AVG: ClassVar[ReduceOp]  # torch's name for AVERAGE (the same member)
     def __int__(self) -> int: ...
 
 _Op = ReduceOp | str | None
