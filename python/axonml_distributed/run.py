@@ -399,8 +399,8 @@ def _summarize(
     groups: dict[str, list[int]] = {}
     for rank in sorted((set(failed_at) | set(records)) - {root}):
         other = records.get(rank)
-        how = _describe(codes[rank]) if codes[rank] else "exit code 0"
-        groups.setdefault(f"({how})" + (f": {other.type}: {other.message}" if other else ""), []).append(rank)
+        how = f"({_describe(codes[rank])})" + (f": {other.type}: {other.message}" if other else "")
+        groups.setdefault(how, []).append(rank)
     for how, ranks in groups.items():
         _say(f"secondary: {_ranks(ranks)} failed {how}")
 
