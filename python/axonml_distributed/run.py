@@ -60,10 +60,10 @@ lifecycle:
   launcher dies, even by SIGKILL. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher (Ctrl-C in a
   terminal reaches the launcher only) are forwarded once to every worker. When a worker exits non-zero
   or is killed, the others get --failure-grace-period seconds to exit on their own (a failing rank
-  aborts the world, so its peers fail at once), then SIGTERM; the rank that failed first is spared
-  while it is still printing its traceback. Workers still running --grace-period seconds after SIGTERM
-  or a forwarded signal are killed with SIGKILL. The job's shared-memory segment is removed at the end
-  in any case.
+  aborts the world, so its peers fail at once), then SIGTERM, except the rank that failed first while
+  it is still reporting its exception. Workers still running --grace-period seconds after that (or
+  after a forwarded signal) are killed with SIGKILL. The job's shared-memory segment is removed at the
+  end in any case.
 
 failure summary:
   The launcher names the rank that failed first, the root cause, and prints its traceback; then the
