@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from axonml_distributed import run
+from axonml_distributed import error_file, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,11 +96,15 @@ def test_every_worker_gets_the_torchrun_environment(tmp_path: Path) -> None:
         keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "AXONML_JOB_ID", "AXONML_LAUNCHER_PID", "OMP_NUM_THREADS"]
         env = {key: os.environ.get(key) for key in keys}
-        (OUT / f"env.{RANK}.json").write_text(json.dumps({"env": env, "argv": sys.argv[2:]}))
+        secret, errors = os.environ.get("AXONML_JOB_SECRET"), os.environ.get("AXONML_ERROR_FILE")
+        errors_dir = os.stat(os.path.dirname(errors))
+        private = [errors_dir.st_mode & 0o777, errors_dir.st_uid == os.geteuid()]
+        seen = {"env": env, "argv": sys.argv[2:], "secret": secret, "errors": errors, "private": private}
+        (OUT / f"env.{RANK}.json").write_text(json.dumps(seen))
     """,
     )
     launcher = _start("--nproc-per-node", "3", script, tmp_path, "--lr", "0.1", "-m", "x")
-    _finish(launcher)
+    out, err = _finish(launcher)
     assert launcher.returncode == 0
 
     seen = [json.loads((tmp_path / f"env.{rank}.json").read_text()) for rank in range(3)]
@@ -109,6 +113,15 @@ def test_every_worker_gets_the_torchrun_environment(tmp_path: Path) -> None:
     assert 0 < int(shared["MASTER_PORT"]) < 65536
     assert len(shared["AXONML_JOB_ID"]) == 32
     int(shared["AXONML_JOB_ID"], 16)
+    # One secret for the whole job, 256 bits, never printed.
+    secret = seen[0]["secret"]
+    assert len(secret) == 64 and int(secret, 16) and all(worker["secret"] == secret for worker in seen)
+    assert secret not in out + err
+    # A distinct error file per rank, in one directory only the launcher's user can enter, removed after.
+    errors = [Path(worker["errors"]) for worker in seen]
+    assert len(set(errors)) == 3 and len({path.parent for path in errors}) == 1
+    assert all(worker["private"] == [0o700, True] for worker in seen)
+    assert not errors[0].parent.exists()
     for rank, worker in enumerate(seen):
         assert worker["env"] == {
             "RANK": str(rank),
@@ -154,7 +167,7 @@ def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
         """
         import socket
         with socket.create_server(("127.0.0.1", int(os.environ["MASTER_PORT"]))):
-            keys = ["MASTER_PORT", "AXONML_JOB_ID"]
+            keys = ["MASTER_PORT", "AXONML_JOB_ID", "AXONML_JOB_SECRET"]
             (OUT / f"{sys.argv[2]}.json").write_text(json.dumps({key: os.environ[key] for key in keys}))
             while not (OUT / "b.json").exists():
                 time.sleep(0.01)
@@ -170,6 +183,7 @@ def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
     a, b = (json.loads((tmp_path / f"{job}.json").read_text()) for job in "ab")
     assert a["MASTER_PORT"] != b["MASTER_PORT"]
     assert a["AXONML_JOB_ID"] != b["AXONML_JOB_ID"]
+    assert a["AXONML_JOB_SECRET"] != b["AXONML_JOB_SECRET"]
 
 
 def test_failed_worker_ends_the_job_quickly(tmp_path: Path) -> None:
@@ -253,6 +267,117 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path
     assert "axonml-run: rank 0 failed (exit code 3); terminated rank 1\n" in err
     assert "axonml-run: rank 1 still running 1 s after SIGTERM; sent SIGKILL\n" in err
     assert (tmp_path / "signals.1").read_text() == "SIGTERM\n"
+
+
+def _failure_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("axonml-run: ")]
+
+
+def test_the_rank_that_failed_first_is_named_not_the_first_to_exit(tmp_path: Path) -> None:
+    # Rank 3 raises while its peers wait in an all_reduce: its abort makes them fail at once, and a
+    # non-daemon thread keeps it alive after that, so they exit before it does.
+    script = _script(
+        tmp_path,
+        """
+        import threading
+        import numpy as np
+        import axonml_distributed as ad
+
+        pg = ad.init_process_group("shm", timeout=60)
+        if RANK == 3:
+            threading.Thread(target=time.sleep, args=(1,)).start()
+            raise RuntimeError("rank 3 fails in user code")
+        pg.all_reduce(np.ones(4, np.float32))
+    """,
+    )
+    launcher = _start("--nproc-per-node", "4", script, tmp_path)
+    _, err = _finish(launcher)
+    assert launcher.returncode == 1
+    lines = _failure_lines(err)
+    assert lines[0].startswith("axonml-run: rank 3 failed ("), err
+    # The summary: rank 3's traceback first, then the ranks it took down.
+    summary = err[err.index(lines[0]) :]
+    traceback = summary.index("axonml-run: traceback of rank 3, the first to fail:\nTraceback")
+    secondary = summary.index(
+        "axonml-run: secondary: ranks 0, 1, 2 failed (exit code 1): PeerFailureError: the world was "
+        "aborted by rank 3: RuntimeError in rank 3: rank 3 fails in user code\n"
+    )
+    assert traceback < summary.index("RuntimeError: rank 3 fails in user code\n") < secondary, err
+    # In the workers' own output too, the root cause's traceback comes first.
+    assert err.index("RuntimeError: rank 3 fails in user code") < err.index("PeerFailureError"), err
+
+
+def test_the_root_cause_is_not_terminated_while_it_reports(tmp_path: Path) -> None:
+    # Rank 1's own excepthook (a slow reporter, say a crash uploader) takes 2 s; its peer fails at once
+    # and exits, and there is no failure grace period: still, rank 1 must not be signalled while its hook
+    # runs, and its report must be complete.
+    script = _script(
+        tmp_path,
+        """
+        import axonml_distributed as ad
+
+        def slow_report(kind, value, tb):
+            time.sleep(2)
+            sys.__excepthook__(kind, value, tb)
+            (OUT / "reported").touch()
+
+        if RANK == 1:
+            signal.signal(signal.SIGTERM, record)
+            sys.excepthook = slow_report
+        pg = ad.init_process_group("shm", timeout=60)
+        if RANK == 1:
+            raise ValueError("rank 1 fails slowly")
+        pg.barrier()
+    """,
+    )
+    launcher = _start("--nproc-per-node", "2", "--failure-grace-period", "0", script, tmp_path)
+    _, err = _finish(launcher)
+    assert launcher.returncode == 1
+    assert (tmp_path / "reported").exists()
+    assert not (tmp_path / "signals.1").exists(), "rank 1 was signalled while it reported"
+    lines = _failure_lines(err)
+    assert lines[0] == "axonml-run: rank 1 failed (exit code 1)", err
+    assert lines[1] == "axonml-run: traceback of rank 1, the first to fail:", err
+    assert lines[2].startswith("axonml-run: secondary: rank 0 failed (exit code 1): PeerFailureError: "), err
+
+
+def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        (OUT / f"pid.{RANK}").write_text(str(os.getpid()))
+        ready()
+        time.sleep(60)
+    """,
+    )
+    launcher = _start("--nproc-per-node", "2", script, tmp_path)
+    for rank in range(2):
+        _wait_for(tmp_path / f"ready.{rank}")
+    pids = [(tmp_path / f"pid.{rank}").read_text() for rank in range(2)]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "workers outlived their launcher"
+        time.sleep(0.01)
+    launcher.communicate()
+
+
+def test_the_root_cause_is_where_the_chain_of_blame_ends() -> None:
+    def record(rank: int, at: float, blames: int | None) -> error_file.Record:
+        return error_file.Record(rank, "PeerFailureError", "", "", at, blames, reported=True)
+
+    # Rank 2 was killed (no record; its exit was noticed late); rank 0 saw it die, and rank 1 was aborted
+    # by rank 0, both before the launcher noticed anything.
+    records = {0: record(0, 1.0, 2), 1: record(1, 2.0, 0)}
+    assert run._root_cause({0: 5.0, 1: 5.0, 2: 5.0}, records) == 2
+    # Two independent failures: the earlier one; a rank blamed by nobody still counts; cycles end.
+    records = {0: record(0, 3.0, None), 1: record(1, 2.0, None), 2: record(2, 4.0, 1)}
+    assert run._root_cause({0: 5.0, 2: 5.0}, records) == 1
+    assert run._root_cause({}, {0: record(0, 1.0, 1), 1: record(1, 2.0, 0)}) == 0
+    # A PeerFailureError blaming a rank that did not fail (it exited 0 while its peers waited) stays
+    # with the rank that raised it.
+    assert run._root_cause({1: 5.0}, {1: record(1, 1.0, 0)}) == 1
 
 
 @pytest.mark.parametrize("from_terminal", [False, True], ids=["kill", "ctrl-c"])

@@ -94,18 +94,43 @@ def destroy_process_group() -> None:
 
 def _install_excepthook() -> None:
     """Abort the shm world when an exception ends this process's main thread, so the peers fail at once
-    even if the process lingers (a non-daemon thread keeps it alive), then report it as before. MPI needs
-    none: its jobs run under ``python -m mpi4py``, which aborts the job."""
+    even if the process lingers (a non-daemon thread keeps it alive), and report it as before. Under
+    axonml-run it first leaves an error file (see `error_file`), from which the launcher names the rank
+    that failed first. MPI needs none: its jobs run under ``python -m mpi4py``, which aborts the job."""
+    from axonml_distributed import error_file
+
     global _excepthooks
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         pg = _default
-        if pg is not None:
-            # Reporting the original exception matters more than a failure to abort.
+        path = os.environ.get(error_file.ENV) or None
+        record = None
+        # Reporting the original exception matters more than a failure to record it or to abort.
+        if pg is not None and path is not None:
             with contextlib.suppress(Exception):
-                pg.backend().abort(f"{kind.__name__} in rank {pg.rank()}: {value}")
-        previous(kind, value, tb)
+                record = error_file.record_of(pg.rank(), kind, value, tb)
+                error_file.write(path, record)  # before the abort: the peers' records come after it
+
+        def abort() -> None:
+            if pg is not None:
+                with contextlib.suppress(Exception):
+                    pg.backend().abort(f"{kind.__name__} in rank {pg.rank()}: {value}")
+
+        # The interpreter's own hook only prints, quickly: printing first puts the root cause's traceback
+        # ahead of the tracebacks of the peers it aborts. Any other hook (a post-mortem debugger) may take
+        # long, so the peers are aborted before it runs.
+        if previous is sys.__excepthook__:
+            try:
+                previous(kind, value, tb)
+            finally:
+                abort()
+        else:
+            abort()
+            previous(kind, value, tb)
+        if record is not None and path is not None:
+            with contextlib.suppress(Exception):
+                error_file.write(path, record.as_reported())
 
     sys.excepthook = hook
     _excepthooks = (hook, previous)

@@ -10,7 +10,10 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   once; operations that only move bytes send the 16-bit patterns unchanged.
 - Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
   cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
-  operation and calls MPI_Abort: the whole job dies.
+  operation and calls MPI_Abort: the whole job dies. Creating a communicator (`init_mpi_process_group`,
+  `new_group`) has no such form: the ranks first wait, with the deadline, until every member has
+  arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
+  therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
 - Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
   sequence number) with one small float64 SUM-allreduce, the same MPI call on every rank (a persistent
   one with MPI 4; see `check_signatures` in mpi_work); on disagreement every rank
@@ -27,6 +30,7 @@ MPI_Abort, so the job ends instead of hanging in a collective.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -43,7 +47,7 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
         name="mpi4py",
     ) from exc
 
-from axonml_distributed.exceptions import CollectiveMismatchError
+from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi_work import (
     FLOAT16_CODE,
     FUSABLE_DTYPES,
@@ -55,6 +59,8 @@ from axonml_distributed.mpi_work import (
     OpArg,
     OpQueue,
     Result,
+    abort_job,
+    await_peers,
     check_signatures,
     companion,
     invalid_signature,
@@ -63,7 +69,9 @@ from axonml_distributed.mpi_work import (
     reduction_buffer,
     resolve_op,
     signature,
+    tag_ub,
     transport_dtype,
+    wait_until,
     writable,
 )
 
@@ -81,7 +89,13 @@ def init_mpi_process_group(timeout: float | None = None, check_signatures: bool 
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     world = MPI.COMM_WORLD
     ranks = list(range(world.Get_size()))
-    return MpiProcessGroup(world.Dup(), ranks, world.Get_rank(), timeout, check_signatures)
+    me = world.Get_rank()
+    describe = "init_mpi_process_group (duplicating COMM_WORLD)"
+    await_peers(world, {r: r for r in ranks if r != me}, timeout, describe, ranks)
+    comm, request = world.Idup()
+    if not wait_until(request, time.monotonic() + timeout, 0):  # everyone is there: it completes at once
+        raise abort_job(world, CollectiveTimeoutError(f"{describe} did not complete within {timeout:g} s"))
+    return MpiProcessGroup(comm, ranks, me, timeout, check_signatures)
 
 
 @dataclass(slots=True)
@@ -151,15 +165,22 @@ class MpiProcessGroup:
     def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
         """A subgroup over `ranks` (global ranks, kept sorted like the native groups: chunk i of a
         reduce_scatter goes to the i-th smallest). Collective over the members only
-        (MPI_Comm_create_group); a non-member gets a group it can query but not use."""
+        (MPI_Comm_create_group); a non-member gets a group it can query but not use. A member that does
+        not arrive within the group's timeout makes the others abort the job naming it."""
         members = sorted(ranks)
         if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
             raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
         indices = [self.group_rank(r) for r in members]
         comm = None
         if self._rank in members:
-            parent = self._member_queue("new_group").comm
-            comm = parent.Create_group(parent.Get_group().Incl(indices))
+            queue = self._member_queue("new_group")
+            peers = {i: r for i, r in zip(indices, members, strict=True) if r != self._rank}
+            describe = f"new_group({members}) in MPI group {self._ranks}"
+            with queue.lock:
+                # MPI_Comm_create_group has no non-blocking form: it is called once every member is
+                # known to be there, and then completes at once.
+                await_peers(queue.comm, peers, self._timeout, describe, members)
+                comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
         return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check)
 
     def abort(self, reason: str) -> None:
@@ -446,9 +467,9 @@ class MpiProcessGroup:
         peer = self._member_index(rank, what, role)
         if rank == self._rank:
             raise ValueError(f"{what}: {role} {rank} is this rank itself")
-        tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)  # the MPI standard's minimum
-        if not is_int(tag) or not 0 <= tag <= tag_ub:
-            raise ValueError(f"{what}: tag must be an integer in [0, {tag_ub}], got {tag!r}")
+        largest = tag_ub() - 1  # the largest of all is reserved (see await_peers)
+        if not is_int(tag) or not 0 <= tag <= largest:
+            raise ValueError(f"{what}: tag must be an integer in [0, {largest}], got {tag!r}")
         return peer
 
 

@@ -1,5 +1,6 @@
 """Machinery behind the MPI process group (`mpi.py`): dtype and op tables, waiting with a deadline,
-in-order completion of pending work, and the call-signature check.
+the arrival check before creating a communicator, in-order completion of pending work, and the
+call-signature check.
 
 MPI collectives cannot be cancelled, so every operation is issued non-blocking (`I*`) and completed by a
 `Test` loop with a deadline; a rank that gives up aborts the whole MPI job (see `OpQueue`).
@@ -238,6 +239,50 @@ def wait_until(req: MPI.Request, deadline: float, nbytes: int, status: MPI.Statu
         pause = min(2 * pause, SLEEP_MAX_S)
         now = time.monotonic()
     return bool(test(status))
+
+
+def tag_ub() -> int:
+    """The largest tag MPI allows (at least 32767, the standard's minimum). It is reserved for
+    `await_peers`; send and recv take tags below it."""
+    return int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+
+
+def await_peers(
+    comm: MPI.Intracomm, peers: dict[int, int], timeout: float, describe: str, group: list[int]
+) -> None:
+    """Return once every one of `peers` (rank in `comm` -> global rank) has reached this same call, or
+    abort the job with a CollectiveTimeoutError naming those that did not within `timeout` seconds.
+
+    For the collectives that have no non-blocking form with a deadline (creating a communicator): once
+    every rank is known to be there, they complete at once. Each rank exchanges an empty message with
+    every peer on the reserved tag, so every rank learns itself who is missing; every message is
+    received before this returns, so none is left behind for the application to match."""
+    tag = tag_ub()
+    empty = bytearray(0)
+    recvs = {peer: comm.Irecv([empty, MPI.BYTE], peer, tag) for peer in peers}
+    sends = {peer: comm.Isend([empty, MPI.BYTE], peer, tag) for peer in peers}
+    deadline = time.monotonic() + timeout
+    pause = SLEEP_FIRST_S
+    try:
+        while True:
+            recvs = {peer: req for peer, req in recvs.items() if not req.Test()}
+            sends = {peer: req for peer, req in sends.items() if not req.Test()}
+            if not recvs and not sends:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            time.sleep(min(pause, deadline - now))  # interruptible: Ctrl-C raises KeyboardInterrupt here
+            pause = min(2 * pause, SLEEP_MAX_S)
+    except MPI.Exception as exc:
+        raise mpi_error(describe, exc) from exc
+    # A peer that arrived has received this rank's message too, unless its MPI is stuck.
+    missing = sorted(peers[peer] for peer in recvs or sends)
+    error = CollectiveTimeoutError(
+        f"{describe}: rank {MPI.COMM_WORLD.Get_rank()} waited {timeout:g} s, but rank(s) {missing} of "
+        f"group {group} never arrived (they are hung, dead, or never made this call)"
+    )
+    raise abort_job(comm, error)
 
 
 def abort_job(comm: MPI.Intracomm, error: DistributedError) -> DistributedError:

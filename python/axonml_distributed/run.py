@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO
+
+from axonml_distributed import error_file
 
 _Worker = subprocess.Popen[bytes]
 
@@ -31,6 +37,8 @@ _POLL_INTERVAL = 0.05
 _DRAIN_TIMEOUT = 1.0
 # One lock for all output pumps, so that lines of different ranks never interleave mid-line.
 _OUTPUT_LOCK = threading.Lock()
+# prctl(2) option: the signal a process gets when its parent (the thread that forked it) dies.
+_PR_SET_PDEATHSIG = 1
 
 _EPILOG = """\
 environment of each worker (torchrun-compatible):
@@ -40,15 +48,27 @@ environment of each worker (torchrun-compatible):
   GROUP_RANK                0 (one host)
   MASTER_ADDR, MASTER_PORT  127.0.0.1 and --master-port, or a port that was free at launch
   AXONML_JOB_ID             128 random bits in hex, new for every job
+  AXONML_JOB_SECRET         256 random bits in hex, new for every job and never printed: the workers
+                            prove to each other at the rendezvous that they belong to this job
+  AXONML_ERROR_FILE         a path of this rank's own in a private directory of the job: an exception
+                            that ends a worker's main thread after init_process_group is recorded there
   AXONML_LAUNCHER_PID       the launcher's pid
   OMP_NUM_THREADS           1 if unset and N > 1 (as torchrun does), so N workers do not oversubscribe cores
 
 lifecycle:
-  Workers run in their own process groups with stdin from /dev/null. SIGINT, SIGTERM, SIGHUP and SIGQUIT
-  sent to the launcher (Ctrl-C in a terminal reaches the launcher only) are forwarded once to every
-  worker. When a worker exits non-zero or is killed, the others get SIGTERM. Workers still running
-  --grace-period seconds after that signal are killed with SIGKILL. The job's shared-memory segment is
-  removed at the end in any case.
+  Workers run in their own process groups with stdin from /dev/null, and are killed (SIGKILL) if the
+  launcher dies, even by SIGKILL. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher (Ctrl-C in a
+  terminal reaches the launcher only) are forwarded once to every worker. When a worker exits non-zero
+  or is killed, the others get --failure-grace-period seconds to exit on their own (a failing rank
+  aborts the world, so its peers fail at once), then SIGTERM, except the rank that failed first while
+  it is still reporting its exception. Workers still running --grace-period seconds after that (or
+  after a forwarded signal) are killed with SIGKILL. The job's shared-memory segment is removed at the
+  end in any case.
+
+failure summary:
+  The launcher names the rank that failed first, the root cause, and prints its traceback; then the
+  ranks that failed after it (secondary: most fail because that rank aborted the world). It decides
+  from the error files, not from the order in which processes happen to exit.
 
 exit status:
   0 when every worker exits 0, 1 when a worker fails; a signalled launcher dies by that same signal.
@@ -74,14 +94,18 @@ def launch(argv: Sequence[str] | None = None) -> int:
 
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _FORWARDED}
+    errors = Path(tempfile.mkdtemp(prefix="axonml-run-"))  # mode 0700: the error files are the job's own
     workers: list[_Worker] = []
     pumps: list[threading.Thread] = []
     try:
+        # Every worker is started before any pump thread: the child runs Python code between fork and
+        # exec (`_die_with_launcher`), which is safe only while the launcher has a single thread.
         for rank in range(nproc):
-            workers.append(_spawn(command, env, rank, prefix_output=args.prefix_output))
-            if args.prefix_output:
-                pumps += _start_pumps(workers[-1], rank)
-        return _supervise(workers, received, args.grace_period)
+            workers.append(_spawn(command, env, rank, errors, prefix_output=args.prefix_output))
+        if args.prefix_output:
+            for rank, worker in enumerate(workers):
+                pumps += _start_pumps(worker, rank)
+        return _supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
     finally:
         # The normal paths have reaped every worker; this only matters if the launcher itself failed.
         _signal_running(workers, signal.SIGKILL, range(len(workers)))
@@ -92,6 +116,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
         # Usually the backend has unlinked it already; a rank killed during init may have left it behind.
         with contextlib.suppress(FileNotFoundError):
             os.unlink("/dev/shm" + segment_name(job_id))
+        shutil.rmtree(errors, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -144,6 +169,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM (or a forwarded signal) and SIGKILL (default: 5)",
     )
     parser.add_argument(
+        "--failure-grace-period",
+        type=_at_least(0.0),
+        default=3.0,
+        metavar="S",
+        help="seconds the other workers get to exit on their own after one fails, before SIGTERM "
+        "(default: 3)",
+    )
+    parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run like 'python -m SCRIPT'"
     )
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
@@ -191,26 +224,48 @@ def _job_env(nproc: int, port: int, job_id: str, *, prefix_output: bool) -> dict
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         AXONML_JOB_ID=job_id,
+        AXONML_JOB_SECRET=secrets.token_hex(32),
         AXONML_LAUNCHER_PID=str(os.getpid()),
     )
     return env
 
 
-def _spawn(command: list[str], env: dict[str, str], rank: int, *, prefix_output: bool) -> _Worker:
+def _spawn(
+    command: list[str], env: dict[str, str], rank: int, errors: Path, *, prefix_output: bool
+) -> _Worker:
     # Own session, so own process group (`start_new_session`: `process_group=0` needs Python 3.11): a
     # terminal's Ctrl-C then reaches the launcher alone, and each worker gets exactly one forwarded SIGINT.
     # In the launcher's group (torchrun's way) it would get the terminal's SIGINT and the forwarded one,
     # the second interrupting its cleanup. A group also lets teardown reach the worker's own children. Its
     # cost: the workers have no controlling terminal to read from; stdin is /dev/null instead.
     pipe = subprocess.PIPE if prefix_output else None
+    own = {"RANK": str(rank), "LOCAL_RANK": str(rank), error_file.ENV: str(errors / f"rank-{rank}.json")}
     return subprocess.Popen(
         command,
-        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        env={**env, **own},
         stdin=subprocess.DEVNULL,
         stdout=pipe,
         stderr=pipe,
         start_new_session=True,
+        preexec_fn=_die_with_launcher(os.getpid()),
     )
+
+
+def _die_with_launcher(launcher: int) -> Callable[[], None] | None:
+    """A preexec_fn that makes the worker die with the launcher: a SIGKILLed launcher cannot tear the
+    job down, and its workers must not run on unsupervised. None where prctl(2) is missing (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return arm
 
 
 def _start_pumps(worker: _Worker, rank: int) -> list[threading.Thread]:
@@ -236,40 +291,135 @@ def _pump(source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
                 sink.flush()
 
 
-def _supervise(workers: list[_Worker], received: list[int], grace: float) -> int:
+def _supervise(
+    workers: list[_Worker], received: list[int], grace: float, failure_grace: float, errors: Path
+) -> int:
     """Wait until every worker exits 0 (returns 0), one fails (1), or a signal arrives (128 + signal)."""
-    everyone = range(len(workers))
+    failed_at: dict[int, float] = {}  # rank -> time.time() when its failure was noticed
     while True:
         if received:
-            sig = signal.Signals(received[0])
-            ranks = _signal_running(workers, sig, everyone)
-            _say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
-            _reap(workers, ranks, sig, grace)
-            return 128 + sig
-        codes = [worker.poll() for worker in workers]
-        failed = next(((rank, code) for rank, code in enumerate(codes) if code), None)
-        if failed is not None:
-            ranks = _signal_running(workers, signal.SIGTERM, everyone)
-            _say(
-                f"rank {failed[0]} failed ({_describe(failed[1])})"
-                + (f"; terminated {_ranks(ranks)}" if ranks else "")
-            )
-            _reap(workers, ranks, signal.SIGTERM, grace)
-            return 1
+            return _forward(workers, received[0], grace)
+        codes = _note_failures(workers, failed_at)
+        if failed_at:
+            return _end_after_failure(workers, received, grace, failure_grace, errors, failed_at)
         if all(code == 0 for code in codes):
             return 0
         time.sleep(_POLL_INTERVAL)
 
 
-def _reap(workers: list[_Worker], ranks: list[int], sent: signal.Signals, grace: float) -> None:
-    """Give `ranks`, just sent `sent`, `grace` seconds to exit, then SIGKILL them."""
+def _note_failures(workers: list[_Worker], failed_at: dict[int, float]) -> list[int | None]:
+    """Poll every worker; note when a failure (non-zero exit) is first seen. Returns the exit codes."""
+    codes = [worker.poll() for worker in workers]
+    now = time.time()
+    for rank, code in enumerate(codes):
+        if code and rank not in failed_at:
+            failed_at[rank] = now
+    return codes
+
+
+def _forward(workers: list[_Worker], signum: int, grace: float) -> int:
+    sig = signal.Signals(signum)
+    ranks = _signal_running(workers, sig, range(len(workers)))
+    _say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
+    _reap(workers, ranks, sig, grace)
+    return 128 + sig
+
+
+def _end_after_failure(
+    workers: list[_Worker],
+    received: list[int],
+    grace: float,
+    failure_grace: float,
+    errors: Path,
+    failed_at: dict[int, float],
+) -> int:
+    """A worker failed: give the others `failure_grace` seconds to exit on their own (an aborted world
+    makes them fail within moments), terminate the rest, then report the root cause first."""
+    everyone = range(len(workers))
+    deadline = time.monotonic() + failure_grace
+    while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
+        if received:
+            return _forward(workers, received[0], grace)
+        time.sleep(_POLL_INTERVAL)
+        _note_failures(workers, failed_at)
+    records = _read_records(errors, len(workers))
+    root = _root_cause(failed_at, records)
+    record = records.get(root)
+    # The root cause's report is the one that matters most: a rank still printing it gets no SIGTERM,
+    # only --grace-period seconds more to finish and exit on its own.
+    reporting = record is not None and not record.reported and workers[root].poll() is None
+    spared = (root,) if reporting else ()
+    terminated = _signal_running(workers, signal.SIGTERM, [rank for rank in everyone if rank not in spared])
+    _reap(workers, terminated, signal.SIGTERM, grace, spared)
+    _summarize(workers, root, terminated, failed_at, _read_records(errors, len(workers)))
+    return 1
+
+
+def _read_records(errors: Path, nproc: int) -> dict[int, error_file.Record]:
+    found = {rank: error_file.read(errors / f"rank-{rank}.json") for rank in range(nproc)}
+    return {rank: record for rank, record in found.items() if record is not None}
+
+
+def _root_cause(failed_at: dict[int, float], records: dict[int, error_file.Record]) -> int:
+    """The rank whose failure came first. A rank whose record blames another failed rank (its world was
+    aborted by it, or it saw it die) failed because of that one; of the ranks the chains lead to, the one
+    that failed earliest (by its record's time, else by when its exit was noticed) is the root cause."""
+    when = {**failed_at, **{rank: record.time for rank, record in records.items()}}
+
+    def origin(rank: int) -> int:
+        seen = {rank}
+        while True:
+            record = records.get(rank)
+            blamed = None if record is None else record.blames
+            if blamed is None or blamed not in when or blamed in seen:
+                return rank
+            rank = blamed
+            seen.add(rank)
+
+    return min({origin(rank) for rank in when}, key=lambda rank: (when[rank], rank))
+
+
+def _summarize(
+    workers: list[_Worker],
+    root: int,
+    terminated: list[int],
+    failed_at: dict[int, float],
+    records: dict[int, error_file.Record],
+) -> None:
+    """Name the root cause with its traceback, then the secondary failures, grouped by how they failed."""
+    codes = [worker.wait() for worker in workers]
+    _say(
+        f"rank {root} failed ({_describe(codes[root])})"
+        + (f"; terminated {_ranks(sorted(terminated))}" if terminated else "")
+    )
+    record = records.get(root)
+    if record is not None:
+        _say(f"traceback of rank {root}, the first to fail:\n{record.traceback.rstrip()}")
+    # Secondary: every other rank that failed on its own, before the launcher signalled it.
+    groups: dict[str, list[int]] = {}
+    for rank in sorted((set(failed_at) | set(records)) - {root}):
+        other = records.get(rank)
+        how = f"({_describe(codes[rank])})" + (f": {other.type}: {other.message}" if other else "")
+        groups.setdefault(how, []).append(rank)
+    for how, ranks in groups.items():
+        _say(f"secondary: {_ranks(ranks)} failed {how}")
+
+
+def _reap(
+    workers: list[_Worker], ranks: list[int], sent: signal.Signals, grace: float, spared: Sequence[int] = ()
+) -> None:
+    """Give `ranks`, just sent `sent`, and the `spared` ranks (not signalled) `grace` seconds to exit,
+    then SIGKILL them."""
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(workers[rank].poll() is None for rank in ranks):
+    while time.monotonic() < deadline and any(workers[rank].poll() is None for rank in [*ranks, *spared]):
         time.sleep(_POLL_INTERVAL)
     stubborn = _signal_running(workers, signal.SIGKILL, ranks)
     if stubborn:
         _say(f"{_ranks(stubborn)} still running {grace:g} s after {sent.name}; sent SIGKILL")
-    for rank in ranks:
+    stubborn = _signal_running(workers, signal.SIGKILL, spared)
+    if stubborn:
+        _say(f"{_ranks(stubborn)} (spared {sent.name}) still running {grace:g} s later; sent SIGKILL")
+    for rank in [*ranks, *spared]:
         workers[rank].wait()
 
 

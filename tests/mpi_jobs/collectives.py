@@ -301,6 +301,9 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
     raises(ValueError, pg.recv, a, n + 3, match="not a member")
     if n > 1:
         raises(ValueError, pg.send, a, (pg.rank() + 1) % n, -1, match="tag")
+        # The largest tag MPI allows is the group's own (new_group's arrival check).
+        reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        raises(ValueError, pg.recv, a, (pg.rank() + 1) % n, reserved, match=f"[0, {reserved - 1}]")
     raises(TypeError, pg.empty, 3, np.complex128, match="unsupported dtype")
     buf = np.ones(4, np.float32)
     pg.all_reduce(buf)

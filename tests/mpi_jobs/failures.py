@@ -7,14 +7,21 @@
 - timeout-unchecked: the same with the signature check off, so the data operation itself times out.
 - late:             rank 1 arrives 2 s late; rank 0 waits without burning a core, and both finish
                     (exit 0).
+- init-missing:     the last rank never calls init_mpi_process_group; the others (timeout 1.5 s) report
+                    CollectiveTimeoutError naming it and abort the job.
+- new-group-missing: the last rank never calls new_group over every rank; the same.
+- init-interrupted PIDFILE: as init-missing with a timeout of 120 s; rank 0 writes its pid to PIDFILE
+                    before it waits, so that the test can interrupt it (SIGINT, as Ctrl-C).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from axonml_distributed.mpi import init_mpi_process_group
 
@@ -22,6 +29,9 @@ from axonml_distributed.mpi import init_mpi_process_group
 def main(scenario: str) -> None:
     if scenario == "late":
         late()
+        return
+    if scenario in ("init-missing", "new-group-missing", "init-interrupted"):
+        missing(scenario)
         return
     if scenario not in ("raise", "timeout", "timeout-unchecked"):
         raise SystemExit(f"unknown scenario {scenario!r}")
@@ -33,6 +43,22 @@ def main(scenario: str) -> None:
         time.sleep(60)
     pg.all_reduce(np.ones(1000, np.float32))
     raise SystemExit(f"scenario {scenario}: all_reduce should never have returned")
+
+
+def missing(scenario: str) -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    last = rank == MPI.COMM_WORLD.Get_size() - 1
+    if scenario != "new-group-missing" and last:
+        time.sleep(60)
+    if scenario == "init-interrupted" and rank == 0:
+        with open(sys.argv[2] + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    pg = init_mpi_process_group(timeout=120 if scenario == "init-interrupted" else 1.5)
+    if last:
+        time.sleep(60)
+    pg.new_group(list(range(pg.size())))
+    raise SystemExit(f"scenario {scenario}: should never get here")
 
 
 def late() -> None:

@@ -1,0 +1,75 @@
+"""Per-rank error files: how a failing worker tells the launcher what happened (as torchelastic's do).
+
+`axonml-run` gives every worker AXONML_ERROR_FILE, a path of its own in a private directory of the job.
+The excepthook of `init_process_group` writes a `Record` there before it aborts the world, so the
+launcher can tell the rank whose failure aborted the others (the root cause) from the ranks that then
+failed because of it, whatever order their processes exit in. Standard library only: the launcher
+reads these files too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import TracebackType
+
+ENV = "AXONML_ERROR_FILE"
+
+# How the shm world's PeerFailureError names the rank behind it (rust/error.rs, `Aborted` and `PeerDied`).
+_BLAMED = re.compile(r"the world was aborted by rank (\d+)|peer rank (\d+) died")
+
+
+@dataclass(frozen=True)
+class Record:
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    # time.time() when the exception reached the hook: comparable between the processes of one host.
+    time: float
+    # The rank whose abort or death raised this rank's PeerFailureError: set on secondary failures only.
+    blames: int | None
+    # False while the hook is still reporting the exception (printing its traceback).
+    reported: bool
+
+    def as_reported(self) -> Record:
+        return replace(self, reported=True)
+
+
+def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> Record:
+    """The record of an exception that ended rank `rank`'s main thread."""
+    blames = None
+    if kind.__name__ == "PeerFailureError":
+        found = _BLAMED.match(str(value))
+        if found:
+            blames = int(found.group(1) or found.group(2))
+    text = "".join(traceback.format_exception(kind, value, tb))
+    return Record(rank, kind.__name__, str(value), text, time.time(), blames, reported=False)
+
+
+def write(path: str, record: Record) -> None:
+    """Replace the file at `path` with `record` atomically, so that a reader never sees half of it."""
+    directory, name = os.path.split(path)
+    fd, partial = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(asdict(record), out)
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
+
+
+def read(path: Path) -> Record | None:
+    """The record at `path`; None when there is none (the rank never failed in Python) or it is not one."""
+    try:
+        fields = json.loads(path.read_text())
+        return Record(**fields)
+    except (OSError, ValueError, TypeError):
+        return None
