@@ -186,6 +186,7 @@ def test_no_sync_keeps_gradients_local_and_issues_no_collective() -> None:
         group = CountingGroup(pg)
         model = MLP(0)
         ddp = DDP(model, group)
+        group.calls.clear()  # the constructor's broadcast
         x = np.full((2, D_IN), pg.rank() + 1.0)
         with ddp.no_sync():
             model.backward(mse_grad(ddp(x), np.zeros((2, D_OUT))))
@@ -208,6 +209,7 @@ def test_one_all_reduce_per_bucket_plus_one_tiny_flag_vector() -> None:
         group = CountingGroup(pg)
         model = MLP(0)
         ddp = DDP(model, group, bucket_cap_mb=TINY_MB)
+        group.calls.clear()  # the constructor's broadcast
         model.backward(mse_grad(ddp(np.ones((2, D_IN))), np.zeros((2, D_OUT))))  # no buffers: no collective
         ddp.sync_gradients()
         return group.calls
@@ -417,8 +419,10 @@ def assert_buffers(snapshot: list[np.ndarray], rank: int) -> None:
 def test_broadcast_buffers_off_leaves_buffers_alone(how: str) -> None:
     def rank_fn(pg: Any) -> None:
         model = Buffered(pg.rank())
-        ddp = DDP(model, pg, broadcast_buffers=False) if how == "constructor" else DDP(model, pg)
-        if how == "builder":
+        if how == "constructor":
+            ddp = DDP(model, pg, broadcast_buffers=False)
+        else:  # the builder comes after the constructor, whose broadcast init_sync=False skips
+            ddp = DDP(model, pg, init_sync=False)
             assert ddp.broadcast_buffers(False) is ddp
         ddp.sync_parameters()
         ddp(np.ones((1, D_IN)))
