@@ -125,7 +125,13 @@ def test_defaults_from_a_real_subgroup() -> None:
 
 @pytest.mark.parametrize(
     ("replicas", "rank", "error"),
-    [(0, 0, ValueError), (-1, 0, ValueError), (4, 4, ValueError), (4, -1, ValueError), (None, 0, TypeError)],
+    [
+        (0, 0, ValueError),
+        (-1, 0, ValueError),
+        (4, 4, ValueError),
+        (4, -1, ValueError),
+        (None, 0, RuntimeError),  # no default group to ask
+    ],
 )
 def test_rejects_bad_arguments(replicas: int | None, rank: int, error: type[Exception]) -> None:
     with pytest.raises(error):

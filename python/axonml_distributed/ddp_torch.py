@@ -35,7 +35,7 @@ class _Slot:
 
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, bucket: int, view: torch.Tensor):
         self.index = index  # position in parameters()
-        self.name = name
+        self.name = name  # as the wrapper's named_parameters() say it, for messages
         self.param = param
         self.bucket = bucket
         self.view = view
@@ -224,7 +224,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
             if param.device.type != "cpu":
                 raise ValueError(f"DistributedDataParallel runs on CPU tensors; {name} is on {param.device}")
             if param.requires_grad:
-                trainable.append((i, name, param))
+                trainable.append((i, f"module.{name}", param))
         layout = assign_buckets(
             [p.numel() * p.element_size() for _, _, p in trainable],
             [p.dtype for _, _, p in trainable],
