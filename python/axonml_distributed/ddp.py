@@ -12,6 +12,7 @@ import abc
 import contextlib
 import math
 import sys
+import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -23,6 +24,8 @@ from axonml_distributed.init import get_default_group
 _MIB = 1024 * 1024
 # Parameters and buffers travel in broadcasts of at most this many bytes (torch uses 250 MiB).
 _BROADCAST_CAP = 256 * _MIB
+# Not a checksum (those are >= 0): gradients accumulate inside no_sync() since the last check.
+_ACCUMULATING = -1
 
 
 class _Work(Protocol):
@@ -147,9 +150,7 @@ def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray]) -> None:
         offset = 0
         for array in batch:
             if is_root:
-                staging[offset : offset + array.nbytes] = (
-                    np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                )
+                staging[offset : offset + array.nbytes] = _raw(array)
             offset += array.nbytes
         pg.broadcast(staging, root)
         if not is_root:
@@ -158,6 +159,10 @@ def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray]) -> None:
                 chunk = staging[offset : offset + array.nbytes]
                 np.copyto(array, chunk.view(array.dtype).reshape(array.shape))
                 offset += array.nbytes
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def _is_torch_module(module: Any) -> bool:
@@ -199,8 +204,8 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         self._broadcast_buffers = broadcast_buffers
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self._require_grad_sync = True
-        # A training forward outside no_sync() happened and sync_gradients() has not run since.
-        self._awaiting_sync = False
+        # The `_fingerprint` at the last training forward outside no_sync(), until sync_gradients() runs.
+        self._awaiting_sync: tuple[int, int | None] | None = None
         self._training = bool(getattr(module, "training", True))
         self._params = self._param_refs()
         self._buckets, self._slots = self._build_buckets(cap)
@@ -256,9 +261,9 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
     # -- the step -----------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._training and self._require_grad_sync:
+        if self._training:
             self._check_prior_sync()
-            self._awaiting_sync = True
+        if self._training and self._require_grad_sync:
             # Like torch: buffers (e.g. batch-norm statistics) follow the first rank before each synced
             # training forward. A module without buffers issues no collective here.
             if self._broadcast_buffers:
@@ -296,7 +301,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         """
         if not self._require_grad_sync:
             return
-        self._awaiting_sync = False
+        self._awaiting_sync = None
         if not self._slots:
             return
         grads = [self._fill_bucket(slot) for slot in self._slots]
@@ -319,14 +324,36 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
 
     def _check_prior_sync(self) -> None:
         # torch's "Expected to have finished reduction in the prior iteration" check: without it a loop that
-        # forgets sync_gradients() trains a different model on every rank without a word.
-        if self._awaiting_sync and any(ref.grad() is not None for ref in self._params if ref.requires_grad):
-            raise RuntimeError(
-                "DistributedDataParallel: a new training forward started while the previous step's "
-                "gradients were never averaged over the group, so the replicas would drift apart. Call "
-                "ddp.sync_gradients() after backward and before the optimizer step; gradients meant to stay "
-                "local go inside `with ddp.no_sync():`, and evaluation forwards after ddp.eval()."
-            )
+        # forgets sync_gradients() trains a different model on every rank without a word. A step since the
+        # last training forward shows as new parameters (an optimizer step) or as gradients that hold
+        # something new (a backward); zero_grad() alone, or a forward with no backward, is no step. Inside
+        # no_sync() gradients grow on purpose: only an optimizer step counts there.
+        if self._awaiting_sync is None and not self._require_grad_sync:
+            return
+        params, grads = self._fingerprint()
+        if self._awaiting_sync is not None:
+            params_then, grads_then = self._awaiting_sync
+            new_grads = grads is not None and grads_then != _ACCUMULATING and grads != grads_then
+            if params != params_then or (self._require_grad_sync and new_grads):
+                raise RuntimeError(
+                    "DistributedDataParallel: a new training forward started while the previous step's "
+                    "gradients were never averaged over the group, so the replicas would drift apart. Call "
+                    "ddp.sync_gradients() after backward and before the optimizer step; gradients meant to "
+                    "stay local go inside `with ddp.no_sync():`, and evaluation forwards after ddp.eval()."
+                )
+        self._awaiting_sync = (params, grads if self._require_grad_sync else _ACCUMULATING)
+
+    def _fingerprint(self) -> tuple[int, int | None]:
+        """Checksums of the parameters and of the gradients that hold anything (None when none do)."""
+        params = 0
+        for ref in self._params:
+            params = zlib.crc32(_raw(ref.data()), params)
+        grads = None
+        for i, ref in enumerate(self._params):
+            grad = ref.grad()
+            if grad is not None and grad.any():
+                grads = zlib.crc32(_raw(grad), zlib.crc32(i.to_bytes(8, "little"), grads or 0))
+        return params, grads
 
     def _param_refs(self) -> list[_NumpyParam]:
         seen: set[int] = set()
