@@ -141,3 +141,11 @@ def test_rejects_bad_arguments(replicas: int | None, rank: int, error: type[Exce
 def test_rejects_negative_length() -> None:
     with pytest.raises(ValueError, match="length"):
         DistributedSampler(-1, 2, 0)
+
+
+def test_defaults_from_the_default_group() -> None:
+    # As torch's DistributedSampler(dataset): replicas and rank come from the default group.
+    def shard(pg: ProcessGroup) -> list[int]:
+        return list(DistributedSampler(range(6), shuffle=False))
+
+    assert spawn(shard, 3, timeout=30) == [[0, 3], [1, 4], [2, 5]]
