@@ -162,6 +162,7 @@ def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray]) -> None:
 
 
 def _raw(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, flat (a copy only when it is not contiguous)."""
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
@@ -347,12 +348,12 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         """Checksums of the parameters and of the gradients that hold anything (None when none do)."""
         params = 0
         for ref in self._params:
-            params = zlib.crc32(_raw(ref.data()), params)
+            params = zlib.crc32(_raw(ref.data()).data, params)
         grads = None
         for i, ref in enumerate(self._params):
             grad = ref.grad()
             if grad is not None and grad.any():
-                grads = zlib.crc32(_raw(grad), zlib.crc32(i.to_bytes(8, "little"), grads or 0))
+                grads = zlib.crc32(_raw(grad).data, zlib.crc32(i.to_bytes(8, "little"), grads or 0))
         return params, grads
 
     def _param_refs(self) -> list[_NumpyParam]:

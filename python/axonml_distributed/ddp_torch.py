@@ -198,7 +198,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
         """Overwrite every rank's parameters (and buffers, if broadcast_buffers) in place with the first
         rank's. The constructor already did; calling it again is harmless."""
         with torch.no_grad():
-            tensors = list(self.module.parameters())
+            tensors: list[torch.Tensor] = list(self.module.parameters())
             if self.broadcast_buffers:
                 tensors += list(self.module.buffers())
             broadcast_arrays(self.process_group, [_memory_of(t) for t in tensors])
