@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import axonml_distributed as ad
 from reference import data, reduce_ref, same_bits
@@ -105,3 +106,77 @@ def test_helpers_validate_their_arguments() -> None:
 def test_without_a_default_group_the_error_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         ad.barrier()
+
+
+def test_helpers_take_cpu_torch_tensors_in_place_and_give_back_tensors() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        me = pg.rank()
+        out: dict[str, Any] = {}
+        for name in ["sum", "mean", "min", "max", "product"]:
+            t = torch.from_numpy(data(me, 10, np.float32).copy())
+            address = t.data_ptr()
+            getattr(ad, f"all_reduce_{name}")(t)
+            assert t.data_ptr() == address  # in place, no copy
+            out[name] = t.numpy()
+        param = torch.nn.Parameter(torch.full((3,), float(me)))  # requires grad: still fine
+        ad.broadcast(param)
+        b = torch.full((2,), me, dtype=torch.int64)
+        ad.broadcast_from(b, 1)
+        work = ad.all_reduce_sum(w := torch.ones(4, dtype=torch.float64), async_op=True)
+        work.wait()
+        returned = {
+            "gather": ad.all_gather(torch.tensor([me, me], dtype=torch.int32)),
+            "rs_sum": ad.reduce_scatter_sum(torch.arange(4.0) * (me + 1)),
+            "rs_mean": ad.reduce_scatter_mean(torch.arange(4.0) * (me + 1)),
+            "scatter": ad.scatter_tensor(torch.arange(8.0).reshape(2, 4), 1),
+            "gather_dim": ad.gather_tensor(torch.full((2, 1), float(me)), 1),
+        }
+        grads = [torch.full((3,), me + 1.0), torch.full((2, 2), me + 3.0, dtype=torch.float64)]
+        addresses = [g.data_ptr() for g in grads]
+        ad.sync_gradients(grads)
+        assert [g.data_ptr() for g in grads] == addresses
+        single = torch.full((2,), float(me))
+        ad.sync_gradient(single)
+        return out, param.detach().clone(), b, w, returned, grads, single
+
+    res = ad.spawn(fn, 2)
+    for r, (out, param, b, w, returned, grads, single) in enumerate(res):
+        for name, op in {
+            "sum": "SUM",
+            "mean": "AVERAGE",
+            "min": "MIN",
+            "max": "MAX",
+            "product": "PRODUCT",
+        }.items():
+            want = reduce_ref([data(q, 10, np.float32) for q in range(2)], getattr(ad.ReduceOp, op))
+            assert same_bits(out[name], want), name
+        assert param.tolist() == [0.0] * 3 and b.tolist() == [1, 1] and w.tolist() == [2.0] * 4
+        assert all(isinstance(t, torch.Tensor) for t in returned.values())
+        assert returned["gather"].tolist() == [[0, 0], [1, 1]]
+        assert returned["rs_sum"].tolist() == [3.0 * (2 * r), 3.0 * (2 * r + 1)]
+        assert returned["rs_mean"].tolist() == [1.5 * (2 * r), 1.5 * (2 * r + 1)]
+        assert returned["scatter"].tolist() == [[2.0 * r, 2.0 * r + 1], [2.0 * r + 4, 2.0 * r + 5]]
+        assert returned["gather_dim"].tolist() == [[0.0, 1.0], [0.0, 1.0]]
+        assert grads[0].tolist() == [1.5] * 3 and grads[1].tolist() == [[3.5, 3.5], [3.5, 3.5]]
+        assert single.tolist() == [0.5, 0.5]
+
+
+def test_torch_argument_order_gets_a_type_error_that_names_the_right_call() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        t = torch.full((2,), float(pg.rank()))
+        with pytest.raises(TypeError, match=r"broadcast_from\(t, 0\)"):
+            ad.broadcast(t, 0)
+        with pytest.raises(TypeError, match="process group"):
+            ad.all_reduce_sum(t, ad.ReduceOp.SUM)
+        ad.all_reduce_sum(t)  # the world was not aborted: the ranks go on
+        return t.tolist()
+
+    assert ad.spawn(fn, 2) == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_get_rank_and_get_world_size_as_in_torch() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = ad.ProcessGroup.with_ranks(pg.backend(), [1, 2])
+        return ad.get_rank(), ad.get_world_size(), ad.get_rank(sub), ad.get_world_size(sub)
+
+    assert ad.spawn(fn, 3) == [(0, 3, -1, 2), (1, 3, 0, 2), (2, 3, 1, 2)]

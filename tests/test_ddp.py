@@ -186,6 +186,7 @@ def test_no_sync_keeps_gradients_local_and_issues_no_collective() -> None:
         group = CountingGroup(pg)
         model = MLP(0)
         ddp = DDP(model, group)
+        group.calls.clear()  # the constructor's broadcast
         x = np.full((2, D_IN), pg.rank() + 1.0)
         with ddp.no_sync():
             model.backward(mse_grad(ddp(x), np.zeros((2, D_OUT))))
@@ -208,6 +209,7 @@ def test_one_all_reduce_per_bucket_plus_one_tiny_flag_vector() -> None:
         group = CountingGroup(pg)
         model = MLP(0)
         ddp = DDP(model, group, bucket_cap_mb=TINY_MB)
+        group.calls.clear()  # the constructor's broadcast
         model.backward(mse_grad(ddp(np.ones((2, D_IN))), np.zeros((2, D_OUT))))  # no buffers: no collective
         ddp.sync_gradients()
         return group.calls
@@ -417,8 +419,10 @@ def assert_buffers(snapshot: list[np.ndarray], rank: int) -> None:
 def test_broadcast_buffers_off_leaves_buffers_alone(how: str) -> None:
     def rank_fn(pg: Any) -> None:
         model = Buffered(pg.rank())
-        ddp = DDP(model, pg, broadcast_buffers=False) if how == "constructor" else DDP(model, pg)
-        if how == "builder":
+        if how == "constructor":
+            ddp = DDP(model, pg, broadcast_buffers=False)
+        else:  # the builder comes after the constructor, whose broadcast init_sync=False skips
+            ddp = DDP(model, pg, init_sync=False)
             assert ddp.broadcast_buffers(False) is ddp
         ddp.sync_parameters()
         ddp(np.ones((1, D_IN)))
@@ -522,3 +526,66 @@ def test_bad_arguments() -> None:
     bag.params[0].grad = np.zeros(4)
     with pytest.raises(ValueError, match="gradient shape"):
         ddp.sync_gradients()
+
+
+def test_the_constructor_broadcasts_from_the_first_rank() -> None:
+    def rank_fn(pg: Any) -> list[np.ndarray]:
+        model = Buffered(pg.rank())
+        for p in model.parameters():
+            p.data[...] = pg.rank()
+        DDP(model, pg)  # no sync_parameters() call
+        return [p.data for p in model.parameters()] + model.snapshot()
+
+    for arrays in spawn(rank_fn, 2):
+        for array in arrays[:4]:
+            np.testing.assert_array_equal(array, 0)
+        assert_buffers(arrays[4:], 0)
+
+
+def forgetful_loop(pg: Any, steps: int, sync: bool, inplace: bool) -> None:
+    model = MLP(pg.rank(), inplace=inplace)
+    ddp = DDP(model, pg)
+    for x, y in batches(2, np.float64, steps):
+        model.zero_grad()
+        model.backward(mse_grad(ddp(x), y))
+        if sync:
+            ddp.sync_gradients()
+        model.sgd()
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["grads-written", "grads-replaced"])
+def test_a_forgotten_sync_gradients_fails_loudly_at_the_next_training_forward(inplace: bool) -> None:
+    spawn(forgetful_loop, 2, 3, True, inplace)  # the loop with the sync trains
+    with pytest.raises(Exception, match=r"never averaged.*ddp\.sync_gradients\(\)") as error:
+        spawn(forgetful_loop, 2, 3, False, inplace)
+    assert isinstance(error.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["grads-written", "grads-replaced"])
+def test_forwards_with_nothing_left_to_sync_do_not_raise(inplace: bool) -> None:
+    pg = ProcessGroup.mock()
+    model = MLP(0, inplace=inplace)
+    ddp = DDP(model, pg)
+    x, y = batches(2, np.float64, 1)[0]
+    model.backward(mse_grad(ddp(x), y))
+    ddp.sync_gradients()
+    model.sgd()
+    ddp(x)  # a forward with no backward (a metric, say), then zero_grad and the next step
+    model.zero_grad()
+    ddp(x)
+    with ddp.no_sync():  # micro-batches whose gradients stay local on purpose
+        for _ in range(2):
+            model.backward(mse_grad(ddp(x), y))
+    ddp.eval()
+    ddp(x)  # evaluation forwards never raise
+    ddp.train()
+    model.backward(mse_grad(ddp(x), y))
+    ddp.sync_gradients()
+    model.sgd()
+    model.zero_grad()
+    model.backward(mse_grad(ddp(x), y))
+    with pytest.raises(RuntimeError, match="sync_gradients"):
+        ddp(x)  # a backward since the last forward, never synced
+    with ddp.no_sync(), pytest.raises(RuntimeError, match="sync_gradients"):
+        model.sgd()
+        ddp(x)  # and a step on top: inside no_sync() too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,3 +95,33 @@ def test_destroy_process_group_clears_the_thread_default() -> None:
         return ad.is_initialized()
 
     assert ad.spawn(fn, 2) == [False, False]
+
+
+def test_torch_style_arguments(tmp_path: Path) -> None:
+    job, _ = _launch(
+        tmp_path,
+        """
+        import datetime, json, os, sys
+        from pathlib import Path
+        import axonml_distributed as ad
+
+        ad.init_process_group("shm", "env://", datetime.timedelta(seconds=30))
+        result = [ad.get_rank(), ad.get_world_size(), int(os.environ["RANK"])]
+        ad.barrier()
+        ad.destroy_process_group()
+        ad.init_process_group(backend="shm", init_method=None, timeout=30.0, world_size=-1, rank=-1)
+        result.append(ad.get_rank())
+        Path(sys.argv[1], f"out.{os.environ['RANK']}").write_text(json.dumps(result))
+        """,
+    )
+    assert job.returncode == 0, job.stderr
+    for rank in range(2):
+        assert json.loads((tmp_path / f"out.{rank}").read_text()) == [rank, 2, rank, rank]
+
+
+def test_unsupported_init_methods_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="init_method 'tcp://127.0.0.1:1234' is not supported"):
+        ad.init_process_group("shm", init_method="tcp://127.0.0.1:1234")
+    with pytest.raises(TypeError, match="second argument is init_method.*rank= and world_size="):
+        ad.init_process_group("shm", 0, 2)  # the seed's (backend, rank, world_size) order
+    assert not ad.is_initialized()

@@ -125,7 +125,13 @@ def test_defaults_from_a_real_subgroup() -> None:
 
 @pytest.mark.parametrize(
     ("replicas", "rank", "error"),
-    [(0, 0, ValueError), (-1, 0, ValueError), (4, 4, ValueError), (4, -1, ValueError), (None, 0, TypeError)],
+    [
+        (0, 0, ValueError),
+        (-1, 0, ValueError),
+        (4, 4, ValueError),
+        (4, -1, ValueError),
+        (None, 0, RuntimeError),  # no default group to ask
+    ],
 )
 def test_rejects_bad_arguments(replicas: int | None, rank: int, error: type[Exception]) -> None:
     with pytest.raises(error):
@@ -135,3 +141,11 @@ def test_rejects_bad_arguments(replicas: int | None, rank: int, error: type[Exce
 def test_rejects_negative_length() -> None:
     with pytest.raises(ValueError, match="length"):
         DistributedSampler(-1, 2, 0)
+
+
+def test_defaults_from_the_default_group() -> None:
+    # As torch's DistributedSampler(dataset): replicas and rank come from the default group.
+    def shard(pg: ProcessGroup) -> list[int]:
+        return list(DistributedSampler(range(6), shuffle=False))
+
+    assert spawn(shard, 3, timeout=30) == [[0, 3], [1, 4], [2, 5]]

@@ -1,10 +1,12 @@
-"""The seed's communication helpers, on numpy arrays. The group comes second and may be omitted: None
-means the default group (`init_process_group`, or the rank's group under `spawn`). Ranks are global.
-In-place helpers return None, or a `Work` with ``async_op=True``."""
+"""The seed's communication helpers, on numpy arrays or CPU torch tensors (in place and zero-copy when
+contiguous; helpers that return a new tensor return the caller's type). The group comes second and may be
+omitted: None means the default group (`init_process_group`, or the rank's group under `spawn`). Ranks
+are global. In-place helpers return None, or a `Work` with ``async_op=True``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,57 +16,96 @@ from axonml_distributed.init import get_default_group
 
 
 def _group(pg: Any) -> Any:
-    return get_default_group() if pg is None else pg
+    if pg is None:
+        return get_default_group()
+    if not hasattr(pg, "ranks"):
+        # Checked here: a bad argument reaching a collective aborts the whole world.
+        raise TypeError(
+            f"the second argument is the process group (None: the default group), got "
+            f"{type(pg).__name__} {pg!r}"
+        )
+    return pg
 
 
-def all_reduce_sum(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def _same(array: np.ndarray) -> np.ndarray:
+    return array
+
+
+def _numpy(t: Any) -> tuple[Any, Callable[[np.ndarray], Any]]:
+    """``t`` as numpy over the same memory, and how to give a result back in ``t``'s type.
+
+    A bridge for CPU torch tensors until the native collectives take them themselves; then only the
+    numpy-computing helpers (`scatter_tensor`, `gather_tensor`, `sync_gradients`) still need it.
+    """
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch is not None and isinstance(t, torch.Tensor):
+        if t.device.type != "cpu":
+            raise ValueError(f"collectives run on CPU tensors; got one on {t.device}")
+        return t.detach().numpy(), torch.from_numpy
+    return t, _same
+
+
+def all_reduce_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Sum `t` across the group, in place."""
-    return _group(pg).all_reduce(t, ReduceOp.SUM, async_op=async_op)
+    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.SUM, async_op=async_op)
 
 
-def all_reduce_mean(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Average `t` across the group, in place (floating-point dtypes)."""
-    return _group(pg).all_reduce(t, ReduceOp.AVERAGE, async_op=async_op)
+    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.AVERAGE, async_op=async_op)
 
 
-def all_reduce_min(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_min(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise minimum of `t` across the group, in place (NaN propagates)."""
-    return _group(pg).all_reduce(t, ReduceOp.MIN, async_op=async_op)
+    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.MIN, async_op=async_op)
 
 
-def all_reduce_max(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_max(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise maximum of `t` across the group, in place (NaN propagates)."""
-    return _group(pg).all_reduce(t, ReduceOp.MAX, async_op=async_op)
+    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.MAX, async_op=async_op)
 
 
-def all_reduce_product(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_product(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise product of `t` across the group, in place."""
-    return _group(pg).all_reduce(t, ReduceOp.PRODUCT, async_op=async_op)
+    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.PRODUCT, async_op=async_op)
 
 
-def broadcast(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def broadcast(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Overwrite `t` with the group's first rank's `t`."""
-    return _group(pg).broadcast(t, None, async_op=async_op)
+    if isinstance(pg, int):
+        raise TypeError(
+            f"broadcast(t, pg) takes the process group second and sends from the group's first rank; "
+            f"to send from global rank {pg}, call broadcast_from(t, {pg})"
+        )
+    return _group(pg).broadcast(_numpy(t)[0], None, async_op=async_op)
 
 
-def broadcast_from(t: np.ndarray, src: int, pg: Any = None, *, async_op: bool = False) -> Any:
+def broadcast_from(t: Any, src: int, pg: Any = None, *, async_op: bool = False) -> Any:
     """Overwrite `t` with global rank `src`'s `t`."""
-    return _group(pg).broadcast(t, src, async_op=async_op)
+    return _group(pg).broadcast(_numpy(t)[0], src, async_op=async_op)
 
 
-def all_gather(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_gather(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Every member's `t`, stacked in group order: shape ``(group size, *t.shape)``."""
-    return _group(pg).all_gather_tensor(np.ascontiguousarray(t), async_op=async_op)
+    array, like = _numpy(t)
+    result = _group(pg).all_gather_tensor(np.ascontiguousarray(array), async_op=async_op)
+    return result if async_op else like(result)
 
 
-def reduce_scatter_sum(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def reduce_scatter_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """This member's chunk (dimension 0 split in group-size parts, which must divide) of the sum of `t`."""
-    return _group(pg).reduce_scatter_tensor(np.ascontiguousarray(t), ReduceOp.SUM, async_op=async_op)
+    array, like = _numpy(t)
+    result = _group(pg).reduce_scatter_tensor(np.ascontiguousarray(array), ReduceOp.SUM, async_op=async_op)
+    return result if async_op else like(result)
 
 
-def reduce_scatter_mean(t: np.ndarray, pg: Any = None, *, async_op: bool = False) -> Any:
+def reduce_scatter_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Like `reduce_scatter_sum`, averaged."""
-    return _group(pg).reduce_scatter_tensor(np.ascontiguousarray(t), ReduceOp.AVERAGE, async_op=async_op)
+    array, like = _numpy(t)
+    result = _group(pg).reduce_scatter_tensor(
+        np.ascontiguousarray(array), ReduceOp.AVERAGE, async_op=async_op
+    )
+    return result if async_op else like(result)
 
 
 def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:
@@ -76,22 +117,24 @@ def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:
     return dim, t.shape[dim] // parts
 
 
-def scatter_tensor(t: np.ndarray, dim: int, pg: Any = None) -> np.ndarray:
+def scatter_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     """This member's chunk of `t` split in group-size equal parts along `dim` (a copy; no communication:
     every member already holds `t`)."""
     g = _group(pg)
-    dim, part = _split_len(t, dim, g.size())
+    array, like = _numpy(t)
+    dim, part = _split_len(array, dim, g.size())
     i = g.group_rank(g.rank())
-    return np.take(t, np.arange(i * part, (i + 1) * part), axis=dim)
+    return like(np.take(array, np.arange(i * part, (i + 1) * part), axis=dim))
 
 
-def gather_tensor(t: np.ndarray, dim: int, pg: Any = None) -> np.ndarray:
+def gather_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     """Every member's `t` concatenated along `dim`, in group order (the inverse of `scatter_tensor`)."""
     g = _group(pg)
-    if not -t.ndim <= dim < t.ndim:
-        raise ValueError(f"dim {dim} is out of range for an array of {t.ndim} dimensions")
-    stacked = g.all_gather_tensor(np.ascontiguousarray(t))
-    return np.concatenate(list(stacked), axis=dim)
+    array, like = _numpy(t)
+    if not -array.ndim <= dim < array.ndim:
+        raise ValueError(f"dim {dim} is out of range for an array of {array.ndim} dimensions")
+    stacked = g.all_gather_tensor(np.ascontiguousarray(array))
+    return like(np.concatenate(list(stacked), axis=dim))
 
 
 def barrier(pg: Any = None) -> None:
@@ -109,23 +152,36 @@ def world_size(pg: Any = None) -> int:
     return int(_group(pg).size())
 
 
+def get_rank(group: Any = None) -> int:
+    """As torch.distributed's: this process's rank within `group` (the default group when None), -1 when
+    it is not a member."""
+    g = _group(group)
+    me = g.rank()
+    return int(g.group_rank(me)) if g.contains(me) else -1
+
+
+def get_world_size(group: Any = None) -> int:
+    """As torch.distributed's: the number of ranks in `group` (the default group when None)."""
+    return int(_group(group).size())
+
+
 def is_main_process(pg: Any = None) -> bool:
     """True on the group's first rank."""
     g = _group(pg)
     return bool(g.rank() == g.ranks()[0])
 
 
-def sync_gradient(g: np.ndarray, pg: Any = None) -> None:
+def sync_gradient(g: Any, pg: Any = None) -> None:
     """Average one gradient across the group, in place."""
-    _group(pg).all_reduce(g, ReduceOp.AVERAGE)
+    _group(pg).all_reduce(_numpy(g)[0], ReduceOp.AVERAGE)
 
 
-def sync_gradients(gradients: Sequence[np.ndarray], pg: Any = None) -> None:
+def sync_gradients(gradients: Sequence[Any], pg: Any = None) -> None:
     """Average many gradients across the group, in place, with one all-reduce per dtype (flattened
     together, so small gradients do not each pay a collective's latency)."""
     group = _group(pg)
     by_dtype: dict[np.dtype[Any], list[np.ndarray]] = {}
-    for grad in gradients:
+    for grad in (_numpy(g)[0] for g in gradients):
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = np.concatenate([grad.ravel() for grad in grads])

@@ -1,16 +1,19 @@
 """DistributedDataParallel: keep model replicas in step by averaging their gradients over a process group.
 
-Wraps either a numpy duck-typed model (``parameters()`` yields objects with numpy ``.data`` and ``.grad``)
-or a CPU ``torch.nn.Module``. torch stays optional: it is only looked at when the caller has imported it.
+Wraps either a numpy duck-typed model (``parameters()`` yields objects with numpy ``.data`` and ``.grad``),
+implemented here, or a CPU ``torch.nn.Module``, for which the constructor returns the torch-style
+`axonml_distributed.ddp_torch.TorchDistributedDataParallel`. torch stays optional: it is only looked at
+when the caller has imported it.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 import sys
-from collections.abc import Iterator
-from types import ModuleType
+import zlib
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,6 +22,10 @@ from axonml_distributed._core import ReduceOp
 from axonml_distributed.init import get_default_group
 
 _MIB = 1024 * 1024
+# Parameters and buffers travel in broadcasts of at most this many bytes (torch uses 250 MiB).
+_BROADCAST_CAP = 256 * _MIB
+# Not a checksum (those are >= 0): gradients accumulate inside no_sync() since the last check.
+_ACCUMULATING = -1
 
 
 class _Work(Protocol):
@@ -30,6 +37,8 @@ class _Group(Protocol):
 
     def ranks(self) -> list[int]: ...
 
+    def rank(self) -> int: ...
+
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray: ...
 
     def all_reduce(self, buf: np.ndarray, op: Any = ..., *, async_op: bool = ...) -> Any: ...
@@ -37,19 +46,9 @@ class _Group(Protocol):
     def broadcast(self, buf: np.ndarray, src: int | None = ..., *, async_op: bool = ...) -> Any: ...
 
 
-class _ParamRef(Protocol):
-    """One parameter seen as numpy arrays, whatever the framework."""
-
-    requires_grad: bool
-
-    def data(self) -> np.ndarray: ...
-
-    def grad(self) -> np.ndarray | None: ...
-
-    def set_grad(self, grad: np.ndarray) -> None: ...
-
-
 class _NumpyParam:
+    """One parameter of a numpy model: an object with numpy ``.data`` and ``.grad`` (None or an array)."""
+
     def __init__(self, param: Any) -> None:
         self._param = param
         self.requires_grad = bool(getattr(param, "requires_grad", True))
@@ -64,29 +63,10 @@ class _NumpyParam:
         self._param.grad = grad
 
 
-class _TorchParam:
-    def __init__(self, param: Any, torch: ModuleType) -> None:
-        if param.device.type != "cpu":
-            raise ValueError(f"DDP runs on CPU tensors; got a parameter on {param.device}")
-        self._param = param
-        self._torch = torch
-        self.requires_grad = bool(param.requires_grad)
-
-    def data(self) -> np.ndarray:
-        return self._param.detach().numpy()  # type: ignore[no-any-return]  # shares memory
-
-    def grad(self) -> np.ndarray | None:
-        grad = self._param.grad
-        return None if grad is None else grad.detach().numpy()
-
-    def set_grad(self, grad: np.ndarray) -> None:
-        self._param.grad = self._torch.from_numpy(grad)  # shares memory with the bucket
-
-
 class _Slot:
     """Where one parameter's gradient lives inside its bucket."""
 
-    def __init__(self, index: int, flag: int, ref: _ParamRef, view: np.ndarray) -> None:
+    def __init__(self, index: int, flag: int, ref: _NumpyParam, view: np.ndarray) -> None:
         self.index = index  # position in parameters()
         self.flag = flag  # position in the has-grad flag vector
         self.ref = ref
@@ -99,7 +79,7 @@ def _address(array: np.ndarray) -> int:
 
 
 def _is_view(grad: np.ndarray, slot: _Slot) -> bool:
-    # Torch hands out a fresh numpy object per access, so identity alone misses; the memory decides.
+    # A model may hand out a fresh array object over the same memory, so identity alone misses.
     view = slot.view
     return grad is view or (
         _address(grad) == slot.address
@@ -109,15 +89,15 @@ def _is_view(grad: np.ndarray, slot: _Slot) -> bool:
     )
 
 
-def assign_buckets(nbytes: list[int], dtypes: list[np.dtype[Any]], cap_bytes: int) -> list[list[int]]:
+def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes: int) -> list[list[int]]:
     """Group parameter indices into buckets, in the order the buckets are reduced.
 
     Parameters are taken in reverse order (backward produces gradients roughly last layer first), one open
-    bucket per dtype; a bucket is closed before it would pass ``cap_bytes``, so only a single parameter
-    larger than the cap makes a bucket exceed it. Unlike torch there is no smaller first bucket: that one
-    exists to start communication early during backward, and here syncing starts after backward.
+    bucket per dtype (any hashable key: numpy or torch dtypes); a bucket is closed before it would pass
+    ``cap_bytes``, so only a single parameter larger than the cap makes a bucket exceed it. Unlike torch
+    there is no smaller first bucket, nor a rebuild in the order the first backward produced gradients.
     """
-    open_buckets: dict[np.dtype[Any], tuple[list[int], int]] = {}
+    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
     closed: list[list[int]] = []
     for i in reversed(range(len(nbytes))):
         members, size = open_buckets.get(dtypes[i], ([], 0))
@@ -132,26 +112,82 @@ def assign_buckets(nbytes: list[int], dtypes: list[np.dtype[Any]], cap_bytes: in
     return closed
 
 
-def _torch_of(module: Any) -> ModuleType | None:
+def bucket_bytes(bucket_cap_mb: float) -> int:
+    """The bucket cap in bytes, checked."""
+    if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    return int(bucket_cap_mb * _MIB)
+
+
+def check_group(process_group: Any) -> Any:
+    """The group DDP runs on: ``process_group``, or the default group when it is None."""
+    if process_group is None:
+        return get_default_group()
+    if not hasattr(process_group, "all_reduce"):
+        # torch's DDP takes device_ids second; ours takes the group there.
+        raise TypeError(
+            f"the second argument of DistributedDataParallel is the process group, got "
+            f"{type(process_group).__name__} {process_group!r}; pass device_ids= (None on CPU) by keyword"
+        )
+    return process_group
+
+
+def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray]) -> None:
+    """Overwrite every array in place with the group's first rank's, moving raw bytes (so any dtype: bool
+    masks, int16 counters...) in as few broadcasts as fit `_BROADCAST_CAP` each."""
+    root = pg.ranks()[0]
+    is_root = pg.rank() == root
+    i = 0
+    while i < len(arrays):
+        batch = [arrays[i]]
+        total = arrays[i].nbytes
+        i += 1
+        while i < len(arrays) and total + arrays[i].nbytes <= _BROADCAST_CAP:
+            total += arrays[i].nbytes
+            batch.append(arrays[i])
+            i += 1
+        staging = pg.empty((total,), np.uint8)
+        offset = 0
+        for array in batch:
+            if is_root:
+                staging[offset : offset + array.nbytes] = _raw(array)
+            offset += array.nbytes
+        pg.broadcast(staging, root)
+        if not is_root:
+            offset = 0
+            for array in batch:
+                chunk = staging[offset : offset + array.nbytes]
+                np.copyto(array, chunk.view(array.dtype).reshape(array.shape))
+                offset += array.nbytes
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, flat (a copy only when it is not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _is_torch_module(module: Any) -> bool:
     # A torch module can only exist if torch is already imported, so DDP never imports it itself.
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(module, torch.nn.Module):
-        return torch
-    return None
+    return torch is not None and isinstance(module, torch.nn.Module)
 
 
-def _contiguous_bytes(array: np.ndarray) -> np.ndarray:
-    # Broadcast moves raw bytes, so buffers of any dtype (bool masks, int16 counters...) can be synced.
-    return array.reshape(-1).view(np.uint8)
+class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta for register() only
+    """Data-parallel wrapper: every rank holds a replica and the constructor broadcasts the first rank's
+    parameters (and buffers) to the others.
 
-
-class DistributedDataParallel:
-    """Data-parallel wrapper: every rank holds a replica; ``sync_gradients()`` averages gradients.
-
-    Typical step: ``out = ddp(x)``, backward, ``ddp.sync_gradients()``, optimizer step. Call
-    ``sync_parameters()`` once after construction so every rank starts from the first rank's weights
-    (torch does this in its constructor; here it is explicit so the builder options apply first).
+    For a ``torch.nn.Module`` this returns a `TorchDistributedDataParallel` (a torch module that averages
+    gradients inside ``backward()``, as torch's DDP does). For a numpy model there is no autograd to hook,
+    so the step is explicit: ``out = ddp(x)``, backward, ``ddp.sync_gradients()``, optimizer step. A new
+    training forward while the previous step's gradients were never synced (outside ``no_sync()``) raises.
     """
+
+    def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> Any:
+        if cls is DistributedDataParallel and _is_torch_module(module):
+            from axonml_distributed.ddp_torch import TorchDistributedDataParallel
+
+            return TorchDistributedDataParallel(module, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -161,22 +197,25 @@ class DistributedDataParallel:
         bucket_cap_mb: float = 25,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = True,
+        init_sync: bool = True,
     ) -> None:
-        if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        cap = bucket_bytes(bucket_cap_mb)
         self.module = module
-        self._pg: _Group = get_default_group() if process_group is None else process_group
-        self._torch = _torch_of(module)
+        self._pg: _Group = check_group(process_group)
         self._broadcast_buffers = broadcast_buffers
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self._require_grad_sync = True
+        # The `_fingerprint` at the last training forward outside no_sync(), until sync_gradients() runs.
+        self._awaiting_sync: tuple[int, int | None] | None = None
         self._training = bool(getattr(module, "training", True))
         self._params = self._param_refs()
-        self._buckets, self._slots = self._build_buckets(int(bucket_cap_mb * _MIB))
+        self._buckets, self._slots = self._build_buckets(cap)
         # One flag per bucketed parameter: "this rank has a gradient"; MAX over ranks = "some rank has one".
         self._has_grad = self._pg.empty((len(self._slots),), np.uint8)
         if gradient_as_bucket_view:
             self._install_views()
+        if init_sync:
+            self.sync_parameters()
 
     # -- builders (the seed's chainable API) --------------------------------------------------------------
 
@@ -223,12 +262,15 @@ class DistributedDataParallel:
     # -- the step -----------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Like torch: buffers (e.g. batch-norm statistics) follow the first rank before each synced
-        # training forward. A module without buffers issues no collective here.
-        if self._broadcast_buffers and self._training and self._require_grad_sync:
-            self._broadcast(self._buffer_arrays())
+        if self._training:
+            self._check_prior_sync()
+        if self._training and self._require_grad_sync:
+            # Like torch: buffers (e.g. batch-norm statistics) follow the first rank before each synced
+            # training forward. A module without buffers issues no collective here.
+            if self._broadcast_buffers:
+                broadcast_arrays(self._pg, self._buffer_arrays())
         if callable(self.module):
-            return self.module(*args, **kwargs)  # torch modules: __call__ runs their hooks
+            return self.module(*args, **kwargs)
         return self.module.forward(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -247,18 +289,21 @@ class DistributedDataParallel:
 
     def sync_parameters(self) -> None:
         """Overwrite every rank's parameters (and buffers, if broadcast_buffers) in place with the first
-        rank's."""
+        rank's. The constructor already does this; calling it again is harmless."""
         arrays = [ref.data() for ref in self._params]
         if self._broadcast_buffers:
             arrays += self._buffer_arrays()
-        self._broadcast(arrays)
+        broadcast_arrays(self._pg, arrays)
 
     def sync_gradients(self) -> None:
         """Average the gradients over the group, in place (bucketed: one all-reduce per bucket).
 
         A gradient that is None on every rank stays None; None on some ranks only counts as zeros there.
         """
-        if not self._require_grad_sync or not self._slots:
+        if not self._require_grad_sync:
+            return
+        self._awaiting_sync = None
+        if not self._slots:
             return
         grads = [self._fill_bucket(slot) for slot in self._slots]
         # The flag vector is a few bytes: a direct call costs less than handing it to the group's worker.
@@ -278,15 +323,47 @@ class DistributedDataParallel:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _param_refs(self) -> list[_ParamRef]:
-        torch = self._torch
+    def _check_prior_sync(self) -> None:
+        # torch's "Expected to have finished reduction in the prior iteration" check: without it a loop that
+        # forgets sync_gradients() trains a different model on every rank without a word. A step since the
+        # last training forward shows as new parameters (an optimizer step) or as gradients that hold
+        # something new (a backward); zero_grad() alone, or a forward with no backward, is no step. Inside
+        # no_sync() gradients grow on purpose: only an optimizer step counts there.
+        if self._awaiting_sync is None and not self._require_grad_sync:
+            return
+        params, grads = self._fingerprint()
+        if self._awaiting_sync is not None:
+            params_then, grads_then = self._awaiting_sync
+            new_grads = grads is not None and grads_then != _ACCUMULATING and grads != grads_then
+            if params != params_then or (self._require_grad_sync and new_grads):
+                raise RuntimeError(
+                    "DistributedDataParallel: a new training forward started while the previous step's "
+                    "gradients were never averaged over the group, so the replicas would drift apart. Call "
+                    "ddp.sync_gradients() after backward and before the optimizer step; gradients meant to "
+                    "stay local go inside `with ddp.no_sync():`, and evaluation forwards after ddp.eval()."
+                )
+        self._awaiting_sync = (params, grads if self._require_grad_sync else _ACCUMULATING)
+
+    def _fingerprint(self) -> tuple[int, int | None]:
+        """Checksums of the parameters and of the gradients that hold anything (None when none do)."""
+        params = 0
+        for ref in self._params:
+            params = zlib.crc32(_raw(ref.data()).data, params)
+        grads = None
+        for i, ref in enumerate(self._params):
+            grad = ref.grad()
+            if grad is not None and grad.any():
+                grads = zlib.crc32(_raw(grad).data, zlib.crc32(i.to_bytes(8, "little"), grads or 0))
+        return params, grads
+
+    def _param_refs(self) -> list[_NumpyParam]:
         seen: set[int] = set()
-        refs: list[_ParamRef] = []
+        refs: list[_NumpyParam] = []
         for param in self.module.parameters():
             if id(param) in seen:  # tied weights appear once, or they would be averaged twice
                 continue
             seen.add(id(param))
-            refs.append(_NumpyParam(param) if torch is None else _TorchParam(param, torch))
+            refs.append(_NumpyParam(param))
         return refs
 
     def _build_buckets(self, cap_bytes: int) -> tuple[list[tuple[np.ndarray, list[_Slot]]], list[_Slot]]:
@@ -357,19 +434,8 @@ class DistributedDataParallel:
         buffers = getattr(self.module, "buffers", None)
         if buffers is None:
             return []
-        if self._torch is not None:
-            return [b.detach().numpy() for b in buffers()]
         # A numpy array also has a .data attribute (a memoryview), so test for arrays first.
         return [b if isinstance(b, np.ndarray) else b.data for b in buffers()]
-
-    def _broadcast(self, arrays: list[np.ndarray]) -> None:
-        src = self._pg.ranks()[0]
-        for array in arrays:
-            # A non-contiguous array (e.g. a transposed weight) travels through a contiguous copy.
-            staging = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-            self._pg.broadcast(_contiguous_bytes(staging), src)
-            if staging is not array:
-                np.copyto(array, staging)
 
 
 DDP = DistributedDataParallel

@@ -8,6 +8,7 @@ code written against the default group runs unchanged in both worlds.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import threading
@@ -27,7 +28,7 @@ def _set_default_group(pg: Any) -> None:
 
 
 def _env_int(name: str, given: int | None) -> int:
-    if given is not None:
+    if given is not None and given != -1:  # -1: torch's "not given"
         return given
     value = os.environ.get(name)
     if value is None:
@@ -35,31 +36,50 @@ def _env_int(name: str, given: int | None) -> int:
     return int(value)
 
 
+def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return timeout
+
+
 def init_process_group(
     backend: str = "shm",
-    rank: int | None = None,
+    init_method: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
     world_size: int | None = None,
-    timeout: float | None = None,
+    rank: int | None = None,
 ) -> Any:
     """Join the job's world and make its group the default; returns the group.
 
-    ``backend``: "shm" (processes on one host, through shared memory) or "mpi" (under mpiexec, any
-    number of hosts). ``rank``/``world_size`` default to the RANK/WORLD_SIZE environment variables
-    (ignored by "mpi", which asks MPI). ``timeout`` bounds every wait (seconds, default 300).
+    Arguments in torch.distributed's order. ``backend``: "shm" (processes on one host, through shared
+    memory) or "mpi" (under mpiexec, any number of hosts). ``init_method``: None or "env://" (the same:
+    MASTER_ADDR/MASTER_PORT). ``timeout`` bounds every wait (seconds or a ``datetime.timedelta``; default
+    300 s). ``world_size``/``rank`` default to the WORLD_SIZE/RANK environment variables (ignored by "mpi",
+    which asks MPI).
     """
     global _default
+    if init_method is not None and init_method != "env://":
+        if not isinstance(init_method, str):
+            raise TypeError(
+                f"init_process_group's second argument is init_method (None or 'env://'), got "
+                f"{init_method!r}; pass rank= and world_size= by keyword"
+            )
+        raise ValueError(
+            f"init_method {init_method!r} is not supported: use None or 'env://' (MASTER_ADDR/MASTER_PORT)"
+        )
     if _default is not None:
         raise RuntimeError(
             "the default process group is already initialised; call destroy_process_group first"
         )
+    seconds = _seconds(timeout)
     if backend == "mpi":
         from axonml_distributed.mpi import init_mpi_process_group
 
-        _default = init_mpi_process_group(timeout=timeout)
+        _default = init_mpi_process_group(timeout=seconds)
     elif backend == "shm":
         from axonml_distributed.shm import init_shm_process_group
 
-        _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), timeout)
+        _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), seconds)
         _install_excepthook()
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'shm' or 'mpi' (threads: use spawn())")

@@ -9,6 +9,8 @@ from typing import Protocol, SupportsIndex
 
 import numpy as np
 
+from axonml_distributed.init import get_default_group
+
 
 class _Group(Protocol):
     """The part of a process group the sampler reads (any duck-typed group works)."""
@@ -26,7 +28,8 @@ class DistributedSampler:
     When the size does not divide, ``drop_last=False`` pads by repeating indices from the start of the
     permutation (a few samples are seen twice); ``drop_last=True`` drops the tail instead.
 
-    ``num_replicas`` and ``rank`` default to ``process_group.size()`` and the caller's rank within it.
+    ``num_replicas`` and ``rank`` default to ``process_group.size()`` and the caller's rank within it
+    (``process_group`` None: the default group, as torch's sampler uses the default process group).
     """
 
     def __init__(
@@ -40,13 +43,13 @@ class DistributedSampler:
         *,
         process_group: _Group | None = None,
     ) -> None:
-        if process_group is not None:
-            if num_replicas is None:
-                num_replicas = process_group.size()
-            if rank is None:
-                rank = process_group.group_rank(process_group.rank())
         if num_replicas is None or rank is None:
-            raise TypeError("DistributedSampler needs num_replicas and rank, or process_group=")
+            # As torch's: what is not given comes from the group (the default group when None).
+            group = get_default_group() if process_group is None else process_group
+            if num_replicas is None:
+                num_replicas = group.size()
+            if rank is None:
+                rank = group.group_rank(group.rank())
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
