@@ -34,8 +34,8 @@ def _same(array: np.ndarray) -> np.ndarray:
 def _numpy(t: Any) -> tuple[Any, Callable[[np.ndarray], Any]]:
     """``t`` as numpy over the same memory, and how to give a result back in ``t``'s type.
 
-    A bridge for CPU torch tensors until the native collectives take them themselves; then only the
-    numpy-computing helpers (`scatter_tensor`, `gather_tensor`, `sync_gradients`) still need it.
+    The native groups take CPU tensors themselves; this serves the groups that take numpy only (MPI)
+    and the helpers that compute with numpy (`scatter_tensor`, `gather_tensor`, `sync_gradients`).
     """
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
     if torch is not None and isinstance(t, torch.Tensor):
