@@ -139,6 +139,13 @@ def test_absurd_timeouts_are_refused_clearly(timeout: float) -> None:
         ad.spawn(lambda pg: None, 2, timeout=timeout)
 
 
+@pytest.mark.parametrize("backend", ["shm", "mpi"])
+def test_absurd_init_timeouts_are_refused_before_anything_starts(backend: str) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        ad.init_process_group(backend, timeout=1e19)
+    assert not ad.is_initialized()
+
+
 def test_the_longest_timeout_accepted_works() -> None:
     assert ad.spawn(lambda pg: pg.all_reduce_tensor(np.ones(2)).tolist(), 2, timeout=1e9) == [[2.0, 2.0]] * 2
 

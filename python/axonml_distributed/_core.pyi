@@ -45,6 +45,9 @@ class ReduceOp:
 
 _Op = ReduceOp | str | None
 
+def checked_timeout(seconds: float | None = None) -> float:
+    """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
+
 @final
 class Backend:
     """One rank's handle on a world. Collectives block, with the GIL released, until every member arrives."""
@@ -214,4 +217,5 @@ __all__ = [
     "ShmBackend",
     "Work",
     "World",
+    "checked_timeout",
 ]

@@ -36,10 +36,13 @@ def _env_int(name: str, given: int | None) -> int:
     return int(value)
 
 
-def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
+def _seconds(timeout: float | datetime.timedelta | None) -> float:
+    """Seconds, checked as the native timeouts are (a clear ValueError for absurd values)."""
+    from axonml_distributed._core import checked_timeout
+
     if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return timeout
+        timeout = timeout.total_seconds()
+    return checked_timeout(None if timeout is None else float(timeout))
 
 
 def init_process_group(

@@ -47,6 +47,7 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
         name="mpi4py",
     ) from exc
 
+from axonml_distributed._core import checked_timeout
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi_work import (
     FLOAT16_CODE,
@@ -77,16 +78,13 @@ from axonml_distributed.mpi_work import (
 
 __all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
 
-DEFAULT_TIMEOUT_S = 300.0
 ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
 
 
 def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
     """The group of every rank of the MPI job, on a private duplicate of COMM_WORLD (so our messages never
     match the application's own MPI calls). `timeout` in seconds, default 300. Collective."""
-    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    timeout = checked_timeout(timeout)
     world = MPI.COMM_WORLD
     ranks = list(range(world.Get_size()))
     me = world.Get_rank()

@@ -93,6 +93,14 @@ pub(crate) fn timeout_from(seconds: Option<f64>) -> PyResult<Duration> {
     }
 }
 
+/// `seconds` checked as every native timeout is (positive, at most about 31 years; None: the default
+/// of 300 s), for the backends written in Python (MPI).
+#[pyfunction]
+#[pyo3(signature = (seconds=None))]
+pub(crate) fn checked_timeout(seconds: Option<f64>) -> PyResult<f64> {
+    Ok(timeout_from(seconds)?.as_secs_f64())
+}
+
 /// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
 /// released, until every member arrives.
 #[pyclass(name = "Backend", module = "axonml_distributed", frozen)]

@@ -27,7 +27,7 @@ fn python_interrupted() -> bool {
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::backend::{PyBackend, PyMockBackend, PyReduceOp};
+    use super::backend::{checked_timeout, PyBackend, PyMockBackend, PyReduceOp};
     #[pymodule_export]
     use super::bucket::{PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer};
     #[pymodule_export]
