@@ -771,7 +771,8 @@ def test_strangers_at_the_rendezvous_learn_nothing_and_do_not_fail_the_job():
             "hello for another world size": (_hello(1, 3, False), False),
         }
         threads = [
-            threading.Thread(target=lambda k=k, v=v: heard.__setitem__(k, _probe(port, *v))) for k, v in probes.items()
+            threading.Thread(target=lambda k=k, v=v: heard.__setitem__(k, _probe(port, *v)))
+            for k, v in probes.items()
         ]
         for t in threads:
             t.start()
@@ -894,3 +895,45 @@ def w_groups(rank, n, ports, job, timeout, q):
 def test_creating_and_dropping_a_subgroup_100_times_works():
     res = _ok(_run(2, "w_groups", timeout=20, limit=110))
     assert res[0] == res[1] == [float(2 * i + 1) for i in range(100)]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_started_by_hand_authenticates_with_the_secret_in_its_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env["AXONML_JOB_SECRET"] = secrets.token_hex(32)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=50)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("RESULT 3.0 0.5" in o for o in outs), outs
+    bad = dict(env, RANK="0", WORLD_SIZE="1", AXONML_JOB_SECRET="not hex")
+    out = subprocess.run([sys.executable, str(script)], env=bad, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "AXONML_JOB_SECRET must be hex" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_member_started_with_another_world_size_is_told_why_and_rank_0_names_it_at_its_timeout():
+    port, key = _free_port(), secrets.token_bytes(32)
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, n: int) -> None:
+        try:
+            ShmBackend.connect(r, n, "127.0.0.1", port, timeout=3, secret=key)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[r] = e
+
+    ts = [threading.Thread(target=rank, args=args) for args in [(0, 2), (1, 3)]]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert isinstance(errors[1], ValueError), errors
+    assert "rank 1 was started with world_size 3, but rank 0 has 2" in str(errors[1])
+    assert isinstance(errors[0], CollectiveTimeoutError) and "[1]" in str(errors[0]), errors
+    assert "world_size 3" in str(errors[0])

@@ -59,7 +59,8 @@ def job_secret() -> bytes | None:
         return bytes.fromhex(text)
     except ValueError:
         raise ValueError(
-            "AXONML_JOB_SECRET must be hex digits (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+            "AXONML_JOB_SECRET must be hex digits "
+            "(e.g. from python -c 'import secrets; print(secrets.token_hex(32))')"
         ) from None
 
 

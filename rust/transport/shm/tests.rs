@@ -105,3 +105,44 @@ fn an_unexpected_message_larger_than_the_limit_fails_the_receive_without_allocat
     assert!(t.elapsed() < Duration::from_secs(10), "failed at once, not at the timeout");
     assert_eq!(r0.early_bytes.load(std::sync::atomic::Ordering::Acquire), 0);
 }
+
+#[test]
+fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_error() {
+    use super::layout::Page;
+    use super::{wire, ShmBackend};
+    use crate::backend::Backend;
+    use crate::reduce::ReduceOp;
+    use crate::signature::{CollKind, Signature};
+
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let opts = move |r: usize| {
+        let mut o = ShmOptions::new(r, 2, "127.0.0.1", port);
+        o.timeout = Duration::from_secs(20);
+        o.arena_bytes = 1 << 20;
+        o
+    };
+    // Past the one-shot size, so that segment buffers take the zero-copy path.
+    const COUNT: usize = 100_000;
+    let honest = std::thread::spawn(move || {
+        let b = ShmBackend::connect(opts(0)).unwrap();
+        let m = b.alloc(COUNT * 4).unwrap().unwrap();
+        // SAFETY: a fresh allocation of COUNT floats, used by this call only.
+        let buf = unsafe { BufMut::from_raw(DType::F32, m.as_ptr(), COUNT) };
+        b.all_reduce(buf, ReduceOp::Sum).unwrap_err()
+    });
+    // Rank 1 arrives at the same call, publishing a buffer 2 bytes into its arena.
+    let o = opts(1);
+    let w = Shared::new(rendezvous::join(&o).unwrap(), 1, o.timeout).unwrap();
+    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
+    let off = w.arena(1).start as u64 + 2;
+    let ctrl = w.ctrl(0, 1);
+    // SAFETY: rank 1's page 1 (call 1), read by rank 0 only after `arrive = 1`.
+    unsafe {
+        std::ptr::write_volatile(ctrl.pages[1].get(), Page { sig: wire::encode(&sig), send: off, recv: off })
+    };
+    ctrl.arrive.store(1, std::sync::atomic::Ordering::SeqCst);
+    w.comm_head(0).event.notify(true);
+    let e = honest.join().unwrap();
+    assert!(e.to_string().contains("not aligned to its 4-byte elements"), "{e}");
+    assert_ne!(w.header().abort_state.load(std::sync::atomic::Ordering::Acquire), 0, "the world is aborted");
+}
