@@ -1,5 +1,6 @@
-//! One process's view of the shared world: the mapped segment, typed access to its regions, the abort
-//! word, liveness, the communicator table and this rank's arena allocator.
+//! One process's view of the shared world: the mapped segment (with what only peers write mapped
+//! read-only), typed access to its regions, the abort word, liveness and this rank's arena allocator.
+//! The communicator table is `table`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -155,7 +156,9 @@ impl Shared {
             .ok()
             .filter(|&o| o >= arena.start && o.checked_add(bytes).is_some_and(|e| e <= arena.end));
         let Some(off) = inside else {
-            return Err(format!("rank {rank} published a buffer of {bytes} bytes at offset {off}, outside its arena {arena:?}"));
+            return Err(format!(
+                "rank {rank} published a buffer of {bytes} bytes at offset {off}, outside its arena {arena:?}"
+            ));
         };
         if off % align != 0 {
             return Err(format!(
