@@ -172,3 +172,23 @@ fn a_rank_never_returns_while_peers_still_write_its_segment_array() {
         assert_eq!(written, [0, 0, 0], "trial {trial}: elements written after the call returned");
     }
 }
+
+#[test]
+fn a_subgroup_dropped_by_every_member_frees_its_slot_and_staging() {
+    // 31 subgroup slots and a pool of 4 staging blocks: without freeing, the third group would fail.
+    let sums = Shm.run(2, LONG, |pg| {
+        let world = axonml_distributed::World::init(pg.backend().clone());
+        (0..100)
+            .map(|i| {
+                let g = world.new_group(&[0, 1]).unwrap();
+                // Past the one-shot size, so the staged path uses the group's blocks.
+                let mut x = vec![(pg.rank() + i) as f32; 70_000];
+                g.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
+                x[69_999]
+            })
+            .collect::<Vec<f32>>()
+    });
+    for got in &sums {
+        assert_eq!(*got, (0..100).map(|i| (2 * i + 1) as f32).collect::<Vec<_>>());
+    }
+}

@@ -7,7 +7,9 @@ ours is left in /dev/shm afterwards, including the crash tests.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import multiprocessing as mp
 import os
 import secrets
@@ -61,14 +63,30 @@ def _free_port() -> int:
 # Running a world of processes
 
 
+# The job secret of the job a worker process belongs to (set by `_worker`; None: no secret).
+_SECRET: bytes | None = None
+
+
 def _connect(rank: int, n: int, port: int, timeout: float, job_id: str | None = None) -> ProcessGroup:
-    b = ShmBackend.connect(rank, n, "127.0.0.1", port, timeout=timeout, job_id=job_id, arena_bytes=40 << 20)
+    b = ShmBackend.connect(
+        rank, n, "127.0.0.1", port, timeout=timeout, job_id=job_id, arena_bytes=40 << 20, secret=_SECRET
+    )
     return ProcessGroup(b)
 
 
 def _worker(
-    rank: int, n: int, ports: list[int], job: str | None, fn: str, args: tuple, q: Any, timeout: float
+    rank: int,
+    n: int,
+    ports: list[int],
+    job: str | None,
+    fn: str,
+    args: tuple,
+    q: Any,
+    timeout: float,
+    secret: bytes | None,
 ):
+    global _SECRET
+    _SECRET = secret
     try:
         res = globals()[fn](rank, n, ports, job, timeout, q, *args)
         q.put((rank, "ok", res, time.time()))
@@ -85,13 +103,17 @@ def _run(
     job: str | None = None,
     on_started: Any = None,
     limit: float = 60.0,
+    secret: bytes | None | str = "fresh",
+    ports: list[int] | None = None,
 ) -> dict[int, tuple]:
-    """Run `fn(rank, n, ports, ...)` in `n` spawned processes; returns {rank: (status, value, time)}."""
+    """Run `fn(rank, n, ports, ...)` in `n` spawned processes; returns {rank: (status, value, time)}.
+    Every job has a fresh secret unless `secret` is given (None: a job without one)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = [_free_port() for _ in range(worlds)]
+    ports = ports or [_free_port() for _ in range(worlds)]
+    key = secrets.token_bytes(32) if secret == "fresh" else secret
     procs = [
-        ctx.Process(target=_worker, args=(r, n, ports, job, fn, args, q, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, n, ports, job, fn, args, q, timeout, key), daemon=True)
         for r in range(n)
     ]
     for p in procs:
@@ -484,27 +506,54 @@ def test_a_precreated_segment_name_is_refused(how, tmp_path):
     else:
         os.symlink(tmp_path / "target", path)
     try:
-        with pytest.raises(OSError, match="already exists"):
+        with pytest.raises(FileExistsError, match="already exists") as e:
             ShmBackend.connect(0, 1, "127.0.0.1", _free_port(), timeout=5, job_id=job)
+        assert e.value.errno == errno.EEXIST
         assert not (tmp_path / "target").exists()
     finally:
         os.unlink(path)
 
 
-def _fake_rank0(port_box: list, name: str, nonce: bytes, answers: list) -> None:
-    """Speak rank 0's side of the rendezvous, handing out `name`, and record the attacher's verdict."""
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """The rendezvous' HMAC-SHA256 over length-prefixed parts (rust/transport/shm/auth.rs)."""
+    msg = label + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def _hello(rank: int, world: int, with_secret: bool) -> bytes:
+    return struct.pack("<8sIII", b"AXONRDV2", int(with_secret), rank, world) + os.urandom(32)
+
+
+def _recv_exact(conn: socket.socket, k: int) -> bytes:
+    out = b""
+    while len(out) < k:
+        got = conn.recv(k - len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def _fake_rank0(port_box: list, name: str, nonce: bytes, key: bytes, answers: list) -> None:
+    """Speak rank 0's side of the rendezvous (with the job secret `key`), handing out `name`, and record
+    whether the rank's proof verified and the rank's verdict on the segment."""
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         port_box.append(srv.getsockname()[1])
         conn, _ = srv.accept()
         with conn:
-            hello = conn.recv(24)
-            assert hello[:8] == b"AXONRDV1"
+            hello = _recv_exact(conn, 52)
+            assert hello[:8] == b"AXONRDV2" and struct.unpack("<III", hello[8:20]) == (1, 1, 2)
+            challenge = os.urandom(32)
+            conn.sendall(challenge)
+            tag = _recv_exact(conn, 32)
+            answers.append(hmac.compare_digest(tag, _mac(key, b"axonml rendezvous client", hello, challenge)))
             body = name.encode() + nonce
+            body += _mac(key, b"axonml rendezvous server", hello, challenge, tag, b"\x01", body)
             conn.sendall(bytes([1]) + struct.pack("<H", len(body)) + body)
-            head = conn.recv(3)
-            answers.append((head[:1], conn.recv(struct.unpack("<H", head[1:3])[0]).decode()))
+            head = _recv_exact(conn, 3)
+            answers.append((head[:1], _recv_exact(conn, struct.unpack("<H", head[1:3])[0]).decode()))
 
 
 @pytest.mark.timeout(30)
@@ -513,6 +562,7 @@ def test_a_foreign_or_bad_segment_is_refused_on_attach(problem):
     name = f"/{PREFIX}{secrets.token_hex(16)}"
     path = SHM + name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    key = secrets.token_bytes(32)
     try:
         os.write(fd, (b"AXONSHM1" if problem != "magic" else b"NOTOURS!") + b"\0" * (1 << 16))
         if problem == "mode":
@@ -521,15 +571,20 @@ def test_a_foreign_or_bad_segment_is_refused_on_attach(problem):
             os.ftruncate(fd, 16)
         box: list = []
         answers: list = []
-        t = threading.Thread(target=_fake_rank0, args=(box, name, b"n" * 16, answers))
+        t = threading.Thread(target=_fake_rank0, args=(box, name, b"n" * 16, key, answers))
         t.start()
         while not box:
             time.sleep(0.01)
         expect = {"mode": "mode 644", "magic": "magic", "truncated": "bytes long"}[problem]
-        with pytest.raises(OSError, match=expect):
-            ShmBackend.connect(1, 2, "127.0.0.1", box[0], timeout=5)
+        with pytest.raises(OSError, match=expect) as e:
+            ShmBackend.connect(1, 2, "127.0.0.1", box[0], timeout=5, secret=key)
+        # A real errno, not 0: PermissionError for a mode others can use, EBADMSG for bad contents.
+        want = {"mode": errno.EACCES, "magic": errno.EBADMSG, "truncated": errno.EBADMSG}[problem]
+        assert e.value.errno == want, e.value
+        assert problem != "mode" or isinstance(e.value, PermissionError)
         t.join()
-        assert answers and answers[0][0] == b"\x02", answers
+        assert answers[0] is True, "the rank's proof verifies against an independent HMAC"
+        assert answers[1][0] == b"\x02", answers
     finally:
         os.close(fd)
         os.unlink(path)
@@ -754,3 +809,229 @@ def test_a_stopped_peer_does_not_hold_a_timed_out_rank_forever():
     # Its own timeout, then at most one more for the drain, not the 10 s until rank 1 resumes.
     assert t - times["stopped"] < 7.0, (t - times["stopped"], msg)
     assert res[1][0] in ("CollectiveTimeoutError", "PeerFailureError"), res[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Who may join: the rendezvous admits only ranks that prove they belong to the job
+
+
+def w_late(rank, n, ports, job, timeout, q, delay):
+    """Rank 0 listens at once; the others join `delay` seconds later (after the strangers came)."""
+    if rank:
+        time.sleep(delay)
+    pg = _connect(rank, n, ports[0], timeout)
+    x = np.full(10, rank + 1, np.float32)
+    pg.all_reduce(x)
+    return float(x[0])
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise AssertionError("rank 0 never listened")
+
+
+def _probe(port: int, send: bytes, proof: bool = False) -> bytes:
+    """Connect as a stranger, send `send` (and, after a challenge, a made-up proof), return all it hears."""
+    heard = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(send)
+        if proof:
+            heard += _recv_exact(c, 32)
+            c.sendall(os.urandom(32))
+        try:
+            while chunk := c.recv(4096):
+                heard += chunk
+        except OSError:  # a timeout or a reset: either way nothing more was said
+            pass
+    return heard
+
+
+@pytest.mark.timeout(60)
+def test_strangers_at_the_rendezvous_learn_nothing_and_do_not_fail_the_job():
+    port = _free_port()
+    heard: dict[str, bytes] = {}
+    silent: list[socket.socket] = []
+
+    def strangers() -> None:
+        _wait_listening(port)
+        # More silent sockets than the job's timeout allows when they are served one by one.
+        silent.extend(socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12))
+        probes = {
+            "garbage": (b"GET / HTTP/1.0\r\n\r\n" + os.urandom(100), False),
+            "hello without the secret": (_hello(1, 2, False), False),
+            "hello with a wrong proof": (_hello(1, 2, True), True),
+            "hello for another world size": (_hello(1, 3, False), False),
+        }
+        threads = [
+            threading.Thread(target=lambda k=k, v=v: heard.__setitem__(k, _probe(port, *v)))
+            for k, v in probes.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    t = threading.Thread(target=strangers)
+    t.start()
+    try:
+        res = _ok(_run(2, "w_late", 3.0, timeout=8, ports=[port]))
+    finally:
+        t.join()
+    assert res == [3.0, 3.0]
+    for s in silent:
+        s.settimeout(0.5)
+        try:
+            assert s.recv(4096) == b"", "a silent socket was told something"
+        except TimeoutError:
+            pass
+        s.close()
+    # A stranger with a secret-capable hello gets rank 0's random challenge, nothing else.
+    assert len(heard.pop("hello with a wrong proof")) == 32
+    assert heard == dict.fromkeys(heard, b""), heard
+
+
+@pytest.mark.timeout(60)
+def test_without_a_secret_same_user_processes_join_and_other_users_are_refused():
+    port = _free_port()
+    stranger: dict[str, bytes] = {}
+
+    def other_user() -> None:
+        _wait_listening(port)
+        if os.geteuid() != 0:
+            return
+        # A process of another user (uid 65534) sends a perfect hello claiming rank 1.
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child only talks to the socket and leaves
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(w, b"+" + _probe(port, _hello(1, 2, False)))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        out = b""
+        while chunk := os.read(r, 4096):
+            out += chunk
+        os.close(r)
+        stranger["heard"] = out
+        stranger["rc"] = os.waitpid(pid, 0)[1].to_bytes(2, "little")
+
+    t = threading.Thread(target=other_user)
+    t.start()
+    try:
+        assert _ok(_run(2, "w_late", 3.0, timeout=10, secret=None, ports=[port])) == [3.0, 3.0]
+    finally:
+        t.join()
+    if os.geteuid() == 0:
+        assert stranger == {"heard": b"+", "rc": b"\0\0"}, stranger
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_with_another_secret_is_not_admitted_and_both_time_out_naming_each_other():
+    port = _free_port()
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, key: bytes) -> None:
+        try:
+            ShmBackend.connect(r, 2, "127.0.0.1", port, timeout=3, secret=key)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[r] = e
+
+    ts = [threading.Thread(target=rank, args=(r, secrets.token_bytes(32))) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert isinstance(errors[0], CollectiveTimeoutError) and "[1]" in str(errors[0]), errors
+    assert isinstance(errors[1], CollectiveTimeoutError) and "[0]" in str(errors[1]), errors
+    assert "AXONML_JOB_SECRET" in str(errors[1])
+    with pytest.raises(ValueError, match="at least 16"):
+        ShmBackend.connect(0, 1, "127.0.0.1", port, timeout=3, secret=b"short")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_interrupts_the_rendezvous(rank):
+    code = (
+        "from axonml_distributed._core import ShmBackend\n"
+        f"ShmBackend.connect({rank}, 2, '127.0.0.1', {_free_port()}, timeout=60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # importing and starting to wait
+    t = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+    assert time.time() - t < 10
+
+
+def w_groups(rank, n, ports, job, timeout, q):
+    """Create, use and drop a subgroup of every rank many times."""
+    from axonml_distributed import World
+
+    world = World(_connect(rank, n, ports[0], timeout).backend())
+    got = []
+    for i in range(100):
+        g = world.new_group([0, 1])
+        x = np.full(70_000, rank + i, np.float32)  # past the one-shot size: the group's staging is used
+        g.all_reduce(x)
+        got.append(float(x[-1]))
+        del g
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_creating_and_dropping_a_subgroup_100_times_works():
+    res = _ok(_run(2, "w_groups", timeout=20, limit=110))
+    assert res[0] == res[1] == [float(2 * i + 1) for i in range(100)]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_started_by_hand_authenticates_with_the_secret_in_its_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env["AXONML_JOB_SECRET"] = secrets.token_hex(32)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=50)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("RESULT 3.0 0.5" in o for o in outs), outs
+    bad = dict(env, RANK="0", WORLD_SIZE="1", AXONML_JOB_SECRET="not hex")
+    out = subprocess.run([sys.executable, str(script)], env=bad, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "AXONML_JOB_SECRET must be hex" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_member_started_with_another_world_size_is_told_why_and_rank_0_names_it_at_its_timeout():
+    port, key = _free_port(), secrets.token_bytes(32)
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, n: int) -> None:
+        try:
+            ShmBackend.connect(r, n, "127.0.0.1", port, timeout=3, secret=key)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[r] = e
+
+    ts = [threading.Thread(target=rank, args=args) for args in [(0, 2), (1, 3)]]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert isinstance(errors[1], ValueError), errors
+    assert "rank 1 was started with world_size 3, but rank 0 has 2" in str(errors[1])
+    assert isinstance(errors[0], CollectiveTimeoutError) and "[1]" in str(errors[0]), errors
+    assert "world_size 3" in str(errors[0])

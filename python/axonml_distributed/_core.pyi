@@ -90,6 +90,7 @@ class ShmBackend:
         timeout: float | None = None,
         job_id: str | None = None,
         arena_bytes: int | None = None,
+        secret: bytes | None = None,
     ) -> Backend: ...
 
 @final

@@ -24,7 +24,9 @@ _MAGIC = b"AXONSHM1"
 def init_shm_process_group(rank: int, world_size: int, timeout: float | None = None) -> ProcessGroup:
     """Join the shared-memory world as ``rank`` of ``world_size`` and return the group of every rank.
 
-    Reads MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required), AXONML_JOB_ID (set by axonml-run:
+    Reads MASTER_ADDR (default 127.0.0.1), MASTER_PORT (required), AXONML_JOB_SECRET (set by axonml-run:
+    hex digits of at least 16 random bytes, the same for every rank; only processes that know it can
+    join the job, and without it any process of the same user can), AXONML_JOB_ID (set by axonml-run:
     names the segment so the launcher can remove it after a crash) and AXONML_SHM_ARENA_MB (room per
     rank for ``ProcessGroup.empty`` arrays, default 64; arrays that do not fit fall back to private
     memory). Rank 0 also reads AXONML_SHM_CHUNK_KIB, the pipeline round size for large messages on
@@ -43,8 +45,23 @@ def init_shm_process_group(rank: int, world_size: int, timeout: float | None = N
         timeout=timeout,
         job_id=os.environ.get("AXONML_JOB_ID") or None,
         arena_bytes=int(float(arena) * (1 << 20)) if arena else None,
+        secret=job_secret(),
     )
     return ProcessGroup(backend)
+
+
+def job_secret() -> bytes | None:
+    """The job secret from AXONML_JOB_SECRET (hex digits), or None when it is unset or empty."""
+    text = os.environ.get("AXONML_JOB_SECRET", "").strip()
+    if not text:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(
+            "AXONML_JOB_SECRET must be hex digits "
+            "(e.g. from python -c 'import secrets; print(secrets.token_hex(32))')"
+        ) from None
 
 
 def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:

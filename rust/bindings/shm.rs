@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use super::backend::{timeout_from, PyBackend};
 use crate::backend::{Backend, SharedMem};
 use crate::dtype::DType;
-use crate::transport::shm::{ShmBackend, ShmOptions, DEFAULT_ARENA};
+use crate::transport::shm::{JobSecret, ShmBackend, ShmOptions, DEFAULT_ARENA};
 
 /// Joins the multi-process world on this host, through a shared-memory segment.
 #[pyclass(name = "ShmBackend", module = "axonml_distributed", frozen)]
@@ -23,10 +23,12 @@ impl PyShmBackend {
     /// Join as `rank` of `world_size` processes: rank 0 listens on `master_addr:master_port` and
     /// creates the segment, the others connect (retrying until `timeout`). `job_id` (the launcher's
     /// AXONML_JOB_ID) names the segment so the launcher can remove it after a crash; `arena_bytes`
-    /// is the room per rank for `ProcessGroup.empty` arrays (rank 0's value counts). Blocks, with the
-    /// GIL released, until every rank has joined.
+    /// is the room per rank for `ProcessGroup.empty` arrays (rank 0's value counts). `secret` (the
+    /// launcher's AXONML_JOB_SECRET, at least 16 bytes) is what every rank must prove it knows to join;
+    /// without it rank 0 admits any process of its own user. Blocks, with the GIL released, until every
+    /// rank has joined.
     #[staticmethod]
-    #[pyo3(signature = (rank, world_size, master_addr, master_port, timeout=None, job_id=None, arena_bytes=None))]
+    #[pyo3(signature = (rank, world_size, master_addr, master_port, timeout=None, job_id=None, arena_bytes=None, secret=None))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -37,7 +39,9 @@ impl PyShmBackend {
         timeout: Option<f64>,
         job_id: Option<String>,
         arena_bytes: Option<usize>,
+        secret: Option<Vec<u8>>,
     ) -> PyResult<PyBackend> {
+        let secret = secret.map(JobSecret::new).transpose()?;
         let opts = ShmOptions {
             rank,
             world_size,
@@ -46,6 +50,7 @@ impl PyShmBackend {
             timeout: timeout_from(timeout)?,
             job_id,
             arena_bytes: arena_bytes.unwrap_or(DEFAULT_ARENA),
+            secret,
         };
         let b = py.detach(move || ShmBackend::connect(opts))?;
         Ok(PyBackend { inner: Arc::new(b) })

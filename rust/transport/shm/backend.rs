@@ -44,6 +44,17 @@ pub struct ShmBackend {
     lanes: Lanes,
 }
 
+impl Drop for ShmBackend {
+    /// A subgroup's handle gives back its share of the slot (freed once every member has).
+    fn drop(&mut self) {
+        if self.slot != 0 {
+            // The block may be a peer's in the next group that gets it: read-only again first.
+            let _ = self.world.own_block(self.first_block + self.index, false);
+            self.world.leave(self.slot);
+        }
+    }
+}
+
 /// Returns a segment range to this rank's arena when the array using it is dropped.
 struct Lease {
     world: Arc<Shared>,
@@ -75,7 +86,7 @@ impl ShmBackend {
     pub fn connect(mut opts: ShmOptions) -> Result<ShmBackend> {
         opts.timeout = opts.timeout.min(MAX_TIMEOUT);
         let joined = rendezvous::join(&opts)?;
-        let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout));
+        let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout)?);
         let n = world.size;
         // Slot 0 is the world's communicator; marking it in use lets `abort` wake its waiters.
         let head = world.comm_head(0);
@@ -177,14 +188,23 @@ impl ShmBackend {
     }
 
     /// Every member's buffers as local addresses, when all of them live in the segment (the zero-copy
-    /// path); `None` if any member has a private buffer.
+    /// path); `None` if any member has a private buffer. An offset no correct peer publishes (outside
+    /// its arena, or misaligned for the dtype) aborts the world: every member reads the same pages and
+    /// fails alike, and the staged path then stops at its first wait.
     fn direct(&self, pages: &[Page], sig: &Signature, root: Option<usize>) -> Option<Vec<Peer>> {
         let n = self.members.len();
+        let align = sig.dtype.map_or(1, |d| d.size());
         let resolve = |j: usize, off: u64, bytes: usize| -> Option<*mut u8> {
             match (bytes, off) {
                 (0, _) => Some(std::ptr::null_mut()),
                 (_, NO_BUFFER | NOT_SHARED) => None,
-                (b, off) => self.world.resolve(self.members[j], off, b),
+                (b, off) => self
+                    .world
+                    .resolve(self.members[j], off, b, align)
+                    .map_err(|why| {
+                        self.fail(Error::invalid(format!("{sig}: {why} (corrupted segment?)")));
+                    })
+                    .ok(),
             }
         };
         (0..n)
@@ -479,7 +499,8 @@ impl Backend for ShmBackend {
         let index = call::index_of(&members, self.world.rank, "the calling")?;
         let mask = members.iter().fold(0u64, |m, &r| m | 1 << r);
         let (slot, first) = self.world.claim(mask, members.len(), "new_group")?;
-        Ok(Arc::new(ShmBackend {
+        // From here on dropping the handle leaves the slot.
+        let group = ShmBackend {
             world: self.world.clone(),
             slot,
             members,
@@ -488,7 +509,9 @@ impl Backend for ShmBackend {
             local: Mutex::default(),
             undrained: AtomicBool::new(false),
             lanes: Lanes::default(),
-        }))
+        };
+        self.world.own_block(group.first_block + index, true)?;
+        Ok(Arc::new(group))
     }
 
     fn abort(&self, reason: &str) {

@@ -9,9 +9,12 @@
 //! ```
 //! Everything is offsets from the segment start (peers map it at other addresses), and every rank
 //! recomputes the layout from the header's parameters and checks it against the file size before use.
+//! A channel's cells and every staging block start on a page and span whole pages, so each rank can
+//! map the ones only a peer writes read-only (`world`).
 
 use std::cell::UnsafeCell;
 use std::mem::size_of;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use crossbeam_utils::CachePadded;
@@ -21,10 +24,11 @@ use crate::transport::wait::Event;
 /// "AXONSHM" + format generation, little endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// Bumped whenever the layout or protocol changes.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
-/// Communicators per job (the world plus subgroups; slots are never freed).
+/// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member
+/// has dropped its group).
 pub(crate) const MAX_COMMS: usize = 32;
 /// Bytes of an abort reason kept in the header.
 pub(crate) const REASON: usize = 448;
@@ -118,6 +122,24 @@ impl Layout {
         Ok(Layout { params, comms, comm_stride, chans, chan_stride, staging, block, arenas, total })
     }
 
+    /// Offset of the control lines of the channel from `src` to `dst`.
+    pub(crate) fn chan(&self, src: usize, dst: usize) -> usize {
+        self.chans + (src * self.params.world + dst) * self.chan_stride
+    }
+
+    /// Byte range of the two cells of the channel from `src` to `dst` (whole pages: only `src`
+    /// writes them).
+    pub(crate) fn cells(&self, src: usize, dst: usize) -> Range<usize> {
+        let end = self.chan(src, dst) + self.chan_stride;
+        end - 2 * self.params.cell..end
+    }
+
+    /// Byte range of staging block `b` (whole pages: only its member writes it).
+    pub(crate) fn block(&self, b: usize) -> Range<usize> {
+        let start = self.staging + b * self.block;
+        start..start + self.block
+    }
+
     /// A number that changes whenever the shape of the shared structs does, so two builds that
     /// disagree on them refuse each other's segments.
     pub(crate) fn shape_hash() -> u64 {
@@ -159,8 +181,8 @@ pub(crate) struct Header {
     /// The dead peer when the abort reports one, else `u32::MAX`.
     pub abort_peer: AtomicU32,
     pub abort_len: AtomicU32,
-    /// Next free subgroup staging block.
-    pub pool_next: AtomicU32,
+    /// The lock of the comm table and the staging pool: 0, or 1 + the rank holding it (`world`).
+    pub table: AtomicU32,
     /// When a timeout aborted the world: the ranks that never arrived (bitmask), else 0.
     pub abort_missing: AtomicU64,
     pub abort_reason: UnsafeCell<[u8; REASON]>,
@@ -168,13 +190,20 @@ pub(crate) struct Header {
     pub pids: [AtomicU32; MAX_RANKS],
 }
 
-/// A communicator slot: free, being claimed, or bound to (members, occurrence).
+/// `CommHead::state` of a slot no communicator uses.
+pub(crate) const FREE: u32 = 0;
+/// `CommHead::state` of a slot bound to a communicator.
+pub(crate) const IN_USE: u32 = 2;
+
+/// A communicator slot: free, or bound to (members, occurrence). Changed only under the table lock.
 #[repr(C)]
 pub(crate) struct CommHead {
-    /// 0 free, 1 being claimed, 2 ready.
+    /// [`FREE`] or [`IN_USE`].
     pub state: AtomicU32,
     pub occurrence: AtomicU32,
     pub members: AtomicU64,
+    /// Members that dropped their group (bitmask): once it equals `members`, the slot is free again.
+    pub left: AtomicU64,
     /// First staging block of its members (block + group index), or `u32::MAX` when none was left.
     pub first_block: AtomicU32,
     pub event: Event,
@@ -235,6 +264,13 @@ mod tests {
                 assert_eq!(off % PAGE, 0, "w={w}");
             }
             assert_eq!(l.comm_stride % 128, 0);
+            for (src, dst) in [(0, 0), (w - 1, 0), (0, w - 1), (w - 1, w - 1)] {
+                let c = l.cells(src, dst);
+                assert!(c.start % PAGE == 0 && c.len() == 2 * l.params.cell && c.start > l.chan(src, dst));
+                assert!(c.end <= l.staging);
+            }
+            let last = l.block(w + l.params.pool - 1);
+            assert_eq!((l.block(0).start, last.end, last.start % PAGE), (l.staging, l.arenas, 0));
         }
     }
 

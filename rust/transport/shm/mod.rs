@@ -1,7 +1,8 @@
 //! The multi-process world on one host: ranks are processes sharing one /dev/shm segment.
 //!
 //! Ranks meet through `rendezvous` (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
-//! hands out its name and nonce, and unlinks it once everyone attached) and then talk only through
+//! hands out its name and nonce to ranks that prove they belong to the job (`auth`), and unlinks it
+//! once everyone attached) and then talk only through
 //! the segment (`layout` describes it, `segment` creates and checks it). The protocol is the
 //! in-process world's (see `transport::thread`) with the control blocks in the segment and shared
 //! futexes:
@@ -29,10 +30,16 @@
 //! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
 //! within one slice, and every member raises `PeerDied` naming it.
 //!
-//! Subgroups live in a fixed table of communicator slots; the n-th split of a rank set finds its slot
-//! by scanning the table for (members, n) and claiming the first free slot if no member did yet.
-//! Slots are claimed lowest-first and never freed, so every member finds the same one.
+//! Subgroups live in a fixed table of communicator slots, changed only under a lock in the header:
+//! the n-th split of a rank set finds the slot bound to (members, n), or, for the first member there,
+//! binds a free slot and staging blocks for its members. A member that drops its group marks itself
+//! left; once every member has, the slot and its blocks are free again. Every member finds the same
+//! slot: a bound key stays bound until all its members have left, and none asks for it again.
+//!
+//! Each rank maps what only a peer writes (peers' staging blocks, the cells of channels it does not
+//! send on) read-only, so a stray write there faults in the writer instead of corrupting a peer.
 
+mod auth;
 mod backend;
 mod layout;
 mod liveness;
@@ -40,11 +47,15 @@ mod p2p;
 mod rendezvous;
 pub(crate) mod segment;
 mod staged;
+mod table;
+#[cfg(test)]
+mod tests;
 mod wire;
 mod world;
 
 use std::time::Duration;
 
+pub use auth::JobSecret;
 pub use backend::ShmBackend;
 pub use layout::MAX_RANKS;
 
@@ -69,6 +80,9 @@ pub struct ShmOptions {
     pub job_id: Option<String>,
     /// Bytes of segment arrays per rank (rank 0's value is used by everyone).
     pub arena_bytes: usize,
+    /// The job's secret (AXONML_JOB_SECRET): rank 0 admits only ranks that prove they know it, and
+    /// they believe only a rank 0 that does. Without one, rank 0 admits processes of its own user.
+    pub secret: Option<JobSecret>,
 }
 
 impl ShmOptions {
@@ -82,6 +96,7 @@ impl ShmOptions {
             timeout: crate::transport::thread::DEFAULT_TIMEOUT,
             job_id: None,
             arena_bytes: DEFAULT_ARENA,
+            secret: None,
         }
     }
 }

@@ -28,6 +28,10 @@ use crate::error::{Error, Result};
 pub(crate) const EAGER: usize = crate::transport::mailbox::EAGER;
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;
+/// Most bytes of unexpected messages a rank holds at once, from all peers together. The size of a
+/// message comes from its sender's header: a larger one (or one that would pass this total) fails
+/// the receive and aborts the world before anything is allocated.
+pub(crate) const EARLY_MAX: usize = 1 << 30;
 
 fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
     Error::Timeout {
@@ -120,6 +124,7 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Res
             && count == buf.len() as u64
     };
     if let Some((dtype, count, data)) = st.early.get_mut(&tag).and_then(|q| q.pop_front()) {
+        w.early_bytes.fetch_sub(data.len(), AcqRel);
         if !fits(count, dtype) {
             return Err(mismatch(count, dtype));
         }
@@ -166,8 +171,24 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Res
         if got == tag {
             return drain(ch, cells, cell, &mut st, buf.bytes_mut(), &wait);
         }
-        // Not ours yet: keep it for the recv that asks for its tag, and free the channel.
-        let mut data = vec![0u8; bytes];
+        // Not ours yet: keep it for the recv that asks for its tag, and free the channel. Its size is
+        // the sender's word: bound it before allocating, and never let an allocation failure abort.
+        let held =
+            w.early_bytes.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| t <= EARLY_MAX));
+        let mut data = Vec::new();
+        if held.is_err() || data.try_reserve_exact(bytes).is_err() {
+            if held.is_ok() {
+                w.early_bytes.fetch_sub(bytes, AcqRel);
+            }
+            return Err(Error::invalid(format!(
+                "rank {}: {op}: rank {src} sent a message of {bytes} bytes with tag {got}, which no recv \
+                 asked for yet; this rank holds at most {} MiB of such messages (post the recv for tag \
+                 {got} first, or send smaller messages)",
+                w.rank,
+                EARLY_MAX >> 20
+            )));
+        }
+        data.resize(bytes, 0);
         drain(ch, cells, cell, &mut st, &mut data, &wait)?;
         st.early.entry(got).or_default().push_back((dtype, count, data));
     }

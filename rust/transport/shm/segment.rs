@@ -1,15 +1,16 @@
 //! The job's shared-memory segment as a file: created exclusively, reserved, mapped, attached and
 //! checked before anyone trusts it (its contents: `layout`).
 
-use std::io::{self, Read};
+use std::io::Read;
 use std::mem::size_of;
 use std::ptr::NonNull;
 
 use rustix::fs::{FallocateFlags, FileType, Mode};
-use rustix::mm::{MapFlags, ProtFlags};
+use rustix::io::Errno;
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use rustix::shm;
 
-use super::layout::{Header, Layout, Params, MAGIC, VERSION};
+use super::layout::{Header, Layout, Params, MAGIC, PAGE, VERSION};
 use crate::error::{Error, Result};
 
 /// A mapping of the whole segment into this process.
@@ -39,14 +40,26 @@ impl Mapping {
     pub(crate) fn len(&self) -> usize {
         self.len
     }
+    /// Make `range` (page aligned, inside the mapping) read-only, or writable again, in this process
+    /// only: each rank maps what only its peers write read-only, so a stray write faults at once.
+    pub(crate) fn protect(&self, range: std::ops::Range<usize>, writable: bool) -> Result<()> {
+        assert!(range.start % PAGE == 0 && range.end % PAGE == 0 && range.end <= self.len, "{range:?}");
+        let flags = if writable { MprotectFlags::READ | MprotectFlags::WRITE } else { MprotectFlags::READ };
+        // SAFETY: the range lies inside our mapping; read-only parts are never written by this process
+        // (only their owner writes them, through its own mapping).
+        unsafe { rustix::mm::mprotect(self.base().add(range.start).cast(), range.len(), flags) }
+            .map_err(os(format!("protecting bytes {range:?} of the segment")))
+    }
     pub(crate) fn header(&self) -> &Header {
         // SAFETY: every mapping is at least one header long (checked before mapping) and page aligned.
         unsafe { &*self.base.as_ptr().cast::<Header>() }
     }
 }
 
-fn refuse(name: &str, kind: io::ErrorKind, what: String) -> Error {
-    Error::os(format!("refusing shared-memory segment {name}: {what}"), io::Error::from(kind))
+/// A segment we will not use, with the errno that says why (`Errno::LOOP`, `ACCESS`, ...), so Python
+/// raises the matching `OSError` subclass with a real `errno`.
+fn refuse(name: &str, errno: Errno, what: String) -> Error {
+    Error::os(format!("refusing shared-memory segment {name}: {what}"), errno.into())
 }
 
 fn os(what: String) -> impl FnOnce(rustix::io::Errno) -> Error {
@@ -63,8 +76,8 @@ fn open_nofollow(name: &str, flags: shm::OFlags, mode: Mode) -> rustix::io::Resu
 /// The error for a failed open of segment `name` (`doing`: what we were doing).
 fn open_error<'a>(name: &'a str, doing: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error + 'a {
     move |e| {
-        if e == rustix::io::Errno::LOOP {
-            refuse(name, io::ErrorKind::PermissionDenied, "it is a symbolic link".into())
+        if e == Errno::LOOP {
+            refuse(name, Errno::LOOP, "it is a symbolic link".into())
         } else {
             Error::os(format!("{doing} shared-memory segment {name}"), e.into())
         }
@@ -75,24 +88,20 @@ fn open_error<'a>(name: &'a str, doing: &'static str) -> impl FnOnce(rustix::io:
 fn check_file(fd: &rustix::fd::OwnedFd, name: &str) -> Result<usize> {
     let st = rustix::fs::fstat(fd).map_err(os(format!("fstat of {name}")))?;
     if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-        return Err(refuse(name, io::ErrorKind::InvalidInput, "not a regular file".into()));
+        return Err(refuse(name, Errno::INVAL, "not a regular file".into()));
     }
     let me = rustix::process::geteuid().as_raw();
     if st.st_uid != me {
-        return Err(refuse(
-            name,
-            io::ErrorKind::PermissionDenied,
-            format!("owned by uid {}, not by us (uid {me})", st.st_uid),
-        ));
+        return Err(refuse(name, Errno::PERM, format!("owned by uid {}, not by us (uid {me})", st.st_uid)));
     }
     if st.st_mode & 0o077 != 0 {
         return Err(refuse(
             name,
-            io::ErrorKind::PermissionDenied,
+            Errno::ACCESS,
             format!("mode {:o} gives other users access (expected 600)", st.st_mode & 0o777),
         ));
     }
-    usize::try_from(st.st_size).map_err(|_| refuse(name, io::ErrorKind::InvalidData, "negative size".into()))
+    usize::try_from(st.st_size).map_err(|_| refuse(name, Errno::BADMSG, "negative size".into()))
 }
 
 fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
@@ -111,23 +120,20 @@ fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
     Ok(Mapping { base: NonNull::new(p.cast()).expect("mmap never returns null on success"), len })
 }
 
-/// A random segment name: the name is the only secret between the ranks and other users' processes.
-pub(crate) fn random_name() -> Result<String> {
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| Error::os("reading /dev/urandom", e))?;
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!("/axonml-{}-{hex}", rustix::process::geteuid().as_raw()))
-}
-
-/// 16 random bytes: the session nonce every attacher must present.
-pub(crate) fn nonce() -> Result<[u8; 16]> {
-    let mut b = [0u8; 16];
+/// `N` bytes from the kernel's random source (segment names, session nonces, challenges).
+pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
+    let mut b = [0u8; N];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))
         .map_err(|e| Error::os("reading /dev/urandom", e))?;
     Ok(b)
+}
+
+/// A random segment name: it keeps a job's segment apart from other jobs of the same user (the
+/// file's mode keeps other users out).
+pub(crate) fn random_name() -> Result<String> {
+    let hex: String = random::<16>()?.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!("/axonml-{}-{hex}", rustix::process::geteuid().as_raw()))
 }
 
 /// Remove a segment name (the mapping stays valid for everyone who has it).
@@ -142,10 +148,10 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
     let flags = shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR;
     // O_EXCL alone already refuses an existing name, symbolic links included; NOFOLLOW makes it explicit.
     let fd = open_nofollow(name, flags, Mode::RUSR | Mode::WUSR).map_err(|e| {
-        if e == rustix::io::Errno::EXIST {
+        if e == Errno::EXIST {
             refuse(
                 name,
-                io::ErrorKind::AlreadyExists,
+                Errno::EXIST,
                 "the name already exists (a stale segment of a crashed job with the same AXONML_JOB_ID, \
                  or someone else's file); remove it from /dev/shm or use a new job id"
                     .into(),
@@ -194,11 +200,11 @@ pub(crate) fn attach(name: &str, world: usize, nonce: [u8; 16]) -> Result<(Mappi
     let fd = open_nofollow(name, shm::OFlags::RDWR, Mode::empty()).map_err(open_error(name, "opening"))?;
     let size = check_file(&fd, name)?;
     if size < size_of::<Header>() {
-        return Err(refuse(name, io::ErrorKind::InvalidData, format!("only {size} bytes long")));
+        return Err(refuse(name, Errno::BADMSG, format!("only {size} bytes long")));
     }
     let m = map(&fd, size, name)?;
-    let layout = validate(m.header(), size, world, nonce)
-        .map_err(|what| refuse(name, io::ErrorKind::InvalidData, what))?;
+    let layout =
+        validate(m.header(), size, world, nonce).map_err(|what| refuse(name, Errno::BADMSG, what))?;
     Ok((m, layout))
 }
 
@@ -233,15 +239,23 @@ pub(crate) fn validate(
         pool: h.pool as usize,
     };
     let layout = Layout::new(params).map_err(|p| format!("bad layout parameter: {p}"))?;
-    if layout.total != size || h.total as usize != size {
-        return Err(format!("size {size} does not match its layout ({} bytes)", layout.total));
+    if h.total != size as u64 {
+        return Err(format!(
+            "its header records {} bytes, but the file has {size} (truncated or corrupted)",
+            h.total
+        ));
+    }
+    if layout.total != size {
+        return Err(format!(
+            "the file has {size} bytes, but the layout its header describes needs {} (corrupted header?)",
+            layout.total
+        ));
     }
     Ok(layout)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::layout::PAGE;
     use super::*;
 
     fn header_for(layout: &Layout, nonce: [u8; 16]) -> Box<Header> {
@@ -294,7 +308,21 @@ mod tests {
         assert!(validate(&bad, layout.total, 2, nonce).unwrap_err().contains("version"));
         assert!(validate(&h, layout.total, 2, [8; 16]).unwrap_err().contains("nonce"));
         assert!(validate(&h, layout.total, 3, nonce).unwrap_err().contains("2 ranks"));
-        assert!(validate(&h, layout.total + PAGE, 2, nonce).unwrap_err().contains("size"));
+        // Two different disagreements, each named for what is really compared.
+        let e = validate(&h, layout.total + PAGE, 2, nonce).unwrap_err();
+        assert!(
+            e.contains(&format!("records {} bytes, but the file has {}", layout.total, layout.total + PAGE)),
+            "{e}"
+        );
+        let mut bad = header_for(&layout, nonce);
+        bad.total += PAGE as u64;
+        let e = validate(&bad, layout.total + PAGE, 2, nonce).unwrap_err();
+        let want = format!(
+            "file has {} bytes, but the layout its header describes needs {}",
+            layout.total + PAGE,
+            layout.total
+        );
+        assert!(e.contains(&want), "{e}");
         let mut bad = header_for(&layout, nonce);
         bad.chunk = 12345;
         assert!(validate(&bad, layout.total, 2, nonce).unwrap_err().contains("layout"));

@@ -1,13 +1,15 @@
-//! One process's view of the shared world: the mapped segment, typed access to its regions, the abort
-//! word, liveness, the communicator table and this rank's arena allocator.
+//! One process's view of the shared world: the mapped segment (with what only peers write mapped
+//! read-only), typed access to its regions, the abort word, liveness and this rank's arena allocator.
+//! The communicator table is `table`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::layout::{ChanHead, CommHead, Ctrl, Header, Layout, MAX_COMMS, REASON};
+use super::layout::{ChanHead, CommHead, Ctrl, Header, Layout, FREE, MAX_COMMS, REASON};
 use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
@@ -32,7 +34,9 @@ pub(crate) struct Shared {
     pub timeout: Duration,
     liveness: Liveness,
     /// How many times this rank has split each rank set (the n-th split of a set is one communicator).
-    splits: Mutex<HashMap<u64, u32>>,
+    pub(super) splits: Mutex<HashMap<u64, u32>>,
+    /// Bytes of unexpected point-to-point messages this rank holds (`p2p`).
+    pub early_bytes: AtomicUsize,
     /// Free ranges of this rank's arena.
     free: Mutex<FreeList>,
     /// Per peer: this rank's send side and receive side of the channels with it.
@@ -55,28 +59,39 @@ pub(crate) enum Cause<'a> {
     Missing(&'a [usize]),
 }
 
-const FREE: u32 = 0;
-const CLAIMING: u32 = 1;
-const READY: u32 = 2;
-/// A slot whose members got no staging blocks.
-pub(crate) const NO_BLOCKS: u32 = u32::MAX;
-
 impl Shared {
-    pub(crate) fn new(j: Joined, rank: usize, timeout: Duration) -> Shared {
-        let size = j.layout.params.world;
-        let arena = j.layout.params.arena;
-        Shared {
-            map: j.mapping,
-            layout: j.layout,
+    /// This rank's view of a joined world. What only peers write (their staging blocks, the cells of
+    /// channels they send on) is mapped read-only here; a subgroup's block becomes writable for its
+    /// member while it is in the group (`own_block`).
+    pub(crate) fn new(j: Joined, rank: usize, timeout: Duration) -> Result<Shared> {
+        let (l, map) = (j.layout, j.mapping);
+        let size = l.params.world;
+        for src in (0..size).filter(|&s| s != rank) {
+            for dst in 0..size {
+                map.protect(l.cells(src, dst), false)?;
+            }
+        }
+        let blocks = size + l.params.pool;
+        map.protect(l.block(0).start..l.block(rank).start, false)?;
+        map.protect(l.block(rank).end..l.block(blocks - 1).end, false)?;
+        Ok(Shared {
+            map,
+            layout: l,
             rank,
             size,
             timeout,
             liveness: j.liveness,
             splits: Mutex::new(HashMap::new()),
-            free: Mutex::new(FreeList::new(arena)),
+            early_bytes: AtomicUsize::new(0),
+            free: Mutex::new(FreeList::new(l.params.arena)),
             sends: (0..size).map(|_| Mutex::default()).collect(),
             recvs: (0..size).map(|_| Mutex::default()).collect(),
-        }
+        })
+    }
+
+    /// Make staging block `block` writable (this rank is now its member) or read-only again.
+    pub(crate) fn own_block(&self, block: usize, writable: bool) -> Result<()> {
+        self.map.protect(self.layout.block(block), writable)
     }
 
     pub(crate) fn header(&self) -> &Header {
@@ -102,15 +117,15 @@ impl Shared {
     /// The staging block `block` (see the layout): two one-shot slots, then two pipeline buffers.
     pub(crate) fn block(&self, block: usize) -> *mut u8 {
         // SAFETY: block < world + pool (checked when blocks are handed out), inside the staging region.
-        unsafe { self.map.base().add(self.layout.staging + block * self.layout.block) }
+        unsafe { self.map.base().add(self.layout.block(block).start) }
     }
 
     /// The channel from `src` to `dst`: its control lines and its two cells.
     pub(crate) fn chan(&self, src: usize, dst: usize) -> (&ChanHead, *mut u8) {
-        let off = self.layout.chans + (src * self.size + dst) * self.layout.chan_stride;
-        let cells = self.layout.chan_stride - 2 * self.layout.params.cell;
         // SAFETY: inside the channel region of the validated layout.
-        (self.at(off), unsafe { self.map.base().add(off + cells) })
+        (self.at(self.layout.chan(src, dst)), unsafe {
+            self.map.base().add(self.layout.cells(src, dst).start)
+        })
     }
 
     /// Byte range of `rank`'s arena in the segment.
@@ -127,14 +142,31 @@ impl Shared {
         (bytes > 0 && addr >= mine.start && addr.checked_add(bytes)? <= mine.end).then_some(addr as u64)
     }
 
-    /// The local address of `bytes` at offset `off` of `rank`'s arena, or `None` if out of bounds
-    /// (offsets come from peers: never trust them).
-    pub(crate) fn resolve(&self, rank: usize, off: u64, bytes: usize) -> Option<*mut u8> {
-        let off = usize::try_from(off).ok()?;
+    /// The local address of `bytes` at offset `off` of `rank`'s arena, aligned to `align` (the
+    /// element size), or what is wrong with the offset (offsets come from peers: never trust them).
+    pub(crate) fn resolve(
+        &self,
+        rank: usize,
+        off: u64,
+        bytes: usize,
+        align: usize,
+    ) -> std::result::Result<*mut u8, String> {
         let arena = self.arena(rank);
-        (off >= arena.start && off.checked_add(bytes)? <= arena.end)
-            // SAFETY: bounds-checked against the arena, which lies inside the mapping.
-            .then(|| unsafe { self.map.base().add(off) })
+        let inside = usize::try_from(off)
+            .ok()
+            .filter(|&o| o >= arena.start && o.checked_add(bytes).is_some_and(|e| e <= arena.end));
+        let Some(off) = inside else {
+            return Err(format!(
+                "rank {rank} published a buffer of {bytes} bytes at offset {off}, outside its arena {arena:?}"
+            ));
+        };
+        if off % align != 0 {
+            return Err(format!(
+                "rank {rank} published a buffer at offset {off}, not aligned to its {align}-byte elements"
+            ));
+        }
+        // SAFETY: bounds-checked against the arena, which lies inside the mapping.
+        Ok(unsafe { self.map.base().add(off) })
     }
 
     /// Take `bytes` from this rank's arena: an offset into the segment.
@@ -252,72 +284,6 @@ impl Shared {
             Err(Stop::TimedOut) => Err(None),
         }
     }
-
-    /// The communicator slot for the `occurrence`-th split of `members` (a bitmask), claiming a free
-    /// slot (and staging blocks for its `n` members) if no member has yet. Returns (slot, first block).
-    pub(crate) fn claim(&self, mask: u64, n: usize, op: &str) -> Result<(usize, u32)> {
-        let occurrence = {
-            let mut s = lock(&self.splits);
-            let c = s.entry(mask).or_insert(0);
-            *c += 1;
-            *c
-        };
-        // Slot 0 is the world. Slots are claimed lowest-first and never freed, so every member scanning
-        // for the same key either finds it or claims the same first free slot (module docs of `shm`).
-        for slot in 1..MAX_COMMS {
-            let c = self.comm_head(slot);
-            if c.state.compare_exchange(FREE, CLAIMING, AcqRel, Acquire).is_ok() {
-                c.members.store(mask, Relaxed);
-                c.occurrence.store(occurrence, Relaxed);
-                let pool = self.layout.params.pool as u32;
-                let first = self.header().pool_next.fetch_add(n as u32, AcqRel);
-                let first = if first + n as u32 <= pool { self.size as u32 + first } else { NO_BLOCKS };
-                c.first_block.store(first, Relaxed);
-                c.state.store(READY, Release);
-                self.header().event.notify(true);
-                if first == NO_BLOCKS {
-                    return Err(no_blocks());
-                }
-                return Ok((slot, first));
-            }
-            let members: Vec<usize> = (0..self.size).filter(|r| mask >> r & 1 == 1).collect();
-            let ready = || c.state.load(Acquire) == READY;
-            if let Err(e) = self.wait(&self.header().event, &members, op, ready) {
-                return Err(e.unwrap_or_else(|| Error::Timeout {
-                    rank: self.rank,
-                    op: op.to_string(),
-                    waited: self.timeout,
-                    missing: vec![],
-                    group: members,
-                    progress: String::new(),
-                }));
-            }
-            if c.members.load(Relaxed) == mask && c.occurrence.load(Relaxed) == occurrence {
-                let first = c.first_block.load(Relaxed);
-                if first == NO_BLOCKS {
-                    return Err(no_blocks());
-                }
-                // Written by a peer: check it before addressing staging with it.
-                if (first as usize).checked_add(n).is_none_or(|end| end > self.size + self.layout.params.pool)
-                {
-                    return Err(Error::invalid(format!(
-                        "{op}: communicator slot {slot} names staging blocks outside the segment (corrupted?)"
-                    )));
-                }
-                return Ok((slot, first));
-            }
-        }
-        Err(Error::invalid(format!(
-            "{op}: all {MAX_COMMS} communicator slots of this job are in use; create fewer groups"
-        )))
-    }
-}
-
-fn no_blocks() -> Error {
-    Error::invalid(
-        "new_group: the job's shared segment has no staging space left for another subgroup; \
-         create fewer groups",
-    )
 }
 
 /// First-fit allocator over an arena of `len` bytes: free ranges sorted by offset and coalesced, so
