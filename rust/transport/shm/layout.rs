@@ -61,7 +61,8 @@ impl Params {
             world,
             chunk: if large { (world * 4096).max(256 << 10) } else { 1 << 20 },
             small: if large { 16 << 10 } else { 64 << 10 },
-            arena: arena.div_ceil(PAGE) * PAGE,
+            // Saturating: an absurd request stays absurd (and `check` refuses it) instead of wrapping.
+            arena: arena.checked_next_multiple_of(PAGE).unwrap_or(usize::MAX),
             cell: if large { 8 << 10 } else { 64 << 10 },
             pool: if large { world } else { 2 * world.max(2) },
         }
@@ -284,5 +285,7 @@ mod tests {
         let mut p = Params::new(2, 0);
         p.small = p.chunk * 2;
         assert!(Layout::new(p).is_err());
+        assert!(Layout::new(Params::new(2, usize::MAX)).is_err(), "a huge arena must not wrap to a small one");
+        assert!(Layout::new(Params::new(2, usize::MAX - 4000)).is_err());
     }
 }
