@@ -23,6 +23,22 @@ pub(crate) struct Call {
     pub dtype: DType,
 }
 
+/// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
+pub(crate) fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<usize>> {
+    if ranks.is_empty() {
+        return Err(Error::invalid("a group needs at least one rank"));
+    }
+    if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
+        return Err(Error::invalid(format!("rank {bad} is out of range for a world of {world_size} ranks")));
+    }
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::invalid(format!("rank {} appears twice in the group {ranks:?}", w[0])));
+    }
+    Ok(sorted)
+}
+
 /// Group index of global rank `rank`, or an error naming the group.
 pub(crate) fn index_of(members: &[usize], rank: usize, what: &str) -> Result<usize> {
     members

@@ -14,22 +14,6 @@ use crate::reduce::ReduceOp;
 use crate::transport::thread::MockBackend;
 use crate::work::{Lane, Work};
 
-/// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
-pub fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<usize>> {
-    if ranks.is_empty() {
-        return Err(Error::invalid("a group needs at least one rank"));
-    }
-    if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
-        return Err(Error::invalid(format!("rank {bad} is out of range for a world of {world_size} ranks")));
-    }
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(Error::invalid(format!("rank {} appears twice in the group {ranks:?}", w[0])));
-    }
-    Ok(sorted)
-}
-
 /// A group of ranks, as seen from one rank (which may or may not be a member).
 pub struct ProcessGroup {
     backend: Arc<dyn Backend>,
@@ -48,7 +32,7 @@ impl ProcessGroup {
     /// The group of `ranks` (global). Every member must create it (same ranks, same order of creation);
     /// on a non-member it is a handle whose collectives fail.
     pub fn with_ranks(backend: Arc<dyn Backend>, ranks: &[usize]) -> Result<Self> {
-        let ranks = validate_ranks(ranks, backend.world_size())?;
+        let ranks = crate::call::validate_ranks(ranks, backend.world_size())?;
         // Always a communicator of its own, even over every rank: two groups sharing one would share
         // sequence numbers, and calls on different groups could then match each other.
         let comm = if ranks.contains(&backend.rank()) { Some(backend.split(&ranks)?) } else { None };

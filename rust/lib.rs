@@ -29,6 +29,7 @@ mod algo;
 pub mod backend;
 pub mod bucket;
 mod call;
+pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod group;

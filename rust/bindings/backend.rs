@@ -11,9 +11,9 @@ use super::array::{readable, writable, Array};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::{run_blocking, Job};
 use crate::backend::Backend;
+use crate::config::{DEFAULT_TIMEOUT, MAX_TIMEOUT};
 use crate::reduce::ReduceOp;
-use crate::transport::thread::{MockBackend, DEFAULT_TIMEOUT};
-use crate::transport::wait::MAX_TIMEOUT;
+use crate::transport::thread::MockBackend;
 use crate::work::Lane;
 
 /// How values from the ranks are combined.

@@ -50,7 +50,7 @@ mod _core {
         let _ = super::MAIN_THREAD.set(std::thread::current().id());
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("INLINE_BYTES", crate::transport::thread::INLINE)?;
+        m.add("INLINE_BYTES", crate::config::INLINE)?;
         Ok(())
     }
 }

@@ -50,6 +50,7 @@ impl PyShmBackend {
             timeout: timeout_from(timeout)?,
             job_id,
             arena_bytes: arena_bytes.unwrap_or(DEFAULT_ARENA),
+            chunk_bytes: crate::config::shm_chunk_from_env(),
             secret,
         };
         let b = py.detach(move || ShmBackend::connect(opts))?;

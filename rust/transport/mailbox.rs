@@ -14,11 +14,9 @@ use std::time::Instant;
 
 use super::thread::World;
 use super::wait::SLICE;
+use crate::config::EAGER;
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
-
-/// Messages up to this size are sent eagerly (copied, the send returns at once).
-pub(crate) const EAGER: usize = 64 * 1024;
 
 const QUEUED: u8 = 0;
 const COPYING: u8 = 1;

@@ -31,20 +31,16 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 
 use super::mailbox::Mailbox;
-use super::wait::{may_spin, Event, Stop, Wait, MAX_TIMEOUT};
+use super::wait::{may_spin, Event, Stop, Wait};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::Backend;
 use crate::call::{self, Call};
+use crate::config::{DEFAULT_TIMEOUT, INLINE, MAX_TIMEOUT};
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
 use crate::work::Lanes;
-
-/// All-reduces up to this many bytes travel inside the rendezvous page.
-pub const INLINE: usize = 256;
-/// Default for how long any wait lasts before it fails: finite, and long enough for slow first steps.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Clone, Copy)]
 struct Page {
@@ -527,7 +523,7 @@ impl Backend for MockBackend {
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
-        let members = crate::group::validate_ranks(ranks, self.world.size)?;
+        let members = call::validate_ranks(ranks, self.world.size)?;
         let index = call::index_of(&members, self.rank, "the calling")?;
         let occurrence = {
             let mut counts = self.world.splits[self.rank].lock().unwrap_or_else(|e| e.into_inner());

@@ -16,9 +16,6 @@ use crate::error::{Error, Result};
 
 /// How long one futex sleep lasts before the slow checks run again.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
-/// The longest timeout accepted (about 31 years): `Instant + Duration` must never overflow.
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
-
 /// Busy-poll budget when every rank has a core: covers a peer that is a few microseconds behind.
 const SPIN: Duration = Duration::from_micros(60);
 /// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.

@@ -12,11 +12,12 @@ use super::{rendezvous, wire, ShmOptions};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::{Backend, SharedMem};
 use crate::call::{self, Call};
+use crate::config::MAX_TIMEOUT;
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
-use crate::transport::wait::{may_spin, Stop, Wait, MAX_TIMEOUT};
+use crate::transport::wait::{may_spin, Stop, Wait};
 use crate::work::Lanes;
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
@@ -495,7 +496,7 @@ impl Backend for ShmBackend {
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
-        let members = crate::group::validate_ranks(ranks, self.world.size)?;
+        let members = call::validate_ranks(ranks, self.world.size)?;
         let index = call::index_of(&members, self.world.rank, "the calling")?;
         let mask = members.iter().fold(0u64, |m, &r| m | 1 << r);
         let (slot, first) = self.world.claim(mask, members.len(), "new_group")?;

@@ -285,7 +285,10 @@ mod tests {
         let mut p = Params::new(2, 0);
         p.small = p.chunk * 2;
         assert!(Layout::new(p).is_err());
-        assert!(Layout::new(Params::new(2, usize::MAX)).is_err(), "a huge arena must not wrap to a small one");
+        assert!(
+            Layout::new(Params::new(2, usize::MAX)).is_err(),
+            "a huge arena must not wrap to a small one"
+        );
         assert!(Layout::new(Params::new(2, usize::MAX - 4000)).is_err());
     }
 }

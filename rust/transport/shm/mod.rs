@@ -59,8 +59,7 @@ pub use auth::JobSecret;
 pub use backend::ShmBackend;
 pub use layout::MAX_RANKS;
 
-/// Default bytes of segment arrays (`alloc`, `ProcessGroup.empty`) per rank.
-pub const DEFAULT_ARENA: usize = 64 << 20;
+pub use crate::config::DEFAULT_ARENA;
 
 /// How to join a shared-memory world.
 #[derive(Clone, Debug)]
@@ -80,22 +79,27 @@ pub struct ShmOptions {
     pub job_id: Option<String>,
     /// Bytes of segment arrays per rank (rank 0's value is used by everyone).
     pub arena_bytes: usize,
+    /// The pipeline round size for large messages on private arrays (rank 0's value counts), when
+    /// not the default: a tuning knob.
+    pub chunk_bytes: Option<usize>,
     /// The job's secret (AXONML_JOB_SECRET): rank 0 admits only ranks that prove they know it, and
     /// they believe only a rank 0 that does. Without one, rank 0 admits processes of its own user.
     pub secret: Option<JobSecret>,
 }
 
 impl ShmOptions {
-    /// Options with the default timeout and arena, a random segment name.
+    /// Options with the default timeout and arena, a random segment name, and the environment's
+    /// pipeline round size (`config::shm_chunk_from_env`).
     pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16) -> Self {
         ShmOptions {
             rank,
             world_size,
             master_addr: master_addr.to_string(),
             master_port,
-            timeout: crate::transport::thread::DEFAULT_TIMEOUT,
+            timeout: crate::config::DEFAULT_TIMEOUT,
             job_id: None,
             arena_bytes: DEFAULT_ARENA,
+            chunk_bytes: crate::config::shm_chunk_from_env(),
             secret: None,
         }
     }

@@ -6,7 +6,7 @@
 //! A channel is a stream of chunks through two cells: the sender fills cell q % 2 once the receiver
 //! drained chunk q − 2 (`filled`/`drained` count chunks over the pair's life). Each message starts
 //! with a header (tag, dtype, count, message number) at the front of its first chunk, its bytes
-//! follow. A message whose header and bytes fit in the two cells (and of at most [`EAGER`] bytes) is
+//! follow. A message whose header and bytes fit in the two cells (and of at most [`EAGER`](crate::config::EAGER) bytes) is
 //! eager: the send returns once its chunks are posted (waiting, with the normal deadline, only while
 //! the cells still hold earlier messages). A larger send returns once the receiver has drained all of
 //! it, and fails when the receiver refused it (dtype or length differ from its recv).
@@ -20,12 +20,10 @@ use std::sync::atomic::Ordering::*;
 
 use super::layout::ChanHead;
 use super::world::{lock, ChanState, Shared};
+use crate::config::EAGER;
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 
-/// Messages up to this size are sent eagerly when they fit in the channel's cells (as in the
-/// in-process world).
-pub(crate) const EAGER: usize = crate::transport::mailbox::EAGER;
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;
 /// Most bytes of unexpected messages a rank holds at once, from all peers together. The size of a

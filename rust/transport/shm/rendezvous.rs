@@ -215,9 +215,9 @@ fn serve(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         None
     };
     let mut params = Params::new(n, opts.arena_bytes);
-    // A tuning knob for benchmarks: the pipeline round size (the others learn it from the header).
-    if let Some(kib) = std::env::var("AXONML_SHM_CHUNK_KIB").ok().and_then(|v| v.parse::<usize>().ok()) {
-        params.chunk = kib << 10;
+    // The others learn the round size from the header.
+    if let Some(bytes) = opts.chunk_bytes {
+        params.chunk = bytes;
     }
     let layout = Layout::new(params)
         .map_err(|p| Error::invalid(format!("unusable shared-memory layout parameter: {p}")))?;
