@@ -89,6 +89,12 @@ impl PyProcessGroup {
     fn mock() -> Self {
         PyProcessGroup { inner: Arc::new(ProcessGroup::mock()) }
     }
+    /// A subgroup of `ranks` (global), made over this group's world as `World.new_group` does: every
+    /// member creates it, in the same order as its other groups. The same call as on the MPI group.
+    fn new_group(&self, ranks: Vec<usize>) -> PyResult<Self> {
+        let inner = ProcessGroup::with_ranks(self.inner.backend().clone(), &ranks)?;
+        Ok(PyProcessGroup { inner: Arc::new(inner) })
+    }
     /// The world backend this group was made from.
     fn backend(&self) -> PyBackend {
         PyBackend { inner: self.inner.backend().clone() }

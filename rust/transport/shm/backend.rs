@@ -141,11 +141,12 @@ impl ShmBackend {
                     let page = unsafe { std::ptr::read_volatile(c.pages[(k % 2) as usize].get()) };
                     wire::decode(page.sig).filter(|s| s.seq == k).map(|s| s.kind)
                 };
-                let (done, entered) = (c.done.load(Acquire), c.arrive.load(Acquire));
+                let (completed, entered) = (c.completed.load(Acquire), c.arrive.load(Acquire));
                 Progress {
                     rank: self.members[j],
-                    done: (done, kind(done)),
+                    completed: (completed, kind(completed)),
                     entered: (entered, kind(entered)),
+                    left: c.done.load(Acquire) >= entered,
                 }
             })
             .collect();
@@ -269,14 +270,17 @@ impl ShmBackend {
             Err(e) => (Err(e), true),
         };
         // From here on we touch nothing of this call: peers waiting for us may go.
+        if !drain && result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
         ctrl.done.store(k, Release);
         self.world.comm_head(self.slot).event.notify(true);
         if !drain {
             return result;
         }
-        // Wait, without deadline, for every member that may still read or write our buffers: all of them
-        // when everyone arrived, else those whose arrival we can see now (pairs with their re-check of
-        // the abort word: one of the two sides sees the other's store).
+        // Wait (bounded: see `drain`) for every member that may still read or write our buffers: all of
+        // them when everyone arrived, else those whose arrival we can see now (pairs with their re-check
+        // of the abort word: one of the two sides sees the other's store).
         std::sync::atomic::fence(SeqCst);
         let busy: Vec<usize> =
             (0..n).filter(|&j| j != me && (everyone || self.ctrl(j).arrive.load(SeqCst) >= k)).collect();
@@ -287,6 +291,9 @@ impl ShmBackend {
             (Ok(()), Ok(())) => self.world.check_abort(&op, Some(&self.members)),
             (err, _) => err,
         };
+        if result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
         result.map_err(|e| self.with_progress(e))
     }
 
