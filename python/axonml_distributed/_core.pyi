@@ -81,6 +81,18 @@ class ShmBackend:
     ) -> Backend: ...
 
 @final
+class ShmSegment:
+    """A segment rank 0 created for a job that meets through its own key-value store (the torch
+    backend): `token` goes into the store, every rank calls `ShmSegment.join(token, ...)`."""
+
+    def __new__(cls, world_size: int, arena_bytes: int | None = None) -> ShmSegment: ...
+    @property
+    def token(self) -> str: ...
+    def close(self) -> None: ...
+    @staticmethod
+    def join(token: str, rank: int, world_size: int, timeout: float | None = None) -> Backend: ...
+
+@final
 class SegmentMemory:
     """Keeps segment memory alive: the base object of the arrays `ProcessGroup.empty` makes with "shm"."""
 
@@ -203,6 +215,7 @@ __all__ = [
     "ReduceOp",
     "SegmentMemory",
     "ShmBackend",
+    "ShmSegment",
     "Work",
     "World",
 ]

@@ -40,6 +40,7 @@ mod p2p;
 mod rendezvous;
 pub(crate) mod segment;
 mod staged;
+mod store_join;
 mod wire;
 mod world;
 
@@ -47,6 +48,7 @@ use std::time::Duration;
 
 pub use backend::ShmBackend;
 pub use layout::MAX_RANKS;
+pub use store_join::SegmentToken;
 
 /// Default bytes of segment arrays (`alloc`, `ProcessGroup.empty`) per rank.
 pub const DEFAULT_ARENA: usize = 64 << 20;
