@@ -26,6 +26,9 @@ PeerFailureError (subclasses of RuntimeError) from ``Work.wait()`` and so from e
 plain RuntimeError with our message.
 """
 
+# The overrides follow the signatures torch's C++ trampolines call, not every overload of its stubs.
+# mypy: disable-error-code="override,assignment"
+
 from __future__ import annotations
 
 import datetime
@@ -41,7 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ReduceOp, ShmSegment
+from axonml_distributed._core import (
+    Backend,
+    DistributedError,
+    MockBackend,
+    ProcessGroup,
+    ReduceOp,
+    ShmSegment,
+)
 
 __all__ = ["BACKEND", "AxonmlProcessGroup"]
 
@@ -121,7 +131,12 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
         _world = _join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         native = ProcessGroup(_world)
     elif _world is None:
-        raise DistributedError("an axonml subgroup needs an axonml default group: init_process_group('axonml')")
+        raise DistributedError(
+            "an axonml subgroup needs an axonml default group: init_process_group('axonml')"
+        )
+    elif len(ranks) == 1:
+        # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
+        native = ProcessGroup(MockBackend.single(opts.timeout.total_seconds()))
     else:
         native = ProcessGroup(_world, ranks)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
@@ -130,16 +145,24 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
+def _value(fut: torch.futures.Future[Any]) -> Any:
+    return fut.value()
+
+
 class _Work(dist.Work):
     """A torch Work over native works on one lane: `wait()` re-raises their errors; the future
     completes (with `result`) once they have finished and any copy-back has run."""
 
-    def __init__(self, natives: list[Any], result: Any, finish: Callable[[], None] | None) -> None:
+    def __init__(self, natives: list[Any], result: Any, finish: Callable[[], object] | None) -> None:
         super().__init__()
         self._natives = natives
         self._result = result
         self._finish = finish
-        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        # torch's Future.set_exception completes the future with a value that raises in Python only;
+        # torch's C++ (DDP's reducer) would read it as the result. A callback that raises errors its
+        # future in C++ too, so the public future is the source's continuation.
+        self._source: torch.futures.Future[Any] = torch.futures.Future()
+        self._future = self._source.then(_value)
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -152,9 +175,9 @@ class _Work(dist.Work):
                 self._finish()
         except BaseException as e:  # the future and wait() report it
             self._error = e
-            self._future.set_exception(e)
+            self._source.set_exception(e)
         else:
-            self._future.set_result(self._result)
+            self._source.set_result(self._result)
         finally:
             self._done.set()
 
@@ -195,7 +218,7 @@ class _Completer:
         self._queue.put(work)
 
 
-def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
     """`t` itself when contiguous, else a contiguous copy and the step that copies the result back."""
     if t.is_contiguous():
         return t, None
@@ -203,7 +226,7 @@ def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     return c, lambda: t.copy_(c)
 
 
-def _chain(*steps: Callable[[], Any] | None) -> Callable[[], None] | None:
+def _chain(*steps: Callable[[], object] | None) -> Callable[[], object] | None:
     todo = [s for s in steps if s is not None]
     if not todo:
         return None
@@ -221,7 +244,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     def __init__(self, native: ProcessGroup, rank: int, size: int) -> None:
         super().__init__(rank, size)
-        self._native = native
+        self._native: Any = native  # takes CPU tensors where its stub says arrays
         self._ranks = native.ranks()
         self._completers: dict[Any, _Completer] = {}
         self._lock = threading.Lock()
@@ -245,7 +268,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     # -- plumbing -----------------------------------------------------------------------------------
 
     def _work(
-        self, lane: Any, natives: list[Any], result: Any, finish: Callable[[], None] | None = None
+        self, lane: Any, natives: list[Any], result: Any, finish: Callable[[], object] | None = None
     ) -> _Work:
         work = _Work(natives, result, finish)
         with self._lock:
@@ -261,7 +284,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             return ReduceOp.SUM, factor.to(t.dtype)
         ours = _OPS.get(op.op)
         if ours is None:
-            raise ValueError(f"the axonml backend does not implement {op.op} (use SUM, PRODUCT, MIN, MAX, AVG)")
+            raise ValueError(
+                f"the axonml backend does not implement {op.op} (use SUM, PRODUCT, MIN, MAX, AVG)"
+            )
         return ours, None
 
     def _scaled(self, t: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
@@ -307,7 +332,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         for outs, t in zip(output_lists, inputs, strict=True):
             staged = torch.empty((len(outs), *t.shape), dtype=t.dtype)
             natives.append(self._native.all_gather(_dense(t)[0], staged, async_op=True))
-            finishes.append(lambda outs=outs, staged=staged: [o.copy_(s) for o, s in zip(outs, staged)])
+            finishes.append(
+                lambda outs=outs, staged=staged: [o.copy_(s) for o, s in zip(outs, staged, strict=True)]
+            )
         return self._work("coll", natives, output_lists, _chain(*finishes))
 
     def allgather_coalesced(
@@ -326,7 +353,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> _Work:
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work("coll", [n for w in works for n in w._natives], outputs, _chain(*(w._finish for w in works)))
+        return self._work(
+            "coll", [n for w in works for n in w._natives], outputs, _chain(*(w._finish for w in works))
+        )
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -338,7 +367,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         for out, ins in zip(outputs, input_lists, strict=True):
             op, factor = self._op(opts, out)
             buf, back = _dense(out)
-            natives.append(self._native.reduce_scatter(self._scaled(self._stage(ins), factor), buf, op, async_op=True))
+            natives.append(
+                self._native.reduce_scatter(self._scaled(self._stage(ins), factor), buf, op, async_op=True)
+            )
             finishes.append(back)
         return self._work("coll", natives, outputs, _chain(*finishes))
 
@@ -356,7 +387,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> _Work:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work("coll", [n for w in works for n in w._natives], outputs, _chain(*(w._finish for w in works)))
+        return self._work(
+            "coll", [n for w in works for n in w._natives], outputs, _chain(*(w._finish for w in works))
+        )
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -383,7 +416,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         root = self._global(opts.rootRank)
         staged = torch.empty((self.size(), *t.shape), dtype=t.dtype) if self.rank() == opts.rootRank else None
         native = self._native.gather(_dense(t)[0], staged, root, async_op=True)
-        finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged)])
+        finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged, strict=True)])
         return self._work("coll", [native], output_lists, finish)
 
     def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
