@@ -227,11 +227,21 @@ def test_the_job_secret_must_match(tmp_path: Path) -> None:
     assert r1.get("error") == "DistributedError" and "AXONML_JOB_SECRET" in r1["message"], (r1, log1)
 
 
-def test_importing_the_package_alone_does_not_register_the_backend() -> None:
-    code = (
-        "import axonml_distributed, sys, torch.distributed as d; "
-        "assert 'axonml_distributed.torch' not in sys.modules; "
-        "assert 'AXONML' not in d.Backend._plugins; "
+def test_registration_without_and_with_our_import() -> None:
+    """A script that only names the backend finds it (entry point); importing the package alone
+    registers nothing and does not load torch; importing axonml_distributed.torch registers it."""
+    alone = (
+        "import sys, axonml_distributed; "
+        "assert 'torch' not in sys.modules and 'axonml_distributed.torch' not in sys.modules; "
+        "import torch.distributed as d; assert 'AXONML' not in d.Backend._plugins; "
         "import axonml_distributed.torch; assert 'AXONML' in d.Backend._plugins"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    unchanged = (
+        "import sys, tempfile, torch, torch.distributed as d; "
+        "d.init_process_group('axonml', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1); "
+        "t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [1.0] * 3; "
+        "assert d.get_backend() == 'axonml' and 'axonml_distributed.torch' in sys.modules; "
+        "d.destroy_process_group()"
+    )
+    for code in [alone, unchanged]:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=_env())

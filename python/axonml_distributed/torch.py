@@ -1,10 +1,12 @@
 """A torch.distributed backend, "axonml": unchanged PyTorch scripts on the shared-memory world.
 
-``import axonml_distributed.torch`` registers it (importing ``axonml_distributed`` alone does not, so
-a plain import never loads torch); then ``torch.distributed.init_process_group("axonml")`` (or
-``"cpu:axonml"``) joins the shared-memory world of this host with any init method (``env://`` under
-torchrun or axonml-run, ``tcp://``, ``file://``), and torch's DDP, object collectives and the rest of
-``torch.distributed`` run on our core.
+torch finds it through this package's ``torch.distributed.backends`` entry point the first time a
+script names it (torch 2.15 reads that group), so scripts need no import of ours; ``import
+axonml_distributed.torch`` registers it explicitly (for a torch that does not). Importing
+``axonml_distributed`` alone registers nothing and never loads torch. Then
+``torch.distributed.init_process_group("axonml")`` (or ``"cpu:axonml"``) joins the shared-memory world
+of this host with any init method (``env://`` under torchrun or axonml-run, ``tcp://``, ``file://``),
+and torch's DDP, object collectives and the rest of ``torch.distributed`` run on our core.
 
 Rendezvous goes through the Store torch hands the backend, never through a socket of ours: every rank
 publishes its host identity; rank 0 refuses a job spread over several hosts, creates the segment and
@@ -53,7 +55,7 @@ from axonml_distributed._core import (
     ShmSegment,
 )
 
-__all__ = ["BACKEND", "AxonmlProcessGroup"]
+__all__ = ["BACKEND", "AxonmlProcessGroup", "register"]
 
 BACKEND = "axonml"
 
@@ -142,7 +144,14 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
 
 
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+def register() -> None:
+    """Register "axonml" with torch.distributed (again is harmless). Importing this module does it;
+    torch also calls it through the package's ``torch.distributed.backends`` entry point the first time
+    a script names "axonml", so scripts need no import of ours."""
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+register()
 
 
 def _value(fut: torch.futures.Future[Any]) -> Any:

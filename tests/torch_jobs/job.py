@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import axonml_distributed.torch  # noqa: F401  (registers "axonml")
+# No import of ours: torch loads "axonml" through the package's entry point, as for any user script.
 
 TIMEOUT = datetime.timedelta(seconds=30)
 DTYPES = [
