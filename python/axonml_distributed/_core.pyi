@@ -94,6 +94,18 @@ class ShmBackend:
     ) -> Backend: ...
 
 @final
+class ShmSegment:
+    """A segment rank 0 created for a job that meets through its own key-value store (the torch
+    backend): `token` goes into the store, every rank calls `ShmSegment.join(token, ...)`."""
+
+    def __new__(cls, world_size: int, arena_bytes: int | None = None) -> ShmSegment: ...
+    @property
+    def token(self) -> str: ...
+    def close(self) -> None: ...
+    @staticmethod
+    def join(token: str, rank: int, world_size: int, timeout: float | None = None) -> Backend: ...
+
+@final
 class SegmentMemory:
     """Keeps segment memory alive: the base object of the arrays `ProcessGroup.empty` makes with "shm"."""
 
@@ -191,7 +203,9 @@ class GradSyncStrategy:
 class GradientSynchronizer:
     """Buckets gradients and averages them across a group, in place."""
 
-    def __new__(cls, strategy: GradSyncStrategy = ..., bucket_size: int | None = None) -> GradientSynchronizer: ...
+    def __new__(
+        cls, strategy: GradSyncStrategy = ..., bucket_size: int | None = None
+    ) -> GradientSynchronizer: ...
     def strategy(self) -> GradSyncStrategy: ...
     def bucket_size(self) -> int: ...
     def num_buckets(self) -> int: ...
@@ -217,6 +231,7 @@ __all__ = [
     "ReduceOp",
     "SegmentMemory",
     "ShmBackend",
+    "ShmSegment",
     "Work",
     "World",
     "checked_timeout",

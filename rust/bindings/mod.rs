@@ -6,6 +6,7 @@ mod bucket;
 mod exceptions;
 mod group;
 mod shm;
+mod store_join;
 mod work;
 mod world;
 
@@ -56,6 +57,8 @@ mod _core {
     use super::group::PyProcessGroup;
     #[pymodule_export]
     use super::shm::{PyShmBackend, SegmentMemory};
+    #[pymodule_export]
+    use super::store_join::PyShmSegment;
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]

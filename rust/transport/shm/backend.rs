@@ -4,11 +4,13 @@ use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
 
 use super::layout::{Ctrl, Page, NOT_SHARED};
+use super::rendezvous::Joined;
 use super::staged::Staged;
 use super::world::{Cause, Shared};
-use super::{rendezvous, wire, ShmOptions};
+use super::{rendezvous, store_join, wire, ShmOptions};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::{Backend, SharedMem};
 use crate::call::{self, Call};
@@ -87,7 +89,20 @@ impl ShmBackend {
     pub fn connect(mut opts: ShmOptions) -> Result<ShmBackend> {
         opts.timeout = opts.timeout.min(MAX_TIMEOUT);
         let joined = rendezvous::join(&opts)?;
-        let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout)?);
+        Self::from_joined(joined, opts.rank, opts.timeout)
+    }
+
+    /// Join as `rank` of `world_size` with a token rank 0 made (`SegmentToken::token`) and passed
+    /// through the job's own key-value store (see `store_join`). Blocks until every rank has joined.
+    pub fn join_token(token: &str, rank: usize, world_size: usize, timeout: Duration) -> Result<ShmBackend> {
+        let timeout = timeout.min(MAX_TIMEOUT);
+        let joined = store_join::join(token, rank, world_size, timeout)?;
+        Self::from_joined(joined, rank, timeout)
+    }
+
+    /// The world's communicator over a joined segment.
+    fn from_joined(joined: Joined, rank: usize, timeout: Duration) -> Result<ShmBackend> {
+        let world = Arc::new(Shared::new(joined, rank, timeout)?);
         let n = world.size;
         // Slot 0 is the world's communicator; marking it in use lets `abort` wake its waiters.
         let head = world.comm_head(0);
@@ -97,7 +112,7 @@ impl ShmBackend {
             world,
             slot: 0,
             members: (0..n).collect(),
-            index: opts.rank,
+            index: rank,
             first_block: 0,
             local: Mutex::default(),
             undrained: AtomicBool::new(false),
