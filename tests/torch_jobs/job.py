@@ -137,21 +137,28 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
 
 
 def ddp(rank: int, world: int) -> dict[str, Any]:
-    """torch DDP over "axonml" and over a gloo group of the same ranks, from the same start."""
+    """torch DDP over "axonml" and over a gloo group of the same ranks, from the same start: batch
+    norm (buffers broadcast before each forward), small buckets, and no_sync() accumulation."""
     gloo = dist.new_group(list(range(world)), backend="gloo")
     result = {}
     for name, group in [("axonml", None), ("gloo", gloo)]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
         net = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(4):
+        for step in range(4):
             opt.zero_grad()
-            loss = net(torch.randn(16, 8, generator=gen)).square().mean()
-            loss.backward()
+            if step % 2:  # one local micro-batch, then the synced one averages the accumulated sum
+                with net.no_sync():
+                    net(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            net(torch.randn(16, 8, generator=gen)).square().mean().backward()
             opt.step()
-        result[name] = [p.detach().clone() for p in model.parameters()]
+        result[name] = [t.detach().clone() for t in model.parameters()]
+        # Buffers are each rank's own after its last forward (broadcast only before one), as in torch.
+        result[f"{name} buffers"] = [t.detach().clone() for t in model.buffers()]
     return result
 
 
