@@ -313,3 +313,19 @@ def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() 
 
     res = ad.spawn(fn, 2, timeout=30)
     assert res == [([1.5] * 3, "Tensor", [0, 3, 6, 9])] * 2
+
+
+def test_tensor_helpers_keep_bfloat16_and_take_non_contiguous_tensors() -> None:
+    import torch
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        t = torch.full((4,), 1.5 + pg.rank(), dtype=torch.bfloat16)
+        out = pg.all_reduce_tensor(t)
+        nc = (torch.arange(8.0).reshape(2, 4) + 10 * pg.rank()).t()  # a transposed view
+        b = pg.broadcast_tensor(nc, 0)
+        return out.dtype, out.tolist(), b.tolist(), float(t[0])
+
+    for r, (dtype, out, b, mine) in enumerate(ad.spawn(fn, 2, timeout=30)):
+        assert dtype == torch.bfloat16 and out == [4.0] * 4
+        assert b == torch.arange(8.0).reshape(2, 4).t().tolist()
+        assert mine == 1.5 + r  # the input is left alone
