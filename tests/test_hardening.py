@@ -98,6 +98,23 @@ def test_the_isend_recv_exchange_completes_at_any_size(n: int) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_isends_with_two_tags_received_in_the_other_order_complete() -> None:
+    n = 1 << 18  # 1 MiB of float32: above the eager limit, so each send waits for its receive
+
+    def fn(pg: ad.ProcessGroup) -> bool:
+        if pg.rank() == 0:
+            works = [pg.send(np.full(n, float(tag), np.float32), 1, tag, async_op=True) for tag in (1, 2)]
+        else:
+            bufs = {tag: np.zeros(n, np.float32) for tag in (2, 1)}
+            works = [pg.recv(bufs[tag], 0, tag, async_op=True) for tag in (2, 1)]
+        for w in works:
+            w.wait()
+        return pg.rank() == 0 or all(bool((bufs[t] == t).all()) for t in (1, 2))
+
+    assert ad.spawn(fn, 2, timeout=30) == [True, True]
+
+
+@pytest.mark.timeout(60)
 def test_queued_sends_to_one_peer_keep_their_order() -> None:
     def fn(pg: ad.ProcessGroup) -> list[float]:
         if pg.rank() == 0:

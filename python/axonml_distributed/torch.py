@@ -465,7 +465,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
         peer = self._global(dst)
         natives = [self._native.send(_dense(t)[0], peer, tag, async_op=True) for t in tensors]
-        return self._work(("send", peer), natives, tensors)
+        return self._work(("send", peer, tag), natives, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
         peer = self._global(src)
@@ -474,7 +474,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             buf, back = _dense(t)
             natives.append(self._native.recv(buf, peer, tag, async_op=True))
             finishes.append(back)
-        return self._work(("recv", peer), natives, tensors, _chain(*finishes))
+        return self._work(("recv", peer, tag), natives, tensors, _chain(*finishes))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
         raise NotImplementedError("the axonml backend needs the source rank of a recv (src=...)")

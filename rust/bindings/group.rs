@@ -329,7 +329,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Send(dst),
+            Lane::Send { peer: dst, tag },
             async_op,
             vec![a],
             None,
@@ -350,7 +350,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Recv(src),
+            Lane::Recv { peer: src, tag },
             async_op,
             vec![a],
             None,
@@ -476,7 +476,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Recv(src),
+            Lane::Recv { peer: src, tag },
             async_op,
             vec![a],
             Some(out.clone()),
