@@ -175,7 +175,7 @@ fn a_rank_never_returns_while_peers_still_write_its_segment_array() {
 
 #[test]
 fn a_subgroup_dropped_by_every_member_frees_its_slot_and_staging() {
-    // 31 subgroup slots and a pool of 4 staging blocks: without freeing, the third group would fail.
+    // 31 subgroup slots and a pool of 16 staging blocks: without freeing, the ninth group would fail.
     let sums = Shm.run(2, LONG, |pg| {
         let world = axonml_distributed::World::init(pg.backend().clone());
         (0..100)

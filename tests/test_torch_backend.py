@@ -230,6 +230,32 @@ def test_a_rank_that_dies_raises_peer_failure_in_ddp_and_after_not_a_hang(tmp_pa
 
 
 @pytest.mark.timeout(200)
+def test_nested_futures_powersgd_many_groups_names_and_device_mesh(tmp_path: Path) -> None:
+    res = torchrun("nested", tmp_path)
+    assert all("error" not in r for r in res), res
+    for r in res:
+        assert float(r["nested"][0]) == WORLD
+        assert r["sums"] == [float(WORLD)] * 5
+        assert len(set(r["names"])) == 5 and all(r["names"])
+        assert r["mesh"].tolist() == [float(sum(range(WORLD)))] * 2
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_raises_and_lingers_fails_its_peers_at_once(tmp_path: Path) -> None:
+    res = by_hand("raises", tmp_path)
+    assert res[1]["error"] == "ValueError", res[1]
+    assert res[0]["error"] == "PeerFailureError" and "ValueError in rank 1" in res[0]["message"], res[0]
+    assert res[0]["waited"] < 10, res[0]
+
+
+@pytest.mark.timeout(200)
+def test_init_again_in_the_same_processes_under_torchrun(tmp_path: Path) -> None:
+    res = torchrun("reinit", tmp_path)
+    assert all("error" not in r for r in res), res
+    assert [r["sums"] for r in res] == [[1.0, 3.0, 5.0]] * WORLD
+
+
+@pytest.mark.timeout(200)
 def test_the_job_secret_must_match(tmp_path: Path) -> None:
     """Under axonml-run the token in the store carries an HMAC of the job secret."""
     env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(WORLD)}

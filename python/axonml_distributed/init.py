@@ -20,6 +20,8 @@ _local = threading.local()
 # The sys.excepthook that `init_process_group("shm")` installed and the one it replaced, which
 # `destroy_process_group` restores.
 _excepthooks: tuple[Any, Any] | None = None
+# The group the hook aborts when it is not the default group (the torch backend's world).
+_hook_group: Any = None
 
 
 def _set_default_group(pg: Any) -> None:
@@ -83,7 +85,7 @@ def init_process_group(
         from axonml_distributed.shm import init_shm_process_group
 
         _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), seconds)
-        _install_excepthook()
+        install_excepthook()
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'shm' or 'mpi' (threads: use spawn())")
     return _default
@@ -115,18 +117,22 @@ def destroy_process_group() -> None:
             sys.excepthook = previous
 
 
-def _install_excepthook() -> None:
+def install_excepthook(group: Any = None) -> None:
     """Abort the shm world when an exception ends this process's main thread, so the peers fail at once
     even if the process lingers (a non-daemon thread keeps it alive), and report it as before. Under
     axonml-run it first leaves an error file (see `error_file`), from which the launcher names the rank
-    that failed first. MPI needs none: its jobs run under ``python -m mpi4py``, which aborts the job."""
+    that failed first. ``group``: the world's group (default: the default group); the torch backend
+    passes its own. MPI needs none: its jobs run under ``python -m mpi4py``, which aborts the job."""
     from axonml_distributed import error_file
 
-    global _excepthooks
+    global _excepthooks, _hook_group
+    _hook_group = group
+    if _excepthooks is not None and sys.excepthook is _excepthooks[0]:
+        return  # installed: it now reports for `group`
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        pg = _default
+        pg = _hook_group if _hook_group is not None else _default
         path = os.environ.get(error_file.ENV) or None
         record = None
         # Reporting the original exception matters more than a failure to record it or to abort.

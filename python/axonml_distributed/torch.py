@@ -33,6 +33,7 @@ plain RuntimeError with our message.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import hashlib
 import hmac
@@ -54,6 +55,7 @@ from axonml_distributed._core import (
     ReduceOp,
     ShmSegment,
 )
+from axonml_distributed.init import install_excepthook
 
 __all__ = ["BACKEND", "AxonmlProcessGroup", "register"]
 
@@ -72,6 +74,9 @@ _OPS = {
 }
 # The world of this process's default group: subgroups are native subgroups over it.
 _world: Backend | None = None
+# Where torch futures are completed: never a thread our own progress needs, so a future's callback may
+# issue and wait on further collectives (torch's PowerSGD hook does) without blocking a lane.
+_settlers = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="axonml-future")
 
 
 def _host_identity() -> str:
@@ -111,9 +116,14 @@ def _join_world(store: dist.Store, rank: int, size: int, timeout: datetime.timed
         segment = ShmSegment(size, int(float(arena) * (1 << 20)) if arena else None)
         try:
             store.set("axonml/token", f"{segment.token}\n{_mac(segment.token)}")
-            return ShmSegment.join(segment.token, 0, size, timeout.total_seconds())
+            world = ShmSegment.join(segment.token, 0, size, timeout.total_seconds())
         finally:
             segment.close()
+        # Every rank has joined, so none reads these again: a later init over the same store (torchrun
+        # keeps one per agent) must not find this job's token.
+        for key in ["axonml/token", *(f"axonml/host/{r}" for r in range(size))]:
+            store.delete_key(key)
+        return world
     token, _, mac = _get(store, "axonml/token", timeout).partition("\n")
     if token.startswith("error: "):
         raise DistributedError(token.removeprefix("error: "))
@@ -132,6 +142,9 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
     if not ranks:
         _world = _join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         native = ProcessGroup(_world)
+        # As our own init_process_group does: an exception that ends this process's main thread aborts
+        # the world at once (and leaves the launcher's error file), even if the process lingers.
+        install_excepthook(native)
     elif _world is None:
         raise DistributedError(
             "an axonml subgroup needs an axonml default group: init_process_group('axonml')"
@@ -173,27 +186,32 @@ class _Work(dist.Work):
         self._source: torch.futures.Future[Any] = torch.futures.Future()
         self._future = self._source.then(_value)
         self._done = threading.Event()
+        self._settling = threading.Lock()
         self._error: BaseException | None = None
 
     def _complete(self) -> None:
-        """Run on the lane's completion thread, in issue order."""
-        try:
-            for w in self._natives:
-                w.wait()
-            if self._finish is not None:
-                self._finish()
-        except BaseException as e:  # the future and wait() report it
-            self._error = e
-            self._source.set_exception(e)
-        else:
-            self._source.set_result(self._result)
-        finally:
+        """Wait for the native works and copy results back, once (on the lane's completion thread, or
+        on the thread that waits first); then complete the future elsewhere (`_settlers`)."""
+        with self._settling:
+            if self._done.is_set():
+                return
+            try:
+                for w in self._natives:
+                    w.wait()  # our errors, raised here; Ctrl-C ends it on the main thread
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as e:  # the future and wait() report it
+                self._error = e
             self._done.set()
+        if self._error is not None:
+            _settlers.submit(self._source.set_exception, self._error)
+        else:
+            _settlers.submit(self._source.set_result, self._result)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        for w in self._natives:
-            w.wait()  # our errors, raised here; Ctrl-C ends it on the main thread
-        self._done.wait()
+        """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
+        not used); re-raise its error."""
+        self._complete()
         if self._error is not None:
             raise self._error
         return True
@@ -257,9 +275,27 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self._ranks = native.ranks()
         self._completers: dict[Any, _Completer] = {}
         self._lock = threading.Lock()
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
+
+    # torch names every group (destroy_process_group(g), functional collectives and DeviceMesh look
+    # groups up by name) through methods that only reach registered C++ backends: keep them here.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def size(self) -> int:
         return len(self._ranks)

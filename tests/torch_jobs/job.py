@@ -184,6 +184,70 @@ def dies(rank: int, world: int) -> dict[str, Any]:
     return {}
 
 
+def nested(rank: int, world: int) -> dict[str, Any]:
+    """A future's callback that issues and waits on another collective (as torch's PowerSGD hook
+    does), and DDP with the PowerSGD hook itself; then named groups as DeviceMesh needs them."""
+    t, u = torch.ones(2), torch.ones(2)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    got = fut.then(lambda f: dist.all_reduce(u, async_op=True).get_future().wait()).wait()
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    torch.manual_seed(0)
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    state = powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2)
+    net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        net(torch.randn(8, 16, generator=gen)).square().sum().backward()
+    groups = [dist.new_group([0, 1]) for _ in range(5)]  # more than the old staging pool held
+    sums = []
+    for g in groups:
+        x = torch.ones(3)
+        dist.all_reduce(x, group=g)
+        sums.append(float(x[0]))
+    names = [g.group_name for g in groups]
+    for g in groups:
+        dist.destroy_process_group(g)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    y = torch.full((2,), float(rank))
+    dist.all_reduce(y, group=mesh.get_group())
+    return {"nested": got[0], "sums": sums, "names": names, "mesh": y}
+
+
+def raises(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 raises and its process stays alive (a non-daemon thread): rank 0 must be told at once."""
+    import threading
+    import time
+
+    if rank == 1:
+        threading.Thread(target=time.sleep, args=(15,)).start()
+        error = ValueError("boom on rank 1")
+        error.uncaught = True  # type: ignore[attr-defined]  # `run` records it, then lets it end the thread
+        raise error
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+    finally:
+        NOTES["waited"] = time.monotonic() - start
+    return {}
+
+
+def reinit(rank: int, world: int) -> dict[str, Any]:
+    """init, all_reduce, destroy, three times in the same processes over the same store."""
+    sums = []
+    for i in range(3):
+        if i:
+            dist.init_process_group("axonml", timeout=TIMEOUT)
+        t = torch.full((2,), float(rank + i))
+        dist.all_reduce(t)
+        sums.append(float(t[0]))
+        if i < 2:
+            dist.destroy_process_group()
+    return {"sums": sums}
+
+
 def init_args(rank: int, world: int) -> dict[str, Any]:
     t = torch.full((3,), float(rank))
     dist.all_reduce(t)
@@ -192,7 +256,7 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 
 # What a job saw before it failed, saved with its error.
 NOTES: dict[str, Any] = {}
-MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, init_args]}
+MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]}
 
 
 def run(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
@@ -208,6 +272,9 @@ def run(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
         dist.destroy_process_group()
     except Exception as e:
         result = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e), **NOTES}
+        if getattr(e, "uncaught", False):
+            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+            raise
         traceback.print_exc()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 

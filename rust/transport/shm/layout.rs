@@ -64,7 +64,9 @@ impl Params {
             // Saturating: an absurd request stays absurd (and `check` refuses it) instead of wrapping.
             arena: arena.checked_next_multiple_of(PAGE).unwrap_or(usize::MAX),
             cell: if large { 8 << 10 } else { 64 << 10 },
-            pool: if large { world } else { 2 * world.max(2) },
+            // Room for several subgroups alive at once (torch users create them freely), each member
+            // taking a block; freed when every member dropped its group.
+            pool: if large { world } else { (4 * world).max(16) },
         }
     }
 
