@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import axonml_distributed as ad
 from interrupts import sigint_once_in
@@ -232,8 +233,6 @@ def test_every_waiting_rank_gets_the_timeout_naming_the_missing_rank_and_where_e
 
 
 def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() -> None:
-    torch = pytest.importorskip("torch")
-
     def fn(pg: ad.ProcessGroup) -> Any:
         t = torch.full((3,), float(pg.rank() + 1), requires_grad=True)
         pg.all_reduce(t, ad.ReduceOp.AVG)
