@@ -129,10 +129,10 @@ def check_group(process_group: Any) -> Any:
     return process_group
 
 
-def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray]) -> None:
-    """Overwrite every array in place with the group's first rank's, moving raw bytes (so any dtype: bool
-    masks, int16 counters...) in as few broadcasts as fit `_BROADCAST_CAP` each."""
-    root = pg.ranks()[0]
+def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray], root: int | None = None) -> None:
+    """Overwrite every array in place with global rank `root`'s (None: the group's first rank), moving raw
+    bytes (so any dtype: bool masks, int16 counters...) in as few broadcasts as fit `_BROADCAST_CAP` each."""
+    root = pg.ranks()[0] if root is None else root
     is_root = pg.rank() == root
     i = 0
     while i < len(arrays):

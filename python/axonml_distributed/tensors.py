@@ -40,3 +40,12 @@ def as_numpy(t: Any) -> tuple[Any, Callable[[np.ndarray], Any]]:
     if is_tensor(t) and t.device.type != "cpu":
         raise ValueError(f"collectives run on CPU tensors; got one on {t.device}")
     return numpy_view(t), like(t)
+
+
+def raw_memory(t: Any) -> np.ndarray:
+    """A CPU tensor's memory as numpy bytes, to broadcast it whatever its dtype (bool, bfloat16 ...):
+    flat uint8 when contiguous, else the strided numpy view (`ddp.broadcast_arrays` copies it back)."""
+    t = t.detach()
+    if t.is_contiguous():
+        return t.reshape(-1).view(sys.modules["torch"].uint8).numpy()  # type: ignore[no-any-return]
+    return t.numpy()  # type: ignore[no-any-return]
