@@ -5,8 +5,9 @@ A hook on each parameter (``register_post_accumulate_grad_hook``) hands its owne
 autograd has accumulated its gradient; the owner decides whether that gradient is to be reduced now (DDP:
 outside ``no_sync()``; the optimizer: on the last of its backward passes) and calls `ready`, which puts the
 gradient into its flat bucket and starts, at once and on the group's worker, the all-reduce of every bucket
-now complete, in bucket order (the same collectives in the same order on every rank). `finish` reduces what
-is left, waits, and writes the averages back into ``.grad``.
+now complete, in bucket order (the same collectives in the same order on every rank), except the last,
+whose gradients come last. `finish` reduces what is left, waits, and writes the averages back into
+``.grad``.
 """
 
 from __future__ import annotations
@@ -149,13 +150,13 @@ class GradReducer:
                     unused.append(slot)
             for bucket in self.buckets:
                 bucket.pending = 0
-            self._start_ready_buckets()
+            self._start_ready_buckets(final=True)
             global_use = None
             if find_unused:
                 global_use = self.group.empty((len(self.slots),), np.uint8)
                 global_use[:] = [slot.used for slot in self.slots]
                 self.group.all_reduce(global_use, ReduceOp.MAX)  # runs after the queued buckets
-            for bucket in self.buckets:
+            for bucket in self.buckets[:-1]:
                 bucket.work.wait()
             for i, slot in enumerate(self.slots):
                 if global_use is None or global_use[i]:
@@ -184,11 +185,20 @@ class GradReducer:
         if self.as_bucket_view:
             slot.param.grad = slot.view
 
-    def _start_ready_buckets(self) -> None:
-        # In bucket order only: every rank must issue the same collectives in the same order.
+    def _start_ready_buckets(self, final: bool = False) -> None:
+        # In bucket order only: every rank must issue the same collectives in the same order. The last
+        # bucket waits for `finish`, which reduces it on this thread (after the queued ones: a group keeps
+        # issue order): its gradients come last in backward, so there is nothing left to overlap with,
+        # and a hand-off to the worker would only add a thread wake-up (most of a small model's step).
+        last = len(self.buckets) - 1
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bucket = self.buckets[self._next_bucket]
-            bucket.work = self.group.all_reduce(bucket.flat, ReduceOp.AVERAGE, async_op=True)
+            if self._next_bucket < last:
+                bucket.work = self.group.all_reduce(bucket.flat, ReduceOp.AVERAGE, async_op=True)
+            elif final:
+                self.group.all_reduce(bucket.flat, ReduceOp.AVERAGE)
+            else:
+                return
             self._next_bucket += 1
 
     def _write_back(self, slot: Slot) -> None:
