@@ -44,6 +44,14 @@ def _check_cpu(name: str, devices: Any) -> None:
             )
 
 
+class _StepState:
+    """Flags that change every step, on a plain object (setting a torch module's attributes is slow)."""
+
+    def __init__(self) -> None:
+        self.local = False  # the last forward under autograd ran inside no_sync()
+        self.reducing = False  # a synced backward started reducing; its end-of-backward callback is queued
+
+
 class TorchDistributedDataParallel(torch.nn.Module):
     """torch's ``DistributedDataParallel`` on our process groups, for CPU modules.
 
@@ -89,8 +97,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
         # (then the next forward broadcasts the buffers).
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._local_step = False  # the last forward under autograd ran inside no_sync()
-        self._reducing = False  # a synced backward started reducing; its end-of-backward callback is queued
+        self._step = _StepState()
         self._reducer: GradReducer | None = None
         self._build()
         if init_sync:
@@ -99,18 +106,20 @@ class TorchDistributedDataParallel(torch.nn.Module):
     # -- torch DDP's API ----------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._reducing:
+        if self._step.reducing:
             raise RuntimeError(
                 "DistributedDataParallel: the previous backward raised before its gradients were averaged, "
                 "so this rank is out of step with the others; the job cannot continue"
             )
-        if self.require_forward_param_sync and self.broadcast_buffers:
+        if self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers:
             self._sync_buffers()
         output = self.module(*inputs, **kwargs)
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self._local_step = not self.require_backward_grad_sync
-        self.require_forward_param_sync = grad_enabled and self.require_backward_grad_sync
+            self._step.local = not self.require_backward_grad_sync
+        param_sync = grad_enabled and self.require_backward_grad_sync
+        if param_sync != self.require_forward_param_sync:  # torch.nn.Module.__setattr__ is slow
+            self.require_forward_param_sync = param_sync
         return output
 
     @contextlib.contextmanager
@@ -144,7 +153,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
     def sync_gradients(self) -> None:
         """Returns at once: ``backward()`` has averaged the gradients. Only gradients that backwards inside
         ``no_sync()`` left local are averaged here, when called outside it."""
-        if self.require_backward_grad_sync and not self._reducing and any(s.used for s in self._slots()):
+        if self.require_backward_grad_sync and not self._step.reducing and any(s.used for s in self._slots()):
             self._finish_reduction()
 
     def bucket_assignment(self) -> list[list[int]]:
@@ -156,7 +165,9 @@ class TorchDistributedDataParallel(torch.nn.Module):
     def _build(self) -> None:
         if self._reducer is not None:
             self._reducer.close()
-        self._reducing = False
+        self._step.reducing = False
+        # As torch's DDP: the buffers to broadcast are the module's when wrapped (or moved with to()).
+        self._module_buffers = list(self.module.buffers())
         trainable: list[tuple[int, str, torch.nn.Parameter]] = []
         for i, (name, param) in enumerate(self.module.named_parameters()):
             if param.device.type != "cpu":
@@ -176,10 +187,10 @@ class TorchDistributedDataParallel(torch.nn.Module):
 
     def _on_gradient(self, slot: Slot) -> None:
         """Autograd has accumulated ``slot``'s gradient: reduce it now unless this backward stays local."""
-        if self._local_step or not self.require_backward_grad_sync or slot.ready:
+        if self._step.local or not self.require_backward_grad_sync or slot.ready:
             return  # no_sync(): the gradient stays local
-        if not self._reducing:
-            self._reducing = True
+        if not self._step.reducing:
+            self._step.reducing = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_reduction)
         self._grads().ready(slot)
 
@@ -188,7 +199,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
         try:
             unused = self._grads().finish(self.find_unused_parameters)
         finally:
-            self._reducing = False
+            self._step.reducing = False
         if unused and not self.find_unused_parameters:
             names = ", ".join(slot.name for slot in unused)
             raise RuntimeError(
@@ -199,7 +210,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
 
     def _sync_buffers(self) -> None:
         with torch.no_grad():
-            broadcast_arrays(self.process_group, [raw_memory(b) for b in self.module.buffers()])
+            broadcast_arrays(self.process_group, [raw_memory(b) for b in self._module_buffers])
 
 
 DistributedDataParallel.register(TorchDistributedDataParallel)
