@@ -39,8 +39,9 @@ TARGETS = {"toy": 0.5, "resnet18": 0.8}
 def _models(torch: Any) -> dict[str, tuple[Callable[[], Any], Callable[[Any], tuple[Any, Any]], Any]]:
     """name -> (build the model, make a batch from a generator, loss function)."""
     nn = torch.nn
+    module: Any = nn.Module  # torch is typed Any here: it is imported by the workers only
 
-    class ToyModel(nn.Module):
+    class ToyModel(module):
         def __init__(self) -> None:
             super().__init__()
             self.net1 = nn.Linear(10, 10)
@@ -50,7 +51,7 @@ def _models(torch: Any) -> dict[str, tuple[Callable[[], Any], Callable[[Any], tu
         def forward(self, x: Any) -> Any:
             return self.net2(self.relu(self.net1(x)))
 
-    class BasicBlock(nn.Module):
+    class BasicBlock(module):
         def __init__(self, cin: int, cout: int, stride: int) -> None:
             super().__init__()
             self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)

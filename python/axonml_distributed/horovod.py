@@ -168,7 +168,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory of optimi
     named = _named(optimizer, named_parameters)
     group = check_group(pg)
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
+    cls: Any = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks
     wrapped._setup(named, group, passes, bucket_bytes(bucket_cap_mb))
