@@ -6,7 +6,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use half::f16;
+use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
@@ -28,24 +28,39 @@ pub enum DType {
     I32 = 6,
     /// Signed 64-bit integer (wrapping arithmetic, like numpy).
     I64 = 7,
+    /// bfloat16 (torch's); reduced in f32 and rounded once, like float16.
+    BF16 = 8,
+    /// Booleans, one byte each (any nonzero byte is true): SUM and MAX are OR, PRODUCT and MIN are
+    /// AND, as in torch and numpy; AVERAGE is refused. Carried as bytes, so no Rust `bool` is read
+    /// from memory that might hold another value; Rust callers pass them with `Buf::from_raw`.
+    Bool = 9,
 }
 
 impl DType {
     /// Every supported dtype.
-    pub const ALL: [DType; 7] =
-        [DType::F16, DType::F32, DType::F64, DType::I8, DType::U8, DType::I32, DType::I64];
+    pub const ALL: [DType; 9] = [
+        DType::F16,
+        DType::F32,
+        DType::F64,
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::I64,
+        DType::BF16,
+        DType::Bool,
+    ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::I8 | DType::U8 => 1,
-            DType::F16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
         }
     }
 
-    /// numpy's name for it.
+    /// numpy's (and, for bfloat16, torch's) name for it.
     pub const fn name(self) -> &'static str {
         match self {
             DType::F16 => "float16",
@@ -55,12 +70,14 @@ impl DType {
             DType::U8 => "uint8",
             DType::I32 => "int32",
             DType::I64 => "int64",
+            DType::BF16 => "bfloat16",
+            DType::Bool => "bool",
         }
     }
 
     /// True for the floating-point types.
     pub const fn is_float(self) -> bool {
-        matches!(self, DType::F16 | DType::F32 | DType::F64)
+        matches!(self, DType::F16 | DType::F32 | DType::F64 | DType::BF16)
     }
 
     /// The dtype with this `repr(u8)` code (used by the shared-memory wire format).
@@ -87,7 +104,7 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f16 => F16, f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, i64 => I64);
+element!(f16 => F16, f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, i64 => I64, bf16 => BF16);
 
 /// A read-only, type-erased view of a contiguous buffer.
 #[derive(Clone, Copy)]

@@ -153,12 +153,12 @@ impl ProcessGroup {
     }
     /// Send `buf` to global rank `dst`.
     pub fn send_tensor<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.flush(Lane::Send(dst))?;
+        self.flush(Lane::Send { peer: dst, tag })?;
         self.comm()?.send(Buf::new(buf), dst, tag)
     }
     /// Receive into `buf` from global rank `src`.
     pub fn recv_tensor<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        self.flush(Lane::Recv(src))?;
+        self.flush(Lane::Recv { peer: src, tag })?;
         self.comm()?.recv(BufMut::new(buf), src, tag)
     }
 }

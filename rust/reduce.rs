@@ -1,14 +1,15 @@
 //! Reduction operators and their kernels.
 //!
 //! Every reduction combines its inputs in the order given (rank order in the collectives), one tile at a
-//! time, so every rank computes bitwise-identical results run after run. float16 is accumulated in f32
-//! and rounded once. MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; integer arithmetic wraps
+//! time, so every rank computes bitwise-identical results run after run. float16 and bfloat16 are
+//! accumulated in f32 and rounded once; bool reads any nonzero byte as true (OR for SUM/MAX, AND for
+//! PRODUCT/MIN). MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; integer arithmetic wraps
 //! like numpy's. The inner loops are plain slice loops with the operator chosen outside them, which the
 //! compiler vectorises.
 
 use std::fmt;
 
-use half::f16;
+use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -147,6 +148,7 @@ macro_rules! float_arith {
 float_arith!(f32, f32, |x| x, |x| x);
 float_arith!(f64, f64, |x| x, |x| x);
 float_arith!(f16, f32, f16::to_f32, f16::from_f32);
+float_arith!(bf16, f32, bf16::to_f32, bf16::from_f32);
 
 macro_rules! int_arith {
     ($($t:ty),*) => {$(
@@ -170,6 +172,45 @@ macro_rules! int_arith {
     )*};
 }
 int_arith!(i8, u8, i32, i64);
+
+/// A [`DType::Bool`] element as the byte it is: loading normalises (nonzero is true), so a byte that
+/// is not 0 or 1 (a numpy view of other data) is never read as a Rust `bool`.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct BoolByte(u8);
+
+impl Arith for BoolByte {
+    type Acc = bool;
+    #[inline(always)]
+    fn load(self) -> bool {
+        self.0 != 0
+    }
+    #[inline(always)]
+    fn store(acc: bool) -> Self {
+        BoolByte(acc as u8)
+    }
+    #[inline(always)]
+    fn add(a: bool, b: bool) -> bool {
+        a | b
+    }
+    #[inline(always)]
+    fn mul(a: bool, b: bool) -> bool {
+        a & b
+    }
+    #[inline(always)]
+    fn min(a: bool, b: bool) -> bool {
+        a & b
+    }
+    #[inline(always)]
+    fn max(a: bool, b: bool) -> bool {
+        a | b
+    }
+    #[inline(always)]
+    fn div(a: bool, _: usize) -> bool {
+        // AVERAGE is refused for bool before any kernel runs.
+        a
+    }
+}
 
 /// Elements per tile: small enough that the inputs of one tile stay in L1/L2 while the result is written
 /// back, so the stores hit lines just read.
@@ -196,7 +237,7 @@ fn accumulate<T: Arith>(op: ReduceOp, acc: &mut [T::Acc], src: &[T]) {
 /// # Safety
 /// Every input must be valid for reading and every output for writing `count` values of `T`, and no
 /// other thread may touch these ranges during the call. Inputs and outputs may be the same memory.
-unsafe fn reduce_typed<T: Element>(op: ReduceOp, inputs: &[*const u8], outputs: &[*mut u8], count: usize) {
+unsafe fn reduce_typed<T: Arith>(op: ReduceOp, inputs: &[*const u8], outputs: &[*mut u8], count: usize) {
     let n = inputs.len();
     let mut acc = [T::Acc::default(); TILE];
     let mut start = 0;
@@ -253,6 +294,8 @@ pub(crate) unsafe fn reduce_raw(
             DType::U8 => reduce_typed::<u8>(op, inputs, outputs, count),
             DType::I32 => reduce_typed::<i32>(op, inputs, outputs, count),
             DType::I64 => reduce_typed::<i64>(op, inputs, outputs, count),
+            DType::BF16 => reduce_typed::<bf16>(op, inputs, outputs, count),
+            DType::Bool => reduce_typed::<BoolByte>(op, inputs, outputs, count),
         }
     }
 }
@@ -311,6 +354,43 @@ mod tests {
         let mut out = [f16::ZERO];
         reduce_slices(ReduceOp::Sum, &refs, &mut out).unwrap();
         assert_eq!(out[0].to_f32(), 2050.0);
+    }
+
+    #[test]
+    fn bf16_accumulates_in_f32_and_rounds_once() {
+        // 256 + 1 + 1: bfloat16 has 8 significant bits, so rounding after each add would lose both ones.
+        let xs = [bf16::from_f32(256.0), bf16::from_f32(1.0), bf16::from_f32(1.0)];
+        let inputs: Vec<[bf16; 1]> = xs.iter().map(|x| [*x]).collect();
+        let refs: Vec<&[bf16]> = inputs.iter().map(|x| &x[..]).collect();
+        let mut out = [bf16::ZERO];
+        reduce_slices(ReduceOp::Sum, &refs, &mut out).unwrap();
+        assert_eq!(out[0].to_f32(), 258.0);
+        // Rounded to nearest even once: 1 + 2^-8 (not representable) -> 1.
+        let a = [bf16::ONE];
+        let b = [bf16::from_f32(2f32.powi(-8))];
+        reduce_slices(ReduceOp::Sum, &[&a, &b], &mut out).unwrap();
+        assert_eq!(out[0], bf16::ONE);
+    }
+
+    #[test]
+    fn bools_are_or_and_and_of_bytes_and_average_is_refused() {
+        // Every pair of (false, true, and a non-canonical true byte 2) under each op.
+        let a = [0u8, 0, 1, 1, 2, 0];
+        let b = [0u8, 1, 0, 1, 0, 2];
+        let run = |op| {
+            let mut out = [7u8; 6];
+            let ins = [a.as_ptr(), b.as_ptr()];
+            // SAFETY: six readable bytes per input and six writable in `out`, disjoint.
+            unsafe { reduce_raw(DType::Bool, op, &ins, &[out.as_mut_ptr()], 6) };
+            out
+        };
+        let or = [0, 1, 1, 1, 1, 1];
+        let and = [0, 0, 0, 1, 0, 0];
+        assert_eq!(run(ReduceOp::Sum), or);
+        assert_eq!(run(ReduceOp::Max), or);
+        assert_eq!(run(ReduceOp::Product), and);
+        assert_eq!(run(ReduceOp::Min), and);
+        assert!(matches!(ReduceOp::Average.check(DType::Bool), Err(Error::UnsupportedDtype(_))));
     }
 
     #[test]

@@ -131,10 +131,12 @@ pub(crate) fn describe_mismatch(calls: &[(usize, Signature)]) -> Option<String> 
 pub(crate) struct Progress {
     /// Global rank.
     pub rank: usize,
-    /// Sequence number of the last call it completed (0: none yet), and its kind when known.
-    pub done: (u64, Option<CollKind>),
+    /// Sequence number of the last call it completed successfully (0: none yet), and its kind.
+    pub completed: (u64, Option<CollKind>),
     /// Sequence number of the last call it entered, and its kind when known.
     pub entered: (u64, Option<CollKind>),
+    /// Whether it has left the call it entered last (with an error, when that call is not completed).
+    pub left: bool,
 }
 
 /// "; where each rank is: rank 0 completed #3 all_reduce and waits in #4 barrier, rank 1 completed #3
@@ -146,15 +148,15 @@ pub(crate) fn describe_progress(members: &[Progress]) -> String {
     let each: Vec<String> = members
         .iter()
         .map(|p| {
-            let done = if p.done.0 == 0 {
+            let done = if p.completed.0 == 0 {
                 "completed no collective yet".into()
             } else {
-                format!("completed {}", call(p.done))
+                format!("completed {}", call(p.completed))
             };
-            if p.entered.0 > p.done.0 {
-                format!("rank {} {done} and waits in {}", p.rank, call(p.entered))
-            } else {
-                format!("rank {} {done}", p.rank)
+            match (p.entered.0 > p.completed.0, p.left) {
+                (false, _) => format!("rank {} {done}", p.rank),
+                (true, false) => format!("rank {} {done} and waits in {}", p.rank, call(p.entered)),
+                (true, true) => format!("rank {} {done} and left {} with an error", p.rank, call(p.entered)),
             }
         })
         .collect();

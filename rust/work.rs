@@ -1,10 +1,12 @@
 //! Asynchronous work: per-communicator lanes, each a worker thread that runs its jobs in issue order,
 //! and a [`Work`] handle that reports each job's result.
 //!
-//! A communicator has one lane for collectives and, per peer, one for sends and one for receives. So
-//! calls issued in the same order on every rank meet in that order whatever object issued them (every
-//! group over one communicator shares its lanes), and an `isend` / `recv` exchange completes at any
-//! size: the receive does not queue behind this rank's own send, which waits for the peer's receive.
+//! A communicator has one lane for collectives and, per peer and tag, one for sends and one for
+//! receives (point-to-point messages match by source and tag, in order per tag). So calls issued in
+//! the same order on every rank meet in that order whatever object issued them (every group over one
+//! communicator shares its lanes), and `isend` / `irecv` patterns complete at any size, as in MPI: a
+//! receive never queues behind this rank's own send, which may wait for the peer's receive, and a
+//! send with one tag never waits behind a send with another that the peer receives later.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
@@ -57,10 +59,20 @@ impl Work {
 pub enum Lane {
     /// Every collective (they match by sequence number, so they must run in issue order).
     Collectives,
-    /// Sends to this global rank (matched by tag in send order).
-    Send(usize),
-    /// Receives from this global rank.
-    Recv(usize),
+    /// Sends to a global rank with a tag (received in send order).
+    Send {
+        /// The destination's global rank.
+        peer: usize,
+        /// The message tag.
+        tag: u64,
+    },
+    /// Receives from a global rank with a tag.
+    Recv {
+        /// The source's global rank.
+        peer: usize,
+        /// The message tag.
+        tag: u64,
+    },
 }
 
 /// A lazily started worker thread and the last job given to it.

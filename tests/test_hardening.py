@@ -3,6 +3,7 @@ in-process world. Each failed (wrong result, hang, crash) before its fix."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,23 @@ def test_the_isend_recv_exchange_completes_at_any_size(n: int) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_isends_with_two_tags_received_in_the_other_order_complete() -> None:
+    n = 1 << 18  # 1 MiB of float32: above the eager limit, so each send waits for its receive
+
+    def fn(pg: ad.ProcessGroup) -> bool:
+        if pg.rank() == 0:
+            works = [pg.send(np.full(n, float(tag), np.float32), 1, tag, async_op=True) for tag in (1, 2)]
+        else:
+            bufs = {tag: np.zeros(n, np.float32) for tag in (2, 1)}
+            works = [pg.recv(bufs[tag], 0, tag, async_op=True) for tag in (2, 1)]
+        for w in works:
+            w.wait()
+        return pg.rank() == 0 or all(bool((bufs[t] == t).all()) for t in (1, 2))
+
+    assert ad.spawn(fn, 2, timeout=30) == [True, True]
+
+
+@pytest.mark.timeout(60)
 def test_queued_sends_to_one_peer_keep_their_order() -> None:
     def fn(pg: ad.ProcessGroup) -> list[float]:
         if pg.rank() == 0:
@@ -125,6 +143,14 @@ def test_huge_bucket_capacities_are_an_error_not_a_crash(capacity: int) -> None:
     sync = ad.GradientSynchronizer(ad.GradSyncStrategy.SYNCHRONOUS, capacity)
     with pytest.raises((ValueError, MemoryError)):
         sync.add_gradient(0, np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("count", [2**64 + 1, -1])
+def test_counts_no_buffer_could_hold_are_a_value_error(count: int) -> None:
+    with pytest.raises(ValueError, match="element count"):
+        ad.GradientBucket(count)
+    with pytest.raises(ValueError, match="element count"):
+        ad.GradientSynchronizer(ad.GradSyncStrategy.OVERLAPPED, count)
 
 
 def test_a_bucket_larger_than_memory_is_a_memory_error() -> None:
@@ -232,6 +258,67 @@ def test_every_waiting_rank_gets_the_timeout_naming_the_missing_rank_and_where_e
         assert f"rank {r} completed #1 all_reduce and waits in #2 barrier" in msg, msg
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_timed_out_is_not_reported_as_having_completed_the_call() -> None:
+    def fn(pg: ad.ProcessGroup) -> None:
+        pg.all_reduce(np.ones(4, np.float32))
+        if pg.rank() == 3:
+            time.sleep(4)  # never comes to the second call in time
+            return
+        if pg.rank() == 1:
+            time.sleep(0.5)  # enters late: its deadline fires after rank 0's
+        pg.all_reduce(np.ones(4, np.float32))
+
+    res = outcomes(4, fn, timeout=1.0)
+    for r in (0, 1, 2):
+        assert isinstance(res[r], ad.CollectiveTimeoutError), res[r]
+        msg = str(res[r])
+        assert "rank 3 completed #1 all_reduce" in msg, msg
+        for peer in (0, 1, 2):
+            assert f"rank {peer} completed #2" not in msg, msg
+            assert f"rank {peer} completed #1 all_reduce and " in msg, msg
+
+
+_IMPORT_ON_A_THREAD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    t = threading.Thread(target=lambda: __import__("axonml_distributed"))
+    t.start(); t.join()
+    import axonml_distributed as ad
+    from interrupts import sigint_once_in
+    backends = ad.MockBackend.create_world(2, timeout=20)
+    pg = ad.ProcessGroup(backends[0])
+    sigint_once_in("pg.barrier()  # interrupted")
+    start = time.monotonic()
+    try:
+        pg.barrier()  # interrupted
+    except KeyboardInterrupt:
+        print("interrupted after", round(time.monotonic() - start, 2))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_works_when_the_package_was_first_imported_on_another_thread(tmp_path: Any) -> None:
+    script = tmp_path / "import_on_a_thread.py"  # a file: the interrupter reads the call's source line
+    script.write_text(_IMPORT_ON_A_THREAD)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, str(script), tests], capture_output=True, text=True, timeout=50)
+    assert p.stdout.startswith("interrupted after"), (p.stdout, p.stderr)
+    assert float(p.stdout.split()[-1]) < 5, p.stdout
+
+
+def test_new_group_is_a_method_of_every_group() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = pg.new_group([1, 2])
+        if not sub.contains(pg.rank()):
+            return None
+        return sub.all_reduce_tensor(np.full(2, float(pg.rank()))).tolist()
+
+    assert ad.spawn(fn, 3, timeout=30) == [None, [3.0, 3.0], [3.0, 3.0]]
+
+
 def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() -> None:
     def fn(pg: ad.ProcessGroup) -> Any:
         t = torch.full((3,), float(pg.rank() + 1), requires_grad=True)
@@ -242,3 +329,19 @@ def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() 
 
     res = ad.spawn(fn, 2, timeout=30)
     assert res == [([1.5] * 3, "Tensor", [0, 3, 6, 9])] * 2
+
+
+def test_tensor_helpers_keep_bfloat16_and_take_non_contiguous_tensors() -> None:
+    import torch
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        t = torch.full((4,), 1.5 + pg.rank(), dtype=torch.bfloat16)
+        out = pg.all_reduce_tensor(t)
+        nc = (torch.arange(8.0).reshape(2, 4) + 10 * pg.rank()).t()  # a transposed view
+        b = pg.broadcast_tensor(nc, 0)
+        return out.dtype, out.tolist(), b.tolist(), float(t[0])
+
+    for r, (dtype, out, b, mine) in enumerate(ad.spawn(fn, 2, timeout=30)):
+        assert dtype == torch.bfloat16 and out == [4.0] * 4
+        assert b == torch.arange(8.0).reshape(2, 4).t().tolist()
+        assert mine == 1.5 + r  # the input is left alone

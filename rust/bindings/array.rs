@@ -1,7 +1,8 @@
 //! numpy arrays (and CPU torch tensors, through their zero-copy numpy view) in and out: dtype
 //! dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous, writable,
 //! aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
-//! we cannot use.
+//! we cannot use. numpy has no bfloat16: a bfloat16 tensor travels as a zero-copy int16 view of its
+//! bits, tagged bfloat16.
 
 use half::f16;
 use numpy::{
@@ -43,6 +44,15 @@ macro_rules! with_type {
             }
             DType::I64 => {
                 type $t = i64;
+                $body
+            }
+            DType::BF16 => {
+                // Its bits: numpy arrays of it are int16 views (see `bf16_bits`).
+                type $t = i16;
+                $body
+            }
+            DType::Bool => {
+                type $t = bool;
                 $body
             }
         }
@@ -98,13 +108,27 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
             d.is_equiv_to(&numpy::dtype::<$t>(py))
         };
     }
-    let found = DType::ALL.into_iter().find(|dt| with_type!(*dt, T => is!(T)));
+    // bfloat16 only ever comes tagged (`bf16_bits`): an int16 array is not one.
+    let found =
+        DType::ALL.into_iter().filter(|dt| *dt != DType::BF16).find(|dt| with_type!(*dt, T => is!(T)));
     found.ok_or_else(|| {
         PyTypeError::new_err(format!(
             "{what} has dtype {d}, which is not supported; use one of float16, float32, float64, int8, uint8, \
-             int32, int64 (native byte order)"
+             int32, int64, bool (native byte order), or a bfloat16 torch tensor"
         ))
     })
+}
+
+/// For a bfloat16 torch tensor: the int16 tensor over the same memory (numpy cannot view bfloat16).
+fn bf16_bits<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.cast::<PyUntypedArray>().is_ok() || !is_tensor(obj)? {
+        return Ok(None);
+    }
+    let torch = obj.py().import("torch")?;
+    if !obj.getattr("dtype")?.eq(torch.getattr("bfloat16")?)? {
+        return Ok(None);
+    }
+    Ok(Some(obj.call_method0("detach")?.call_method1("view", (torch.getattr("int16")?,))?))
 }
 
 /// True when `obj` is a torch tensor (torch is never imported here: without it loaded, nothing is one).
@@ -147,8 +171,10 @@ pub(crate) fn like<'py>(out: Bound<'py, PyAny>, like: &Bound<'py, PyAny>) -> PyR
     Ok(out)
 }
 
-fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
-    let arr = as_ndarray(obj, what)?.cast_into::<PyUntypedArray>().map_err(|e| {
+/// `obj` as a C-contiguous numpy array, with the dtype its elements carry.
+fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyUntypedArray>, DType)> {
+    let bits = bf16_bits(obj)?;
+    let arr = as_ndarray(bits.as_ref().unwrap_or(obj), what)?.cast_into::<PyUntypedArray>().map_err(|e| {
         let obj = e.into_inner();
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         PyTypeError::new_err(format!("{what} must be a numpy.ndarray or a CPU torch.Tensor, got {ty}"))
@@ -159,7 +185,8 @@ fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyUn
             arr.strides()
         )));
     }
-    Ok(arr)
+    let dtype = if bits.is_some() { DType::BF16 } else { dtype_of(&arr, what)? };
+    Ok((arr, dtype))
 }
 
 fn borrow_error(what: &str, e: BorrowError) -> PyErr {
@@ -179,8 +206,7 @@ fn misaligned(what: &str) -> PyErr {
 
 /// Borrow `obj` for reading and writing.
 pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
-    let arr = untyped(obj, what)?;
-    let dtype = dtype_of(&arr, what)?;
+    let (arr, dtype) = untyped(obj, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {
         let typed = arr.cast::<PyArrayDyn<T>>()?;
@@ -193,8 +219,7 @@ pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Arr
 
 /// Borrow `obj` for reading.
 pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
-    let arr = untyped(obj, what)?;
-    let dtype = dtype_of(&arr, what)?;
+    let (arr, dtype) = untyped(obj, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {
         let typed = arr.cast::<PyArrayDyn<T>>()?;
@@ -206,8 +231,15 @@ pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Arr
 }
 
 /// A new zero-filled array of `dtype` and `shape` (numpy's own size checks: a ValueError or
-/// MemoryError for a shape too large, never a wrapped size).
+/// MemoryError for a shape too large, never a wrapped size). bfloat16, which only comes from torch
+/// tensors, gets a torch tensor.
 pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    if dtype == DType::BF16 {
+        let torch = py.import("torch")?;
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("dtype", torch.getattr("bfloat16")?)?;
+        return torch.call_method("zeros", (shape.to_vec(),), Some(&kw));
+    }
     let descr = with_type!(dtype, T => numpy::dtype::<T>(py));
     py.import("numpy")?.call_method1("zeros", (shape.to_vec(), descr))
 }

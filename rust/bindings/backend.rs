@@ -245,14 +245,24 @@ impl PyBackend {
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: usize, tag: u64) -> PyResult<()> {
         let a = self.checked(readable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(py, Lane::Send(dst), vec![a], Box::new(move |b| b.send(unsafe { raw.buf() }, dst, tag)))
+        self.run(
+            py,
+            Lane::Send { peer: dst, tag },
+            vec![a],
+            Box::new(move |b| b.send(unsafe { raw.buf() }, dst, tag)),
+        )
     }
     /// Receive into `buf` from global rank `src`.
     #[pyo3(signature = (buf, src, tag=0))]
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize, tag: u64) -> PyResult<()> {
         let a = self.checked(writable(buf, "buf"))?;
         let raw = a.raw;
-        self.run(py, Lane::Recv(src), vec![a], Box::new(move |b| b.recv(unsafe { raw.buf_mut() }, src, tag)))
+        self.run(
+            py,
+            Lane::Recv { peer: src, tag },
+            vec![a],
+            Box::new(move |b| b.recv(unsafe { raw.buf_mut() }, src, tag)),
+        )
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.
     fn abort(&self, reason: &str) {

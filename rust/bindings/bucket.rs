@@ -23,6 +23,13 @@ fn state<'a>(py: Python<'_>, m: &'a Mutex<SyncState>) -> MutexGuard<'a, SyncStat
 }
 
 /// The numpy views over a bucket's flat buffer.
+/// An element count from Python: a ValueError (not an OverflowError) for one no buffer could hold.
+fn count(n: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    n.extract::<usize>().map_err(|_| {
+        PyValueError::new_err(format!("{what} must be a non-negative element count below 2**64, got {n}"))
+    })
+}
+
 fn bucket_view<'py>(
     owner: Bound<'py, PyAny>,
     b: &GradientBucket,
@@ -43,8 +50,8 @@ pub(crate) struct PyGradientBucket {
 impl PyGradientBucket {
     /// A bucket for up to `capacity` elements.
     #[new]
-    fn new(capacity: usize) -> Self {
-        PyGradientBucket { inner: Mutex::new(GradientBucket::new(capacity)) }
+    fn new(capacity: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(PyGradientBucket { inner: Mutex::new(GradientBucket::new(count(capacity, "capacity")?)) })
     }
     /// Copy `grad` in; False (nothing added) when it does not fit. Mixing dtypes is a ValueError.
     fn add(&self, grad: &Bound<'_, PyAny>) -> PyResult<bool> {
@@ -152,8 +159,9 @@ fn default_group(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 impl PyGradientSynchronizer {
     /// A synchronizer whose buckets hold `bucket_size` elements (default 25M).
     #[new]
-    #[pyo3(signature = (strategy=PyGradSyncStrategy::Synchronous, bucket_size=DEFAULT_BUCKET_SIZE))]
-    fn new(strategy: PyGradSyncStrategy, bucket_size: usize) -> PyResult<Self> {
+    #[pyo3(signature = (strategy=PyGradSyncStrategy::Synchronous, bucket_size=None))]
+    fn new(strategy: PyGradSyncStrategy, bucket_size: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let bucket_size = bucket_size.map_or(Ok(DEFAULT_BUCKET_SIZE), |n| count(n, "bucket_size"))?;
         if bucket_size == 0 {
             return Err(PyValueError::new_err("bucket_size must be at least 1 element"));
         }

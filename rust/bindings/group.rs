@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use super::array::{as_ndarray, like, readable, writable, zeros, Array};
+use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros, Array};
 use super::backend::{parse_op, PyBackend};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::{queued, run_blocking, Job, PyWork};
@@ -58,6 +59,13 @@ impl PyProcessGroup {
     /// A C-ordered numpy copy of `t` (an array or a CPU tensor), for the `*_tensor` collectives that
     /// return new arrays.
     fn copy_of<'py>(t: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        if is_tensor(t)? {
+            // torch's own copy: it keeps dtypes numpy lacks (bfloat16) and makes any layout contiguous.
+            let contiguous = t.py().import("torch")?.getattr("contiguous_format")?;
+            let kwargs = PyDict::new(t.py());
+            kwargs.set_item("memory_format", contiguous)?;
+            return t.call_method0("detach")?.call_method("clone", (), Some(&kwargs));
+        }
         let np = t.py().import("numpy")?;
         np.call_method1("array", (as_ndarray(t, "t")?,))?.call_method1("copy", ("C",))
     }
@@ -88,6 +96,12 @@ impl PyProcessGroup {
     #[staticmethod]
     fn mock() -> Self {
         PyProcessGroup { inner: Arc::new(ProcessGroup::mock()) }
+    }
+    /// A subgroup of `ranks` (global), made over this group's world as `World.new_group` does: every
+    /// member creates it, in the same order as its other groups. The same call as on the MPI group.
+    fn new_group(&self, ranks: Vec<usize>) -> PyResult<Self> {
+        let inner = ProcessGroup::with_ranks(self.inner.backend().clone(), &ranks)?;
+        Ok(PyProcessGroup { inner: Arc::new(inner) })
     }
     /// The world backend this group was made from.
     fn backend(&self) -> PyBackend {
@@ -315,7 +329,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Send(dst),
+            Lane::Send { peer: dst, tag },
             async_op,
             vec![a],
             None,
@@ -336,7 +350,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Recv(src),
+            Lane::Recv { peer: src, tag },
             async_op,
             vec![a],
             None,
@@ -462,7 +476,7 @@ impl PyProcessGroup {
         let raw = a.raw;
         self.run(
             py,
-            Lane::Recv(src),
+            Lane::Recv { peer: src, tag },
             async_op,
             vec![a],
             Some(out.clone()),

@@ -6,22 +6,41 @@ mod bucket;
 mod exceptions;
 mod group;
 mod shm;
+mod store_join;
 mod work;
 mod world;
 
-use std::sync::OnceLock;
-use std::thread::ThreadId;
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 
 use pyo3::prelude::*;
+use pyo3::types::PyCFunction;
 
-/// The thread that imported the module: Python runs signal handlers only there, so only its waits
-/// need to look (and take the GIL to do so).
-static MAIN_THREAD: OnceLock<ThreadId> = OnceLock::new();
+/// The kernel thread id of Python's main thread: Python runs signal handlers only there, so only its
+/// waits need to look (and take the GIL to do so). Taken from `threading.main_thread()` (the module
+/// may be imported on any thread), and re-taken in a forked child, whose only thread is its main one.
+static MAIN_THREAD: AtomicI32 = AtomicI32::new(0);
+
+fn this_thread() -> i32 {
+    rustix::thread::gettid().as_raw_nonzero().get()
+}
 
 /// Ctrl-C while a rank waits: run Python's signal handlers; a raised KeyboardInterrupt ends the wait.
 fn python_interrupted() -> bool {
-    MAIN_THREAD.get() == Some(&std::thread::current().id())
+    MAIN_THREAD.load(Relaxed) == this_thread()
         && Python::try_attach(|py| py.check_signals().is_err()).unwrap_or(false)
+}
+
+/// Record Python's main thread, and have every forked child record its own.
+fn track_main_thread(py: Python<'_>) -> PyResult<()> {
+    let main = py.import("threading")?.call_method0("main_thread")?.getattr("native_id")?.extract::<i32>()?;
+    MAIN_THREAD.store(main, Relaxed);
+    let after_fork = PyCFunction::new_closure(py, None, None, |_args, _kwargs| {
+        MAIN_THREAD.store(this_thread(), Relaxed);
+    })?;
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("after_in_child", after_fork)?;
+    py.import("os")?.call_method("register_at_fork", (), Some(&kwargs))?;
+    Ok(())
 }
 
 #[pymodule]
@@ -39,6 +58,8 @@ mod _core {
     #[pymodule_export]
     use super::shm::{PyShmBackend, SegmentMemory};
     #[pymodule_export]
+    use super::store_join::PyShmSegment;
+    #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]
     use super::world::PyWorld;
@@ -47,7 +68,7 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        let _ = super::MAIN_THREAD.set(std::thread::current().id());
+        super::track_main_thread(m.py())?;
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;

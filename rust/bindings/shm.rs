@@ -65,10 +65,13 @@ pub(crate) struct SegmentMemory {
     _mem: SharedMem,
 }
 
+/// The collective dtype of a numpy dtype (numpy has no bfloat16, so never that one).
 fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> Option<DType> {
     let py = descr.py();
     DType::ALL.into_iter().find(|d| {
         let want = match d {
+            DType::BF16 => return false,
+            DType::Bool => numpy::dtype::<bool>(py),
             DType::F16 => numpy::dtype::<f16>(py),
             DType::F32 => numpy::dtype::<f32>(py),
             DType::F64 => numpy::dtype::<f64>(py),
@@ -122,5 +125,7 @@ pub(crate) fn segment_array<'py>(
         DType::U8 => view!(u8),
         DType::I32 => view!(i32),
         DType::I64 => view!(i64),
+        DType::Bool => view!(bool),
+        DType::BF16 => return Ok(None),
     }))
 }

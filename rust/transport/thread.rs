@@ -52,6 +52,8 @@ struct Page {
 struct Slot {
     arrive: AtomicU64,
     done: AtomicU64,
+    /// The last call this member completed successfully (timeout reports).
+    completed: AtomicU64,
     /// The kind of call k in `kinds[k % 2]` (for timeout reports, read without the page).
     kinds: [AtomicU8; 2],
     pages: [UnsafeCell<Page>; 2],
@@ -83,6 +85,7 @@ impl Comm {
                 CachePadded::new(Slot {
                     arrive: AtomicU64::new(0),
                     done: AtomicU64::new(0),
+                    completed: AtomicU64::new(0),
                     kinds: [AtomicU8::new(0), AtomicU8::new(0)],
                     pages: [UnsafeCell::new(page), UnsafeCell::new(page)],
                 })
@@ -99,8 +102,13 @@ impl Comm {
             .iter()
             .zip(&self.members)
             .map(|(s, &rank)| {
-                let (done, entered) = (s.done.load(SeqCst), s.arrive.load(SeqCst));
-                Progress { rank, done: (done, kind(s, done)), entered: (entered, kind(s, entered)) }
+                let (completed, entered) = (s.completed.load(SeqCst), s.arrive.load(SeqCst));
+                Progress {
+                    rank,
+                    completed: (completed, kind(s, completed)),
+                    entered: (entered, kind(s, entered)),
+                    left: s.done.load(SeqCst) >= entered,
+                }
             })
             .collect();
         describe_progress(&at)
@@ -460,8 +468,9 @@ impl MockBackend {
         // Wait until no peer touches our buffers any more (even if the world is aborted meanwhile: the
         // call itself completed).
         if touches_peers {
-            return self.drain(k);
+            self.drain(k)?;
         }
+        slot.completed.store(k, SeqCst);
         Ok(())
     }
 }

@@ -4,11 +4,13 @@ use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
 
 use super::layout::{Ctrl, Page, NOT_SHARED};
+use super::rendezvous::Joined;
 use super::staged::Staged;
 use super::world::{Cause, Shared};
-use super::{rendezvous, wire, ShmOptions};
+use super::{rendezvous, store_join, wire, ShmOptions};
 use crate::algo::{copy, owner, Peer};
 use crate::backend::{Backend, SharedMem};
 use crate::call::{self, Call};
@@ -87,7 +89,20 @@ impl ShmBackend {
     pub fn connect(mut opts: ShmOptions) -> Result<ShmBackend> {
         opts.timeout = opts.timeout.min(MAX_TIMEOUT);
         let joined = rendezvous::join(&opts)?;
-        let world = Arc::new(Shared::new(joined, opts.rank, opts.timeout)?);
+        Self::from_joined(joined, opts.rank, opts.timeout)
+    }
+
+    /// Join as `rank` of `world_size` with a token rank 0 made (`SegmentToken::token`) and passed
+    /// through the job's own key-value store (see `store_join`). Blocks until every rank has joined.
+    pub fn join_token(token: &str, rank: usize, world_size: usize, timeout: Duration) -> Result<ShmBackend> {
+        let timeout = timeout.min(MAX_TIMEOUT);
+        let joined = store_join::join(token, rank, world_size, timeout)?;
+        Self::from_joined(joined, rank, timeout)
+    }
+
+    /// The world's communicator over a joined segment.
+    fn from_joined(joined: Joined, rank: usize, timeout: Duration) -> Result<ShmBackend> {
+        let world = Arc::new(Shared::new(joined, rank, timeout)?);
         let n = world.size;
         // Slot 0 is the world's communicator; marking it in use lets `abort` wake its waiters.
         let head = world.comm_head(0);
@@ -97,7 +112,7 @@ impl ShmBackend {
             world,
             slot: 0,
             members: (0..n).collect(),
-            index: opts.rank,
+            index: rank,
             first_block: 0,
             local: Mutex::default(),
             undrained: AtomicBool::new(false),
@@ -141,11 +156,12 @@ impl ShmBackend {
                     let page = unsafe { std::ptr::read_volatile(c.pages[(k % 2) as usize].get()) };
                     wire::decode(page.sig).filter(|s| s.seq == k).map(|s| s.kind)
                 };
-                let (done, entered) = (c.done.load(Acquire), c.arrive.load(Acquire));
+                let (completed, entered) = (c.completed.load(Acquire), c.arrive.load(Acquire));
                 Progress {
                     rank: self.members[j],
-                    done: (done, kind(done)),
+                    completed: (completed, kind(completed)),
                     entered: (entered, kind(entered)),
+                    left: c.done.load(Acquire) >= entered,
                 }
             })
             .collect();
@@ -269,14 +285,17 @@ impl ShmBackend {
             Err(e) => (Err(e), true),
         };
         // From here on we touch nothing of this call: peers waiting for us may go.
+        if !drain && result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
         ctrl.done.store(k, Release);
         self.world.comm_head(self.slot).event.notify(true);
         if !drain {
             return result;
         }
-        // Wait, without deadline, for every member that may still read or write our buffers: all of them
-        // when everyone arrived, else those whose arrival we can see now (pairs with their re-check of
-        // the abort word: one of the two sides sees the other's store).
+        // Wait (bounded: see `drain`) for every member that may still read or write our buffers: all of
+        // them when everyone arrived, else those whose arrival we can see now (pairs with their re-check
+        // of the abort word: one of the two sides sees the other's store).
         std::sync::atomic::fence(SeqCst);
         let busy: Vec<usize> =
             (0..n).filter(|&j| j != me && (everyone || self.ctrl(j).arrive.load(SeqCst) >= k)).collect();
@@ -287,6 +306,9 @@ impl ShmBackend {
             (Ok(()), Ok(())) => self.world.check_abort(&op, Some(&self.members)),
             (err, _) => err,
         };
+        if result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
         result.map_err(|e| self.with_progress(e))
     }
 

@@ -232,6 +232,8 @@ pub(crate) struct Ctrl {
     pub arrive: CachePadded<AtomicU64>,
     /// Sequence number of the last collective whose shared buffers this member no longer touches.
     pub done: CachePadded<AtomicU64>,
+    /// Sequence number of the last collective this member completed successfully (timeout reports).
+    pub completed: CachePadded<AtomicU64>,
     /// Pipeline steps completed (three per staged round).
     pub step: CachePadded<AtomicU64>,
     pub pages: [CachePadded<UnsafeCell<Page>>; 2],

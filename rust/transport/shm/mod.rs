@@ -47,6 +47,7 @@ mod p2p;
 mod rendezvous;
 pub(crate) mod segment;
 mod staged;
+mod store_join;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -58,6 +59,7 @@ use std::time::Duration;
 pub use auth::JobSecret;
 pub use backend::ShmBackend;
 pub use layout::MAX_RANKS;
+pub use store_join::SegmentToken;
 
 pub use crate::config::DEFAULT_ARENA;
 

@@ -80,13 +80,13 @@ fn me() -> u32 {
 }
 
 /// Record this rank in the header: its pid, then one more attached rank.
-fn register(m: &Mapping, rank: usize) {
+pub(crate) fn register(m: &Mapping, rank: usize) {
     let h = m.header();
     h.pids[rank].store(me(), SeqCst);
     h.attached.fetch_add(1, SeqCst);
 }
 
-fn pids(m: &Mapping, world: usize) -> Vec<u32> {
+pub(crate) fn pids(m: &Mapping, world: usize) -> Vec<u32> {
     m.header().pids[..world].iter().map(|p| p.load(SeqCst)).collect()
 }
 

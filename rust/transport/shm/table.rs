@@ -88,7 +88,7 @@ impl Shared {
                 // A slot's counters are monotonic over one binding: start it from zero.
                 for j in 0..n {
                     let c = self.ctrl(slot, j);
-                    for counter in [&c.arrive, &c.done, &c.step] {
+                    for counter in [&c.arrive, &c.done, &c.completed, &c.step] {
                         counter.store(0, Relaxed);
                     }
                 }

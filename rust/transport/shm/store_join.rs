@@ -1,0 +1,200 @@
+//! Joining the shared-memory world through someone else's key-value store, in two phases: rank 0
+//! creates the segment and hands out a [`token`](SegmentToken::token) (segment name, session nonce,
+//! world size) by whatever store the job already has (torch's TCPStore or FileStore); every rank
+//! (rank 0 too) then [`join`]s with it. No socket of ours is opened.
+//!
+//! The store is the trust boundary: whoever can read it learns the segment's name, but the segment is
+//! a 0600 file of this user that `segment::attach` owner-checks, and the nonce ties it to this job.
+
+use std::time::{Duration, Instant};
+
+use super::layout::{Layout, Params, MAX_RANKS};
+use super::liveness::Liveness;
+use super::rendezvous::{pids, register, Joined};
+use super::segment::{self, Mapping};
+use crate::error::{Error, Result};
+use crate::transport::wait::{may_spin, Stop, Wait};
+
+/// A segment rank 0 created for a job whose ranks have not all joined yet. Dropping it removes the
+/// name (the ranks that attached keep their mappings), so a failed start leaves nothing behind.
+pub struct SegmentToken {
+    name: String,
+    nonce: [u8; 16],
+    world: usize,
+    /// Keeps the creator's mapping (and so the file's memory) until every rank has attached its own.
+    _mapping: Mapping,
+}
+
+impl Drop for SegmentToken {
+    fn drop(&mut self) {
+        segment::unlink(&self.name);
+    }
+}
+
+impl SegmentToken {
+    /// Create the segment for `world` ranks with `arena_bytes` of segment arrays per rank, under a
+    /// fresh random name.
+    pub fn create(world: usize, arena_bytes: usize) -> Result<SegmentToken> {
+        check_world(world)?;
+        let layout = Layout::new(Params::new(world, arena_bytes))
+            .map_err(|p| Error::invalid(format!("unusable shared-memory layout parameter: {p}")))?;
+        let nonce = segment::random::<16>()?;
+        // A random name collides only with a planted file: try a fresh one rather than use it.
+        let mut tries = 0;
+        loop {
+            let name = segment::random_name()?;
+            match segment::create(&name, &layout, nonce) {
+                Ok(m) => return Ok(SegmentToken { name, nonce, world, _mapping: m }),
+                Err(Error::Os { source, .. })
+                    if tries < 4 && source.kind() == std::io::ErrorKind::AlreadyExists =>
+                {
+                    tries += 1
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
+    pub fn token(&self) -> String {
+        let hex: String = self.nonce.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{} {hex} {}", self.name, self.world)
+    }
+}
+
+fn check_world(world: usize) -> Result<()> {
+    if world == 0 || world > MAX_RANKS {
+        return Err(Error::invalid(format!("world_size must be 1..={MAX_RANKS}, got {world}")));
+    }
+    Ok(())
+}
+
+/// Parse a token from the store: it came through a channel others may write, so check everything.
+fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
+    let bad = || Error::invalid(format!("malformed shared-memory token {token:?} in the store"));
+    let mut parts = token.split(' ');
+    let (Some(name), Some(hex), Some(n), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    if !name.starts_with("/axonml-") || name[1..].contains('/') || name.len() >= 250 {
+        return Err(bad());
+    }
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad());
+    }
+    let mut nonce = [0u8; 16];
+    for (i, b) in nonce.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    let n: usize = n.parse().map_err(|_| bad())?;
+    if n != world {
+        return Err(Error::invalid(format!(
+            "this rank was started with world_size {world}, but rank 0 created the world for {n}"
+        )));
+    }
+    Ok((name.to_string(), nonce))
+}
+
+/// Attach the segment named by `token` as `rank` of `world` and wait (until `timeout`, Ctrl-C, or a
+/// registered rank's death) until every rank has attached; then the name is removed.
+pub(crate) fn join(token: &str, rank: usize, world: usize, timeout: Duration) -> Result<Joined> {
+    check_world(world)?;
+    if rank >= world {
+        return Err(Error::invalid(format!("rank {rank} is out of range for a world of {world} ranks")));
+    }
+    let (name, nonce) = parse(token, world)?;
+    let (mapping, layout) = segment::attach(&name, world, nonce)?;
+    let h = mapping.header();
+    if h.pids[rank].load(std::sync::atomic::Ordering::SeqCst) != 0 {
+        return Err(Error::invalid(format!("two processes claim rank {rank}")));
+    }
+    register(&mapping, rank);
+    h.event.notify(true);
+    let op = "init (shared-memory join through the store)";
+    let w =
+        Wait { event: &h.event, shared: true, spin: may_spin(world), deadline: Instant::now() + timeout, op };
+    let all = || h.attached.load(std::sync::atomic::Ordering::SeqCst) as usize >= world;
+    let waited = w.until(all, || Ok(()), || registered_alive(&mapping, world, rank));
+    match waited {
+        Ok(()) => {}
+        Err(Stop::Failed(e)) => return Err(e),
+        Err(Stop::TimedOut) => {
+            let missing =
+                pids(&mapping, world).into_iter().enumerate().filter(|&(_, p)| p == 0).map(|(r, _)| r);
+            return Err(Error::timeout(rank, op, timeout, missing.collect(), (0..world).collect()));
+        }
+    }
+    // Everyone has it mapped: from now on no crash can leak the name.
+    segment::unlink(&name);
+    let liveness = Liveness::open(&pids(&mapping, world), rank)?;
+    Ok(Joined { mapping, layout, liveness })
+}
+
+/// Fails when a rank that already attached has exited (it will never make its collectives).
+fn registered_alive(m: &Mapping, world: usize, me: usize) -> Result<()> {
+    for (r, pid) in pids(m, world).into_iter().enumerate() {
+        let Some(p) =
+            rustix::process::Pid::from_raw(pid as i32).filter(|_| r != me && pid <= i32::MAX as u32)
+        else {
+            continue;
+        };
+        if rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH) {
+            return Err(Error::PeerDied {
+                peer: r,
+                op: "init".into(),
+                detail: Some(format!("pid {pid} exited after attaching the segment")),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_bad_ones_are_refused() {
+        let t = SegmentToken::create(2, 0).unwrap();
+        let (name, nonce) = parse(&t.token(), 2).unwrap();
+        assert_eq!((name.as_str(), nonce), (t.name.as_str(), t.nonce));
+        assert!(parse(&t.token(), 3).unwrap_err().to_string().contains("world_size 3"));
+        let hex = "00".repeat(16);
+        for bad in [
+            String::new(),
+            format!("/etc/passwd {hex} 2"),
+            format!("/axonml-1/../x {hex} 2"),
+            format!("/axonml-1-x {} 2", "zz".repeat(16)),
+            format!("/axonml-1-x {hex} 2 extra"),
+            format!("/axonml-1-x {hex} two"),
+        ] {
+            assert!(parse(&bad, 2).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_rank_joins_and_the_name_is_gone_afterwards() {
+        let t = SegmentToken::create(3, 0).unwrap();
+        let token = &t.token();
+        std::thread::scope(|s| {
+            let hs: Vec<_> =
+                (0..3).map(|r| s.spawn(move || join(token, r, 3, Duration::from_secs(20)))).collect();
+            for h in hs {
+                assert!(h.join().unwrap().is_ok());
+            }
+        });
+        assert!(!std::path::Path::new(&format!("/dev/shm{}", t.name)).exists());
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_naming_it_and_drop_removes_the_name() {
+        let t = SegmentToken::create(2, 0).unwrap();
+        let path = format!("/dev/shm{}", t.name);
+        let e = join(&t.token(), 0, 2, Duration::from_millis(200)).err().unwrap();
+        assert!(matches!(&e, Error::Timeout { missing, .. } if missing == &vec![1]), "{e}");
+        assert!(std::path::Path::new(&path).exists());
+        drop(t);
+        assert!(!std::path::Path::new(&path).exists());
+    }
+}

@@ -1,0 +1,274 @@
+"""The "axonml" torch.distributed backend: torch's own API, DDP and object collectives on our world,
+under torchrun (env://), env:// by hand, and torch.multiprocessing.spawn with tcp:// and file://.
+Every job is a real multi-process run of tests/torch_jobs/job.py at 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+JOB = Path(__file__).parent / "torch_jobs" / "job.py"
+WORLD = 2
+sys.path.insert(0, str(JOB.parent))
+from job import DTYPES, OPS, data  # noqa: E402
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "AXONML_JOB_SECRET"]:
+        env.pop(k, None)
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _results(out: Path, procs: str, world: int = WORLD) -> list[dict[str, Any]]:
+    missing = [r for r in range(world) if not (out / f"rank{r}.pt").exists()]
+    assert not missing, f"ranks {missing} wrote no result:\n{procs}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def torchrun(mode: str, tmp_path: Path, world: int = WORLD) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    cmd += ["--master-port", str(_port()), str(JOB), mode, str(tmp_path)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
+    return _results(tmp_path, p.stdout + p.stderr, world)
+
+
+def axonml_run(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Our launcher: the script's env:// init finds torch's variables (and the job secret) there."""
+    cmd = [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(WORLD)]
+    cmd += [str(JOB), mode, str(tmp_path)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
+    return _results(tmp_path, p.stdout + p.stderr)
+
+
+def by_hand(mode: str, tmp_path: Path, **extra: str) -> list[dict[str, Any]]:
+    """env:// as torchrun sets it up, each rank a process of its own (so one may die alone)."""
+    env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(WORLD)} | extra
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), mode, str(tmp_path)],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = [p.communicate(timeout=150)[0] for p in procs]
+    return _results(tmp_path, "\n".join(logs))
+
+
+def spawned(mode: str, tmp_path: Path, init: str) -> list[dict[str, Any]]:
+    p = subprocess.run(
+        [sys.executable, str(JOB), mode, str(tmp_path), init],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    return _results(tmp_path, p.stdout + p.stderr)
+
+
+def reduce_ref(tensors: list[Any], op: str) -> Any:
+    """Rank order; float16/bfloat16 in float32, rounded once; bool ops as torch's (OR / AND)."""
+    dtype = tensors[0].dtype
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = tensors[0].to(wide)
+    for t in tensors[1:]:
+        t = t.to(wide)
+        if dtype == torch.bool:
+            acc = acc | t if op in ("SUM", "MAX") else acc & t
+        elif op in ("SUM", "AVG"):
+            acc = acc + t
+        elif op == "PRODUCT":
+            acc = acc * t
+        else:
+            acc = torch.minimum(acc, t) if op == "MIN" else torch.maximum(acc, t)
+    if op == "AVG":
+        acc = acc / len(tensors)
+    return acc.to(dtype)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equal tensors (dtype, shape and bytes)."""
+
+    def bits(t: Any) -> Any:
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    return bool(a.dtype == b.dtype and a.shape == b.shape and bits(a).equal(bits(b)))
+
+
+@pytest.mark.timeout(200)
+def test_every_collective_and_dtype_under_torchrun(tmp_path: Path) -> None:
+    res = torchrun("collectives", tmp_path)
+    assert all("error" not in r for r in res), res
+    for dtype in DTYPES:
+        for i, op in enumerate(OPS):
+            if op == "AVG" and not dtype.is_floating_point:
+                continue
+            want = reduce_ref([data(r, 33, dtype, seed=i) for r in range(WORLD)], op)
+            for r in range(WORLD):
+                assert same(res[r][f"all_reduce/{dtype}/{op}"], want), (dtype, op, r)
+        for r in range(WORLD):
+            assert same(res[r][f"broadcast/{dtype}"], data(WORLD - 1, 5, dtype))
+            for j in range(WORLD):
+                assert same(res[r][f"all_gather/{dtype}"][j], data(j, 4, dtype))
+    ins = [data(r, 6, torch.float32) for r in range(WORLD)]
+    rs_full = reduce_ref(
+        [torch.stack([data(r, 3, torch.float32, seed=10 + j) for j in range(WORLD)]) for r in range(WORLD)],
+        "SUM",
+    )
+    rst_full = reduce_ref([data(r, 3 * WORLD, torch.float64) for r in range(WORLD)], "MAX")
+    for r in range(WORLD):
+        got = res[r]
+        assert same(got["premul_sum"], reduce_ref([x * 0.5 for x in ins], "SUM"))
+        assert same(
+            got["all_gather_into_tensor"], torch.cat([data(j, 4, torch.float32) for j in range(WORLD)])
+        )
+        assert same(got["reduce_scatter"], rs_full[r])
+        assert same(got["reduce_scatter_tensor"], rst_full[3 * r : 3 * r + 3])
+        assert same(got["scatter"], data(r, 2, torch.int32, seed=7))
+        nc_want = reduce_ref([data(j, 12, torch.float32).reshape(3, 4).t() for j in range(WORLD)], "SUM")
+        assert same(got["non_contiguous"].contiguous(), nc_want.contiguous())
+        assert same(got["future"], reduce_ref([data(j, 7, torch.float64) for j in range(WORLD)], "SUM"))
+        assert got["work_completed"]
+        assert got["all_gather_object"] == [{"rank": j, "name": f"r{j}"} for j in range(WORLD)]
+        assert got["broadcast_object_list"] == ["from 1", 1]
+        assert same(got["batch_isend_irecv"], data((r - 1) % WORLD, 5, torch.float32))
+        assert same(
+            got["new_group_all"], reduce_ref([data(j, 3, torch.float32) for j in range(WORLD)], "SUM")
+        )
+        assert same(got["new_subgroups"], data(r, 3, torch.float32))
+        assert "collectives issue" in got["all_to_all"]
+    assert all(
+        same(a, b)
+        for a, b in zip(res[0]["gather"], [data(j, 2, torch.int64) for j in range(WORLD)], strict=True)
+    )
+    assert same(
+        res[WORLD - 1]["reduce"], reduce_ref([data(j, 5, torch.float16) for j in range(WORLD)], "SUM")
+    )
+    assert same(res[1]["send_recv"], data(0, 3, torch.int64))
+    assert same(res[WORLD - 1]["new_group_single"], data(WORLD - 1, 3, torch.float32))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launch", ["by_hand", "axonml_run"])
+def test_torch_ddp_over_axonml_matches_gloo_bitwise(tmp_path: Path, launch: str) -> None:
+    res = by_hand("ddp", tmp_path) if launch == "by_hand" else axonml_run("ddp", tmp_path)
+    assert all("error" not in r for r in res), res
+    for r in range(WORLD):
+        for key in ("", " buffers"):
+            pairs = zip(res[r]["axonml" + key], res[r]["gloo" + key], strict=True)
+            assert all(same(a, b) for a, b in pairs), (r, key)
+        assert all(same(a, b) for a, b in zip(res[r]["axonml"], res[0]["axonml"], strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_torch_ddp_over_axonml_agrees_with_gloo_at_4_ranks_under_torchrun(tmp_path: Path) -> None:
+    res = torchrun("ddp", tmp_path, world=4)
+    assert all("error" not in r for r in res), res
+    for r in range(4):
+        # Rank order here, a ring's order in gloo: the same to float32 rounding, not bitwise.
+        for key in ("", " buffers"):
+            for a, b in zip(res[r]["axonml" + key], res[r]["gloo" + key], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert all(same(a, b) for a, b in zip(res[r]["axonml"], res[0]["axonml"], strict=True))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_spawn_with_tcp_and_file_init_and_torch_style_arguments(tmp_path: Path, scheme: str) -> None:
+    init = f"tcp://127.0.0.1:{_port()}" if scheme == "tcp" else f"file://{tmp_path / 'store'}"
+    res = spawned("init_args", tmp_path, init)
+    for r in res:
+        assert "error" not in r, r
+        assert same(r["sum"], torch.full((3,), float(sum(range(WORLD)))))
+        assert r["backend"] == ("cpu:axonml" if scheme == "file" else "axonml")
+
+
+@pytest.mark.timeout(200)
+def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
+    for r in by_hand("mismatch", tmp_path):
+        assert r.get("error") == "CollectiveMismatchError", r
+        assert "all_reduce" in r["message"] and "broadcast" in r["message"]
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_dies_raises_peer_failure_in_ddp_and_after_not_a_hang(tmp_path: Path) -> None:
+    env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(WORLD)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "dies", str(tmp_path)],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = [p.communicate(timeout=150)[0] for p in procs]
+    assert procs[1].returncode == 3
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert got.get("error") == "PeerFailureError", (got, logs)
+    assert "rank 1" in got["message"]
+    # Through torch's C++ (DDP's reducer waiting on the bucket's future): a RuntimeError, our message.
+    assert got["ddp"].startswith("RuntimeError") and "PeerFailureError: peer rank 1 died" in got["ddp"], got
+
+
+@pytest.mark.timeout(200)
+def test_the_job_secret_must_match(tmp_path: Path) -> None:
+    """Under axonml-run the token in the store carries an HMAC of the job secret."""
+    env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(WORLD)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "init_args", str(tmp_path)],
+            env=env | {"RANK": str(r), "AXONML_JOB_SECRET": f"secret-{r}"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    log1 = procs[1].communicate(timeout=150)[0]
+    procs[0].kill()  # it waits for rank 1 to join the segment until its timeout
+    procs[0].communicate(timeout=60)
+    # Killed while waiting, it could not remove the segment's name: as after any crash at start-up.
+    from axonml_distributed.shm import cleanup_stale_segments
+
+    cleanup_stale_segments(min_age=0)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert r1.get("error") == "DistributedError" and "AXONML_JOB_SECRET" in r1["message"], (r1, log1)
+
+
+def test_registration_without_and_with_our_import() -> None:
+    """A script that only names the backend finds it (entry point); importing the package alone
+    registers nothing and does not load torch; importing axonml_distributed.torch registers it."""
+    alone = (
+        "import sys, axonml_distributed; "
+        "assert 'torch' not in sys.modules and 'axonml_distributed.torch' not in sys.modules; "
+        "import torch.distributed as d; assert 'AXONML' not in d.Backend._plugins; "
+        "import axonml_distributed.torch; assert 'AXONML' in d.Backend._plugins"
+    )
+    unchanged = (
+        "import sys, tempfile, torch, torch.distributed as d; "
+        "d.init_process_group('axonml', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1); "
+        "t = torch.ones(3); d.all_reduce(t); assert t.tolist() == [1.0] * 3; "
+        "assert d.get_backend() == 'axonml' and 'axonml_distributed.torch' in sys.modules; "
+        "d.destroy_process_group()"
+    )
+    for code in [alone, unchanged]:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=_env())

@@ -1,0 +1,224 @@
+"""Jobs for tests/test_torch_backend.py, over the "axonml" torch.distributed backend.
+
+``job.py MODE OUT [INIT]``: MODE picks what to run, OUT is a directory each rank writes its
+``rank<r>.pt`` results (or its exception) to. Under torchrun (or with RANK/WORLD_SIZE/MASTER_ADDR/
+MASTER_PORT set) it runs as one rank with env://; with INIT (a tcp:// or file:// URL) it starts its
+ranks with torch.multiprocessing.spawn.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# No import of ours: torch loads "axonml" through the package's entry point, as for any user script.
+
+TIMEOUT = datetime.timedelta(seconds=30)
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+
+
+def data(rank: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Rank `rank`'s input: small values, so products stay finite in every dtype."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
+    return torch.randint(1 if dtype == torch.uint8 else -3, 4, (n,), generator=g).to(dtype)
+
+
+def collectives(rank: int, world: int) -> dict[str, Any]:
+    """Every collective and dtype; the test compares with references built from `data`."""
+    out: dict[str, Any] = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "AVG" and not dtype.is_floating_point:
+                continue
+            t = data(rank, 33, dtype, seed=OPS.index(op))
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            out[f"all_reduce/{dtype}/{op}"] = t
+        b = data(rank, 5, dtype)
+        dist.broadcast(b, src=world - 1)
+        out[f"broadcast/{dtype}"] = b
+        gathered = [torch.zeros(4, dtype=dtype) for _ in range(world)]
+        dist.all_gather(gathered, data(rank, 4, dtype))
+        out[f"all_gather/{dtype}"] = gathered
+    x = data(rank, 6, torch.float32)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5))
+    out["premul_sum"] = x
+    big = torch.zeros(world * 4)
+    dist.all_gather_into_tensor(big, data(rank, 4, torch.float32))
+    out["all_gather_into_tensor"] = big
+    rs = torch.zeros(3)
+    dist.reduce_scatter(rs, [data(rank, 3, torch.float32, seed=10 + j) for j in range(world)])
+    out["reduce_scatter"] = rs
+    rst = torch.zeros(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(rst, data(rank, 3 * world, torch.float64), op=dist.ReduceOp.MAX)
+    out["reduce_scatter_tensor"] = rst
+    g = [torch.zeros(2, dtype=torch.int64) for _ in range(world)] if rank == 0 else None
+    dist.gather(data(rank, 2, torch.int64), g, dst=0)
+    out["gather"] = g
+    sc = torch.zeros(2, dtype=torch.int32)
+    dist.scatter(sc, [data(j, 2, torch.int32, seed=7) for j in range(world)] if rank == 0 else None, src=0)
+    out["scatter"] = sc
+    red = data(rank, 5, torch.float16)
+    dist.reduce(red, dst=world - 1)
+    out["reduce"] = red
+    dist.barrier()
+    # Non-contiguous: a transposed view, reduced in place.
+    nc = data(rank, 12, torch.float32).reshape(3, 4).t()
+    dist.all_reduce(nc)
+    out["non_contiguous"] = nc
+    # Async: the future completes with the reduced tensor.
+    fut_t = data(rank, 7, torch.float64)
+    work = dist.all_reduce(fut_t, async_op=True)
+    out["future"] = work.get_future().wait()[0]
+    out["work_completed"] = work.is_completed()
+    # Objects, through torch's own code.
+    objs: list[Any] = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"})
+    out["all_gather_object"] = objs
+    lst: list[Any] = [f"from {rank}", rank] if rank == 1 else [None, None]
+    dist.broadcast_object_list(lst, src=1)
+    out["broadcast_object_list"] = lst
+    # Point to point.
+    peer = (rank + 1) % world
+    prev = (rank - 1) % world
+    recv = torch.zeros(5)
+    reqs = dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, recv, prev), dist.P2POp(dist.isend, data(rank, 5, torch.float32), peer)]
+    )
+    for r in reqs:
+        r.wait()
+    out["batch_isend_irecv"] = recv
+    if rank == 0:
+        dist.send(data(rank, 3, torch.int64), 1)
+    elif rank == 1:
+        got = torch.zeros(3, dtype=torch.int64)
+        dist.recv(got, 0)
+        out["send_recv"] = got
+    # Subgroups: new_group and new_subgroups (each rank alone, then everyone).
+    sub = dist.new_group([world - 1])
+    if rank == world - 1:
+        s = data(rank, 3, torch.float32)
+        dist.all_reduce(s, group=sub)
+        out["new_group_single"] = s
+    everyone = dist.new_group(list(range(world)))
+    e = data(rank, 3, torch.float32)
+    dist.all_reduce(e, group=everyone)
+    out["new_group_all"] = e
+    mine, _ = dist.new_subgroups(group_size=1)
+    m = data(rank, 3, torch.float32)
+    dist.all_reduce(m, group=mine)
+    out["new_subgroups"] = m
+    try:
+        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
+    except NotImplementedError as err:
+        out["all_to_all"] = str(err)
+    return out
+
+
+def ddp(rank: int, world: int) -> dict[str, Any]:
+    """torch DDP over "axonml" and over a gloo group of the same ranks, from the same start: batch
+    norm (buffers broadcast before each forward), small buckets, and no_sync() accumulation."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    result = {}
+    for name, group in [("axonml", None), ("gloo", gloo)]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(4):
+            opt.zero_grad()
+            if step % 2:  # one local micro-batch, then the synced one averages the accumulated sum
+                with net.no_sync():
+                    net(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            net(torch.randn(16, 8, generator=gen)).square().mean().backward()
+            opt.step()
+        result[name] = [t.detach().clone() for t in model.parameters()]
+        # Buffers are each rank's own after its last forward (broadcast only before one), as in torch.
+        result[f"{name} buffers"] = [t.detach().clone() for t in model.buffers()]
+    return result
+
+
+def mismatch(rank: int, world: int) -> dict[str, Any]:
+    t = torch.ones(4)
+    if rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=0)
+    return {}
+
+
+def dies(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 vanishes after DDP's constructor; rank 0's backward, then a collective, must fail."""
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    if rank == 1:
+        os._exit(3)  # gone without a word, like a SIGKILLed rank
+    try:
+        net(torch.randn(3, 4)).sum().backward()
+    except RuntimeError as e:
+        NOTES["ddp"] = f"{type(e).__name__}: {e}"
+    dist.all_reduce(torch.ones(4))
+    return {}
+
+
+def init_args(rank: int, world: int) -> dict[str, Any]:
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    return {"sum": t, "backend": dist.get_backend()}
+
+
+# What a job saw before it failed, saved with its error.
+NOTES: dict[str, Any] = {}
+MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, init_args]}
+
+
+def run(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
+    try:
+        if init is None:
+            dist.init_process_group("axonml", timeout=TIMEOUT)
+        else:
+            backend = "cpu:axonml" if init.startswith("file://") else "axonml"
+            dist.init_process_group(
+                backend=backend, init_method=init, rank=rank, world_size=world, timeout=TIMEOUT
+            )
+        result = MODES[mode](dist.get_rank(), dist.get_world_size())
+        dist.destroy_process_group()
+    except Exception as e:
+        result = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e), **NOTES}
+        traceback.print_exc()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3:
+        mp.spawn(run, args=(2, mode, out, sys.argv[3]), nprocs=2, join=True)
+    else:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), mode, out, None)
+
+
+if __name__ == "__main__":
+    main()
