@@ -369,8 +369,9 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
 
     def _snapshot(self, with_params: bool) -> _Snapshot:
         grads = [None if (g := ref.grad()) is None else _checksum(g) for ref in self._params]
-        zeros = all(g is None or g == 0 for g in grads)  # a zero sum of the words: all zeros
-        # The parameters are read only when they are the one sign of a step: every gradient is zeros.
+        # The parameters are read only when they are the one sign of a step to come: gradients exist and
+        # all are zeros (a zero sum of the words). With no gradient at all nothing can count as a step.
+        zeros = any(g is not None for g in grads) and all(g in (None, 0) for g in grads)
         params = [_checksum(ref.data()) for ref in self._params] if with_params or zeros else None
         return _Snapshot(grads, params)
 

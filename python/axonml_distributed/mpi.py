@@ -123,8 +123,15 @@ class MpiProcessGroup:
     communicator: its accessors work, its operations raise ValueError."""
 
     def __init__(
-        self, comm: MPI.Intracomm | None, ranks: list[int], rank: int, timeout: float, check: bool
+        self,
+        comm: MPI.Intracomm | None,
+        ranks: list[int],
+        rank: int,
+        timeout: float,
+        check: bool,
+        world: MpiProcessGroup | None = None,
     ) -> None:
+        self._world = self if world is None else world  # the group of every rank, on the job's duplicate
         self._ranks = ranks
         self._index = {r: i for i, r in enumerate(ranks)}
         self._rank = rank
@@ -167,25 +174,28 @@ class MpiProcessGroup:
         return out
 
     def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
-        """A subgroup over `ranks` (global ranks, kept sorted like the native groups: chunk i of a
-        reduce_scatter goes to the i-th smallest). Collective over the members only
-        (MPI_Comm_create_group); a non-member gets a group it can query but not use. A member that does
-        not arrive within the group's timeout makes the others abort the job naming it."""
+        """A group over `ranks` (global ranks of the job, kept sorted like the native groups: chunk i of a
+        reduce_scatter goes to the i-th smallest), as the native groups' ``new_group``: called on any
+        group, a member or not, it makes the same group. Collective over the members only
+        (MPI_Comm_create_group on the job's communicator); a non-member gets a group it can query but
+        not use. A member that does not arrive within the group's timeout makes the others abort the job
+        naming it."""
         members = sorted(ranks)
         if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
             raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
-        indices = [self.group_rank(r) for r in members]
+        world = self._world
+        indices = [world.group_rank(r) for r in members]
         comm = None
         if self._rank in members:
-            queue = self._member_queue("new_group")
+            queue = world._member_queue("new_group")
             peers = {i: r for i, r in zip(indices, members, strict=True) if r != self._rank}
-            describe = f"new_group({members}) in MPI group {self._ranks}"
+            describe = f"new_group({members}) in MPI group {world._ranks}"
             with queue.lock:
                 # MPI_Comm_create_group has no non-blocking form: it is called once every member is
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check)
+        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""

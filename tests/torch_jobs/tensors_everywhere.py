@@ -152,6 +152,13 @@ def _subgroup(pg: Any) -> None:
         _same(t, torch.stack([_of(r) for r in evens]).sum(0), "new_group all_reduce")
         ad.broadcast(t := _of(me), sub)
         _same(t, _of(evens[0]), "broadcast on the subgroup")
+    odds = ranks[1::2]
+    if odds:  # called on the evens' group, by every rank, member of it or not: the same group
+        other = ad.new_group(odds, sub)
+        assert other.ranks() == odds
+        if me in odds:
+            other.all_reduce(t := _of(me), "sum")
+            _same(t, torch.stack([_of(r) for r in odds]).sum(0), "new_group from another group")
     explicit = ad.new_group(list(reversed(ranks)), pg)  # sorted, as every group's ranks are
     assert explicit.ranks() == ranks
     explicit.all_reduce(t := _of(me), "avg")
