@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed
 
 import axonml_distributed as ad
 from reference import data, reduce_ref, same_bits
@@ -166,8 +167,25 @@ def test_torch_argument_order_gets_a_type_error_that_names_the_right_call() -> N
         t = torch.full((2,), float(pg.rank()))
         with pytest.raises(TypeError, match=r"broadcast_from\(t, 0\)"):
             ad.broadcast(t, 0)
-        with pytest.raises(TypeError, match="process group"):
-            ad.all_reduce_sum(t, ad.ReduceOp.SUM)
+        with pytest.raises(TypeError, match=r"broadcast_from\(t, 0\)"):
+            ad.broadcast(t, src=0)
+        with pytest.raises(TypeError, match=r"call out = all_gather\(t, pg\)"):
+            ad.all_gather([torch.empty(2), torch.empty(2)], t)  # torch's (tensor_list, tensor)
+        for op in (ad.ReduceOp.SUM, torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX):
+            with pytest.raises(TypeError, match=r"all_reduce_sum\(t, pg\) takes the process group.*in the"):
+                ad.all_reduce_sum(t, op)
+        with pytest.raises(TypeError, match=r"all_reduce_max\(t, pg\).*all_reduce_sum/mean/min/max"):
+            ad.all_reduce_max(t, "max")
+        with pytest.raises(TypeError, match=r"chunk = reduce_scatter_sum\(t, pg\)"):
+            ad.reduce_scatter_sum(torch.empty(1), [t, t])  # torch's (output, input_list)
+        with pytest.raises(TypeError, match=r"gather_tensor\(t, dim, pg\) takes the dimension second"):
+            ad.gather_tensor(t, [torch.empty(2), torch.empty(2)])  # torch's gather(t, gather_list, dst)
+        with pytest.raises(TypeError, match=r"scatter_tensor\(t, dim, pg\) takes the dimension second"):
+            ad.scatter_tensor(t, [t, t])  # torch's scatter(t, scatter_list, src)
+        with pytest.raises(TypeError, match=r"broadcast_from\(t, src, pg\) takes the process group"):
+            ad.broadcast_from(t, 0, 1)
+        with pytest.raises(TypeError, match=r"barrier\(pg\) takes the process group"):
+            ad.barrier(0)
         ad.all_reduce_sum(t)  # the world was not aborted: the ranks go on
         return t.tolist()
 

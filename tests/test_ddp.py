@@ -542,23 +542,58 @@ def test_the_constructor_broadcasts_from_the_first_rank() -> None:
         assert_buffers(arrays[4:], 0)
 
 
-def forgetful_loop(pg: Any, steps: int, sync: bool, inplace: bool) -> None:
+def forgetful_loop(pg: Any, steps: int, sync: bool, inplace: bool, zero_first: bool) -> None:
     model = MLP(pg.rank(), inplace=inplace)
     ddp = DDP(model, pg)
     for x, y in batches(2, np.float64, steps):
-        model.zero_grad()
-        model.backward(mse_grad(ddp(x), y))
+        if zero_first:
+            model.zero_grad()
+        out = ddp(x)
+        if not zero_first:
+            model.zero_grad()
+        model.backward(mse_grad(out, y))
         if sync:
             ddp.sync_gradients()
         model.sgd()
 
 
-@pytest.mark.parametrize("inplace", [True, False], ids=["grads-written", "grads-replaced"])
-def test_a_forgotten_sync_gradients_fails_loudly_at_the_next_training_forward(inplace: bool) -> None:
-    spawn(forgetful_loop, 2, 3, True, inplace)  # the loop with the sync trains
+# zero_grad() to None before the forward leaves nothing to see at the next forward (no gradient exists,
+# as after a checkpoint load); every other order is caught.
+@pytest.mark.parametrize(
+    ("inplace", "zero_first"),
+    [(True, False), (False, False), (True, True)],
+    ids=["grads-written", "grads-replaced", "grads-zeroed-before-forward"],
+)
+def test_a_forgotten_sync_gradients_fails_loudly_at_the_next_training_forward(
+    inplace: bool, zero_first: bool
+) -> None:
+    spawn(forgetful_loop, 2, 3, True, inplace, zero_first)  # the loop with the sync trains
     with pytest.raises(Exception, match=r"never averaged.*ddp\.sync_gradients\(\)") as error:
-        spawn(forgetful_loop, 2, 3, False, inplace)
+        spawn(forgetful_loop, 2, 3, False, inplace, zero_first)
     assert isinstance(error.value.__cause__, RuntimeError)
+
+
+def test_new_weights_between_forwards_are_no_step_without_gradients() -> None:
+    # A forward, a checkpoint load, a forward: no gradient exists, so nothing was left unsynced.
+    model = MLP(0, inplace=False)
+    ddp = DDP(model, ProcessGroup.mock())
+    x, y = batches(2, np.float64, 1)[0]
+    ddp(x)
+    for p in model.parameters():
+        p.data = p.data + 1.0
+    ddp(x)
+    # With gradients (zeros) in place the new weights look like a step; sync_parameters() after the load
+    # says they are not.
+    model.backward(mse_grad(ddp(x), y))
+    ddp.sync_gradients()
+    model.zero_grad()
+    ddp(x)
+    for p in model.parameters():
+        p.data[...] = 0.5
+    ddp.sync_parameters()
+    ddp(x)
+    model.backward(mse_grad(ddp(x), y))
+    ddp.sync_gradients()
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["grads-written", "grads-replaced"])

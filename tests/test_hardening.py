@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import axonml_distributed as ad
 from interrupts import sigint_once_in
@@ -319,8 +320,6 @@ def test_new_group_is_a_method_of_every_group() -> None:
 
 
 def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() -> None:
-    import torch
-
     def fn(pg: ad.ProcessGroup) -> Any:
         t = torch.full((3,), float(pg.rank() + 1), requires_grad=True)
         pg.all_reduce(t, ad.ReduceOp.AVG)

@@ -125,3 +125,11 @@ def test_unsupported_init_methods_are_refused_before_anything_starts() -> None:
     with pytest.raises(TypeError, match="second argument is init_method.*rank= and world_size="):
         ad.init_process_group("shm", 0, 2)  # the seed's (backend, rank, world_size) order
     assert not ad.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_torch_backends_name_the_fix(backend: str) -> None:
+    fix = r"use 'shm'.*import axonml_distributed\.torch and use backend 'axonml'"
+    with pytest.raises(ValueError, match=fix):
+        ad.init_process_group(backend)
+    assert not ad.is_initialized()

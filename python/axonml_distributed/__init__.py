@@ -3,7 +3,8 @@
 Real collectives (every rank waits for every other, results bitwise identical on all ranks) over an
 in-process world of threads (`spawn`, `MockBackend`), a shared-memory world of processes on one host
 (`init_process_group("shm")` under `axonml-run`), or MPI (`init_process_group("mpi")` under mpiexec);
-process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules.
+process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules; Horovod's
+`broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts.
 """
 
 from axonml_distributed._core import (
@@ -32,6 +33,7 @@ from axonml_distributed.comm import (
     get_rank,
     get_world_size,
     is_main_process,
+    new_group,
     rank,
     reduce_scatter_mean,
     reduce_scatter_sum,
@@ -47,6 +49,11 @@ from axonml_distributed.exceptions import (
     DistributedError,
     PeerFailureError,
     SpawnError,
+)
+from axonml_distributed.horovod import (
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
 )
 from axonml_distributed.init import (
     destroy_process_group,
@@ -64,6 +71,7 @@ __all__ = [
     "DDP",
     "DistributedDataParallel",
     "DistributedError",
+    "DistributedOptimizer",
     "DistributedSampler",
     "GradSyncStrategy",
     "GradientBucket",
@@ -85,6 +93,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_from",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "destroy_process_group",
     "gather_tensor",
     "get_default_group",
@@ -93,6 +103,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "is_main_process",
+    "new_group",
     "rank",
     "reduce_scatter_mean",
     "reduce_scatter_sum",

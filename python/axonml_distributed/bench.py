@@ -3,6 +3,7 @@
     python -m axonml_distributed.bench                        # in-process world: all_reduce sweep + DDP
     python -m axonml_distributed.bench --ranks 2 --sizes 8,67108864
     python -m axonml_distributed.bench --backend shm          # processes (see bench_procs)
+    python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench_torch)
 
 For each message size S (bytes per rank) and N ranks it prints the median time per all_reduce (the
 slowest rank's), algbw = S/t and busbw = algbw * 2(N-1)/N as nccl-tests define them, and the fraction of
@@ -163,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ddp-iters", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
+    p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's (bench_torch)")
     args, rest = p.parse_known_args(argv)
+    if args.torch:
+        from axonml_distributed import bench_torch
+
+        return bench_torch.main(argv)
     if args.backend != "threads":
         module = "bench_procs" if args.backend == "shm" else "bench_mpi"
         try:

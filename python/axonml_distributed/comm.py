@@ -1,111 +1,141 @@
 """The seed's communication helpers, on numpy arrays or CPU torch tensors (in place and zero-copy when
 contiguous; helpers that return a new tensor return the caller's type). The group comes second and may be
 omitted: None means the default group (`init_process_group`, or the rank's group under `spawn`). Ranks
-are global. In-place helpers return None, or a `Work` with ``async_op=True``."""
+are global. In-place helpers return None, or a `Work` with ``async_op=True``.
+
+A call in torch.distributed's argument order that means something else here (``broadcast(t, 0)``,
+``all_gather(tensor_list, t)``, ``all_reduce_sum(t, op)``, ``scatter_tensor(t, scatter_list)`` ...) is a
+TypeError naming the call to make instead; it is raised before any communication, because a bad argument
+reaching a collective aborts the whole world."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from axonml_distributed._core import ReduceOp
 from axonml_distributed.init import get_default_group
+from axonml_distributed.tensors import as_numpy
 
 
-def _group(pg: Any) -> Any:
+def _is_op(value: object) -> bool:
+    # Ours or its name, or torch.distributed's (ReduceOp or its RedOpType members), without importing torch.
+    return isinstance(value, ReduceOp | str) or type(value).__name__ in ("ReduceOp", "RedOpType")
+
+
+def _group(pg: Any, call: str) -> Any:
+    """`pg`, or the default group when None; a TypeError naming `call` (our signature) for anything that
+    is not a group, with the fix for the torch-order argument it most likely is."""
     if pg is None:
         return get_default_group()
-    if not hasattr(pg, "ranks"):
-        # Checked here: a bad argument reaching a collective aborts the whole world.
-        raise TypeError(
-            f"the second argument is the process group (None: the default group), got "
-            f"{type(pg).__name__} {pg!r}"
+    if hasattr(pg, "ranks"):
+        return pg
+    if _is_op(pg):
+        hint = (
+            "; the reduction is in the helper's name (all_reduce_sum/mean/min/max/product(t, pg)), or call "
+            "pg.all_reduce(t, op) on a group"
         )
-    return pg
+    elif isinstance(pg, list | tuple):
+        hint = "; it returns the result instead of filling a list as torch.distributed does"
+    else:
+        hint = ""
+    raise TypeError(
+        f"{call} takes the process group second (None: the default group), got {type(pg).__name__} "
+        f"{pg!r}{hint}"
+    )
 
 
-def _same(array: np.ndarray) -> np.ndarray:
-    return array
-
-
-def _numpy(t: Any) -> tuple[Any, Callable[[np.ndarray], Any]]:
-    """``t`` as numpy over the same memory, and how to give a result back in ``t``'s type.
-
-    The native groups take CPU tensors themselves; this serves the groups that take numpy only (MPI)
-    and the helpers that compute with numpy (`scatter_tensor`, `gather_tensor`, `sync_gradients`).
-    """
-    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
-    if torch is not None and isinstance(t, torch.Tensor):
-        if t.device.type != "cpu":
-            raise ValueError(f"collectives run on CPU tensors; got one on {t.device}")
-        return t.detach().numpy(), torch.from_numpy
-    return t, _same
+def _all_reduce(t: Any, pg: Any, op: ReduceOp, name: str, async_op: bool) -> Any:
+    return _group(pg, f"{name}(t, pg)").all_reduce(t, op, async_op=async_op)
 
 
 def all_reduce_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Sum `t` across the group, in place."""
-    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.SUM, async_op=async_op)
+    return _all_reduce(t, pg, ReduceOp.SUM, "all_reduce_sum", async_op)
 
 
 def all_reduce_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Average `t` across the group, in place (floating-point dtypes)."""
-    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.AVERAGE, async_op=async_op)
+    return _all_reduce(t, pg, ReduceOp.AVERAGE, "all_reduce_mean", async_op)
 
 
 def all_reduce_min(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise minimum of `t` across the group, in place (NaN propagates)."""
-    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.MIN, async_op=async_op)
+    return _all_reduce(t, pg, ReduceOp.MIN, "all_reduce_min", async_op)
 
 
 def all_reduce_max(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise maximum of `t` across the group, in place (NaN propagates)."""
-    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.MAX, async_op=async_op)
+    return _all_reduce(t, pg, ReduceOp.MAX, "all_reduce_max", async_op)
 
 
 def all_reduce_product(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Elementwise product of `t` across the group, in place."""
-    return _group(pg).all_reduce(_numpy(t)[0], ReduceOp.PRODUCT, async_op=async_op)
+    return _all_reduce(t, pg, ReduceOp.PRODUCT, "all_reduce_product", async_op)
 
 
-def broadcast(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
-    """Overwrite `t` with the group's first rank's `t`."""
-    if isinstance(pg, int):
+def broadcast(t: Any, pg: Any = None, *, async_op: bool = False, src: int | None = None) -> Any:
+    """Overwrite `t` with the group's first rank's `t` (`src` exists only to name `broadcast_from`)."""
+    if src is not None or isinstance(pg, int):
+        root = pg if src is None else src
         raise TypeError(
             f"broadcast(t, pg) takes the process group second and sends from the group's first rank; "
-            f"to send from global rank {pg}, call broadcast_from(t, {pg})"
+            f"to send from global rank {root}, call broadcast_from(t, {root})"
         )
-    return _group(pg).broadcast(_numpy(t)[0], None, async_op=async_op)
+    return _group(pg, "broadcast(t, pg)").broadcast(t, None, async_op=async_op)
 
 
 def broadcast_from(t: Any, src: int, pg: Any = None, *, async_op: bool = False) -> Any:
     """Overwrite `t` with global rank `src`'s `t`."""
-    return _group(pg).broadcast(_numpy(t)[0], src, async_op=async_op)
+    return _group(pg, "broadcast_from(t, src, pg)").broadcast(t, src, async_op=async_op)
 
 
 def all_gather(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Every member's `t`, stacked in group order: shape ``(group size, *t.shape)``."""
-    array, like = _numpy(t)
-    result = _group(pg).all_gather_tensor(np.ascontiguousarray(array), async_op=async_op)
+    if isinstance(t, list | tuple):
+        raise TypeError(
+            "all_gather(t, pg) returns every member's t stacked in group order (out[i] is the i-th "
+            "member's); torch.distributed's all_gather(tensor_list, tensor) order does not apply: call "
+            "out = all_gather(t, pg) (pg None: the default group)"
+        )
+    g = _group(pg, "all_gather(t, pg)")
+    array, like = as_numpy(t)
+    result = g.all_gather_tensor(np.ascontiguousarray(array), async_op=async_op)
+    return result if async_op else like(result)
+
+
+def _reduce_scatter(t: Any, pg: Any, op: ReduceOp, name: str, async_op: bool) -> Any:
+    if isinstance(t, list | tuple) or isinstance(pg, list | tuple):
+        raise TypeError(
+            f"{name}(t, pg) returns this member's chunk of the reduced t (dimension 0 split in group-size "
+            f"parts); torch.distributed's reduce_scatter(output, input_list) order does not apply: call "
+            f"chunk = {name}(t, pg)"
+        )
+    g = _group(pg, f"{name}(t, pg)")
+    array, like = as_numpy(t)
+    result = g.reduce_scatter_tensor(np.ascontiguousarray(array), op, async_op=async_op)
     return result if async_op else like(result)
 
 
 def reduce_scatter_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """This member's chunk (dimension 0 split in group-size parts, which must divide) of the sum of `t`."""
-    array, like = _numpy(t)
-    result = _group(pg).reduce_scatter_tensor(np.ascontiguousarray(array), ReduceOp.SUM, async_op=async_op)
-    return result if async_op else like(result)
+    return _reduce_scatter(t, pg, ReduceOp.SUM, "reduce_scatter_sum", async_op)
 
 
 def reduce_scatter_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     """Like `reduce_scatter_sum`, averaged."""
-    array, like = _numpy(t)
-    result = _group(pg).reduce_scatter_tensor(
-        np.ascontiguousarray(array), ReduceOp.AVERAGE, async_op=async_op
-    )
-    return result if async_op else like(result)
+    return _reduce_scatter(t, pg, ReduceOp.AVERAGE, "reduce_scatter_mean", async_op)
+
+
+def _check_dim(dim: object, name: str) -> None:
+    if not isinstance(dim, int | np.integer) or isinstance(dim, bool):
+        raise TypeError(
+            f"{name}(t, dim, pg) takes the dimension second, got {type(dim).__name__} {dim!r}; "
+            f"torch.distributed's {name.split('_')[0]}(tensor, list, root) order does not apply: every "
+            f"member calls {name}(t, dim, pg) and gets the result back"
+        )
 
 
 def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:
@@ -120,8 +150,9 @@ def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:
 def scatter_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     """This member's chunk of `t` split in group-size equal parts along `dim` (a copy; no communication:
     every member already holds `t`)."""
-    g = _group(pg)
-    array, like = _numpy(t)
+    _check_dim(dim, "scatter_tensor")
+    g = _group(pg, "scatter_tensor(t, dim, pg)")
+    array, like = as_numpy(t)
     dim, part = _split_len(array, dim, g.size())
     i = g.group_rank(g.rank())
     return like(np.take(array, np.arange(i * part, (i + 1) * part), axis=dim))
@@ -129,8 +160,9 @@ def scatter_tensor(t: Any, dim: int, pg: Any = None) -> Any:
 
 def gather_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     """Every member's `t` concatenated along `dim`, in group order (the inverse of `scatter_tensor`)."""
-    g = _group(pg)
-    array, like = _numpy(t)
+    _check_dim(dim, "gather_tensor")
+    g = _group(pg, "gather_tensor(t, dim, pg)")
+    array, like = as_numpy(t)
     if not -array.ndim <= dim < array.ndim:
         raise ValueError(f"dim {dim} is out of range for an array of {array.ndim} dimensions")
     stacked = g.all_gather_tensor(np.ascontiguousarray(array))
@@ -139,49 +171,49 @@ def gather_tensor(t: Any, dim: int, pg: Any = None) -> Any:
 
 def barrier(pg: Any = None) -> None:
     """Block until every member arrives."""
-    _group(pg).barrier()
+    _group(pg, "barrier(pg)").barrier()
 
 
 def rank(pg: Any = None) -> int:
     """This process's global rank."""
-    return int(_group(pg).rank())
+    return int(_group(pg, "rank(pg)").rank())
 
 
 def world_size(pg: Any = None) -> int:
     """Number of ranks in the group."""
-    return int(_group(pg).size())
+    return int(_group(pg, "world_size(pg)").size())
 
 
 def get_rank(group: Any = None) -> int:
     """As torch.distributed's: this process's rank within `group` (the default group when None), -1 when
     it is not a member."""
-    g = _group(group)
+    g = _group(group, "get_rank(group)")
     me = g.rank()
     return int(g.group_rank(me)) if g.contains(me) else -1
 
 
 def get_world_size(group: Any = None) -> int:
     """As torch.distributed's: the number of ranks in `group` (the default group when None)."""
-    return int(_group(group).size())
+    return int(_group(group, "get_world_size(group)").size())
 
 
 def is_main_process(pg: Any = None) -> bool:
     """True on the group's first rank."""
-    g = _group(pg)
+    g = _group(pg, "is_main_process(pg)")
     return bool(g.rank() == g.ranks()[0])
 
 
 def sync_gradient(g: Any, pg: Any = None) -> None:
     """Average one gradient across the group, in place."""
-    _group(pg).all_reduce(_numpy(g)[0], ReduceOp.AVERAGE)
+    _group(pg, "sync_gradient(g, pg)").all_reduce(g, ReduceOp.AVERAGE)
 
 
 def sync_gradients(gradients: Sequence[Any], pg: Any = None) -> None:
     """Average many gradients across the group, in place, with one all-reduce per dtype (flattened
     together, so small gradients do not each pay a collective's latency)."""
-    group = _group(pg)
+    group = _group(pg, "sync_gradients(gradients, pg)")
     by_dtype: dict[np.dtype[Any], list[np.ndarray]] = {}
-    for grad in (_numpy(g)[0] for g in gradients):
+    for grad in (as_numpy(g)[0] for g in gradients):
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = np.concatenate([grad.ravel() for grad in grads])
@@ -190,3 +222,11 @@ def sync_gradients(gradients: Sequence[Any], pg: Any = None) -> None:
         for grad in grads:
             grad[...] = flat[offset : offset + grad.size].reshape(grad.shape)
             offset += grad.size
+
+
+def new_group(ranks: Sequence[int], group: Any = None) -> Any:
+    """A subgroup over `ranks` (global ranks, members of `group`; None: the default group), the same call
+    on every backend (threads, shm, MPI): ``group.new_group(ranks)``. Call it on every rank of `group`, in
+    the same order; a rank outside `ranks` gets a group it can query (``contains``, ``ranks``) but not
+    use."""
+    return _group(group, "new_group(ranks, group)").new_group(ranks)

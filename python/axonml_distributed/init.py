@@ -86,6 +86,11 @@ def init_process_group(
 
         _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), seconds)
         install_excepthook()
+    elif backend in ("gloo", "nccl"):
+        raise ValueError(
+            f"backend {backend!r} is torch.distributed's: on this API use 'shm' (processes on one host) or "
+            f"'mpi'; for torch.distributed scripts import axonml_distributed.torch and use backend 'axonml'"
+        )
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'shm' or 'mpi' (threads: use spawn())")
     return _default

@@ -4,8 +4,11 @@ For jobs that span hosts (or already live under `mpiexec`). Launch with
 `mpiexec -n N python -m mpi4py train.py`: `-m mpi4py` turns an unhandled exception on any rank into
 MPI_Abort, so the job ends instead of hanging in a collective.
 
-- Only mpi4py's buffer API with `MPI.IN_PLACE`; nothing is pickled.
-- AVERAGE is MPI SUM followed by a division by the group size (floating dtypes only).
+- Only mpi4py's buffer API with `MPI.IN_PLACE`; nothing is pickled. Buffers are numpy arrays or CPU torch
+  tensors, used in place through their memory (``t.detach().numpy()``, zero-copy); the *_tensor
+  operations return a tensor when given one.
+- AVERAGE (also ReduceOp.AVG, "avg", "mean") is MPI SUM followed by a division by the group size
+  (floating dtypes only).
 - float16: MPI has no float16 arithmetic, so reductions widen to float32, reduce, and round to float16
   once; operations that only move bytes send the 16-bit patterns unchanged.
 - Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
@@ -75,10 +78,13 @@ from axonml_distributed.mpi_work import (
     wait_until,
     writable,
 )
+from axonml_distributed.tensors import like, numpy_view
 
 __all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
 
 ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
+# A buffer as every group takes it: a numpy array, or a CPU torch tensor (used through its memory).
+Buf = Any
 
 
 def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
@@ -117,8 +123,15 @@ class MpiProcessGroup:
     communicator: its accessors work, its operations raise ValueError."""
 
     def __init__(
-        self, comm: MPI.Intracomm | None, ranks: list[int], rank: int, timeout: float, check: bool
+        self,
+        comm: MPI.Intracomm | None,
+        ranks: list[int],
+        rank: int,
+        timeout: float,
+        check: bool,
+        world: MpiProcessGroup | None = None,
     ) -> None:
+        self._world = self if world is None else world  # the group of every rank, on the job's duplicate
         self._ranks = ranks
         self._index = {r: i for i, r in enumerate(ranks)}
         self._rank = rank
@@ -161,25 +174,28 @@ class MpiProcessGroup:
         return out
 
     def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
-        """A subgroup over `ranks` (global ranks, kept sorted like the native groups: chunk i of a
-        reduce_scatter goes to the i-th smallest). Collective over the members only
-        (MPI_Comm_create_group); a non-member gets a group it can query but not use. A member that does
-        not arrive within the group's timeout makes the others abort the job naming it."""
+        """A group over `ranks` (global ranks of the job, kept sorted like the native groups: chunk i of a
+        reduce_scatter goes to the i-th smallest), as the native groups' ``new_group``: called on any
+        group, a member or not, it makes the same group. Collective over the members only
+        (MPI_Comm_create_group on the job's communicator); a non-member gets a group it can query but
+        not use. A member that does not arrive within the group's timeout makes the others abort the job
+        naming it."""
         members = sorted(ranks)
         if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
             raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
-        indices = [self.group_rank(r) for r in members]
+        world = self._world
+        indices = [world.group_rank(r) for r in members]
         comm = None
         if self._rank in members:
-            queue = self._member_queue("new_group")
+            queue = world._member_queue("new_group")
             peers = {i: r for i, r in zip(indices, members, strict=True) if r != self._rank}
-            describe = f"new_group({members}) in MPI group {self._ranks}"
+            describe = f"new_group({members}) in MPI group {world._ranks}"
             with queue.lock:
                 # MPI_Comm_create_group has no non-blocking form: it is called once every member is
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check)
+        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""
@@ -188,7 +204,8 @@ class MpiProcessGroup:
 
     # --- collectives -------------------------------------------------------------------------------
 
-    def all_reduce(self, buf: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
+    def all_reduce(self, buf: Buf, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
+        buf = numpy_view(buf)
         queue = self._member_queue("all_reduce")
         with queue.lock:
             if not async_op and queue.idle():
@@ -202,27 +219,31 @@ class MpiProcessGroup:
 
             return _inplace(self._issue(queue, "all_reduce", plan, async_op))
 
-    def broadcast(self, buf: np.ndarray, src: int | None = None, *, async_op: bool = False) -> MpiWork | None:
+    def broadcast(self, buf: Buf, src: int | None = None, *, async_op: bool = False) -> MpiWork | None:
+        buf = numpy_view(buf)
         return _inplace(
             self._collective("broadcast", lambda comm: self._broadcast(comm, buf, src, None), async_op)
         )
 
-    def all_gather(self, send: np.ndarray, recv: np.ndarray, *, async_op: bool = False) -> MpiWork | None:
+    def all_gather(self, send: Buf, recv: Buf, *, async_op: bool = False) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
         return _inplace(
             self._collective("all_gather", lambda comm: self._all_gather(comm, send, recv, None), async_op)
         )
 
     def reduce_scatter(
-        self, send: np.ndarray, recv: np.ndarray, op: OpArg = None, *, async_op: bool = False
+        self, send: Buf, recv: Buf, op: OpArg = None, *, async_op: bool = False
     ) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
+
         def plan(comm: MPI.Intracomm) -> _Call:
             return self._reduce_scatter(comm, send, recv, op, None)
 
         return _inplace(self._collective("reduce_scatter", plan, async_op))
 
-    def gather(
-        self, send: np.ndarray, recv: np.ndarray | None, dst: int, *, async_op: bool = False
-    ) -> MpiWork | None:
+    def gather(self, send: Buf, recv: Buf | None, dst: int, *, async_op: bool = False) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
+
         def plan(comm: MPI.Intracomm) -> _Call:
             code, dt = readable(send, "gather send")
             root = self._member_index(dst, "gather", "dst")
@@ -235,9 +256,9 @@ class MpiProcessGroup:
 
         return _inplace(self._collective("gather", plan, async_op))
 
-    def scatter(
-        self, send: np.ndarray | None, recv: np.ndarray, src: int, *, async_op: bool = False
-    ) -> MpiWork | None:
+    def scatter(self, send: Buf | None, recv: Buf, src: int, *, async_op: bool = False) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
+
         def plan(comm: MPI.Intracomm) -> _Call:
             code, dt = writable(recv, "scatter recv")
             root = self._member_index(src, "scatter", "src")
@@ -250,9 +271,9 @@ class MpiProcessGroup:
 
         return _inplace(self._collective("scatter", plan, async_op))
 
-    def reduce(
-        self, buf: np.ndarray, dst: int, op: OpArg = None, *, async_op: bool = False
-    ) -> MpiWork | None:
+    def reduce(self, buf: Buf, dst: int, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
+        buf = numpy_view(buf)
+
         def plan(comm: MPI.Intracomm) -> _Call:
             code, dt = writable(buf, "reduce")
             root = self._member_index(dst, "reduce", "dst")
@@ -269,7 +290,8 @@ class MpiProcessGroup:
     def barrier(self, *, async_op: bool = False) -> MpiWork | None:
         return _inplace(self._collective("barrier", lambda comm: _Call(comm.Ibarrier, 0), async_op))
 
-    def send(self, buf: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+    def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        buf = numpy_view(buf)
         queue = self._member_queue("send")
         _, dt = readable(buf, "send")
         peer = self._peer(dst, tag, "send", "dst")
@@ -281,52 +303,52 @@ class MpiProcessGroup:
             req = queue.comm.Isend([buf, dt], peer, tag)
             return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op))
 
-    def recv(self, buf: np.ndarray, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
-        return _inplace(self._recv(buf, src, tag, None, async_op))
+    def recv(self, buf: Buf, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        return _inplace(self._recv(numpy_view(buf), src, tag, None, async_op))
 
     # --- returning variants (the output is allocated inside the plan, so a bad input still takes part
     # in the signature check and peers fail at once) ---------------------------------------------------
 
-    def all_reduce_tensor(self, t: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> Any:
+    def all_reduce_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
-            out = np.array(t, order="C")
-            return self._all_reduce(comm, out, op, out)
+            out = np.array(numpy_view(t), order="C")
+            return self._all_reduce(comm, out, op, like(t)(out))
 
         return self._collective("all_reduce", plan, async_op)
 
-    def broadcast_tensor(self, t: np.ndarray, src: int | None = None, *, async_op: bool = False) -> Any:
+    def broadcast_tensor(self, t: Buf, src: int | None = None, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
-            arr = np.asarray(t)
+            arr = np.asarray(numpy_view(t))
             is_src = self._rank == (self._ranks[0] if src is None else src)
             # Off the source only shape and dtype matter: skip copying contents about to be overwritten.
             out = np.array(arr, order="C") if is_src else np.empty(arr.shape, arr.dtype)
-            return self._broadcast(comm, out, src, out)
+            return self._broadcast(comm, out, src, like(t)(out))
 
         return self._collective("broadcast", plan, async_op)
 
-    def all_gather_tensor(self, t: np.ndarray, *, async_op: bool = False) -> Any:
+    def all_gather_tensor(self, t: Buf, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
-            send = np.ascontiguousarray(t)
+            send = np.ascontiguousarray(numpy_view(t))
             out = np.empty((self.size(), *send.shape), send.dtype)
-            return self._all_gather(comm, send, out, out)
+            return self._all_gather(comm, send, out, like(t)(out))
 
         return self._collective("all_gather", plan, async_op)
 
-    def reduce_scatter_tensor(self, t: np.ndarray, op: OpArg = None, *, async_op: bool = False) -> Any:
+    def reduce_scatter_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> _Call:
-            send = np.ascontiguousarray(t)
+            send = np.ascontiguousarray(numpy_view(t))
             if send.ndim == 0 or send.shape[0] % self.size():
                 raise ValueError(
                     f"reduce_scatter_tensor: dim 0 of shape {send.shape} does not divide by the group size "
                     f"{self.size()}"
                 )
             out = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
-            return self._reduce_scatter(comm, send, out, op, out)
+            return self._reduce_scatter(comm, send, out, op, like(t)(out))
 
         return self._collective("reduce_scatter", plan, async_op)
 
-    def send_tensor(self, t: np.ndarray, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
-        return self.send(np.ascontiguousarray(t), dst, tag, async_op=async_op)
+    def send_tensor(self, t: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
+        return self.send(np.ascontiguousarray(numpy_view(t)), dst, tag, async_op=async_op)
 
     def recv_tensor(
         self,

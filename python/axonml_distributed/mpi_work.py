@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -26,6 +27,7 @@ from axonml_distributed.exceptions import (
     CollectiveTimeoutError,
     DistributedError,
 )
+from axonml_distributed.tensors import is_tensor
 
 # numpy dtype -> (code used in call signatures, MPI datatype that carries it).
 # MPI has no portable float16 type: float16 travels as its 16-bit pattern (UINT16_T), which is exact
@@ -44,20 +46,25 @@ DTYPE_NAMES = {code: dt.name for dt, (code, _) in DTYPES.items()}
 FLOAT16 = np.dtype(np.float16)
 FLOAT16_CODE = DTYPES[FLOAT16][0]
 
-# (member, name, MPI op); an op's code in call signatures is its position + 1. ReduceOp members are
-# compared with ==, not hashed: the native enum is not hashable. AVERAGE is MPI SUM, then a division.
-OPS: tuple[tuple[ReduceOp, str, MPI.Op], ...] = (
-    (ReduceOp.SUM, "SUM", MPI.SUM),
-    (ReduceOp.PRODUCT, "PRODUCT", MPI.PROD),
-    (ReduceOp.MIN, "MIN", MPI.MIN),
-    (ReduceOp.MAX, "MAX", MPI.MAX),
-    (ReduceOp.AVERAGE, "AVERAGE", MPI.SUM),
+# (member, MPI op); an op's code in call signatures is its position + 1. ReduceOp members are compared
+# with ==, not hashed: the native enum is not hashable. AVERAGE is MPI SUM, then a division.
+OPS: tuple[tuple[ReduceOp, MPI.Op], ...] = (
+    (ReduceOp.SUM, MPI.SUM),
+    (ReduceOp.PRODUCT, MPI.PROD),
+    (ReduceOp.MIN, MPI.MIN),
+    (ReduceOp.MAX, MPI.MAX),
+    (ReduceOp.AVERAGE, MPI.SUM),
 )
-OP_NAMES = {code: name for code, (_, name, _) in enumerate(OPS, 1)}
-# Names accepted in place of a member, as by the native groups (case-insensitive).
-OP_CODES = {**{name: code for code, name in OP_NAMES.items()}, "MEAN": 5}
-SUM_CODE = OP_CODES["SUM"]
-AVERAGE_CODE = OP_CODES["AVERAGE"]
+# Names as the native enum spells its members ("ReduceOp.SUM" -> "SUM"), for messages.
+OP_NAMES = {code: repr(member).rpartition(".")[2] for code, (member, _) in enumerate(OPS, 1)}
+SUM_CODE = 1
+AVERAGE_CODE = len(OPS)
+# Names accepted in place of a member, case-insensitive, as by the native groups: the enum's own
+# attributes (AVG is torch's name for AVERAGE), and "MEAN", which only the native parser knows.
+OP_BY_NAME = {
+    **{name: getattr(ReduceOp, name) for name in dir(ReduceOp) if name.isupper()},
+    "MEAN": ReduceOp.AVERAGE,
+}
 
 KIND_NAMES = {
     1: "all_reduce",
@@ -82,8 +89,9 @@ def transport_dtype(arr: np.ndarray, what: str) -> tuple[int, MPI.Datatype]:
     return entry
 
 
-# What an operation returns: None for in-place ones, the new array for the *_tensor ones.
-Result = np.ndarray | None
+# What an operation returns: None for in-place ones, for the *_tensor ones the new array (a torch tensor
+# over it when the caller passed a tensor).
+Result = Any
 # Post-processing once the MPI request completed, given its status (AVERAGE's division, float16's
 # rounding, a receive's size check); None when there is nothing to do, the common case.
 Finish = Callable[[MPI.Status], None] | None
@@ -105,7 +113,7 @@ class Op:
 
 # Built once: resolving an op is on every reduction's path.
 OP_TABLE = tuple(
-    Op(code, mpi_op, code == AVERAGE_CODE, mpi_op is MPI.SUM) for code, (_, _, mpi_op) in enumerate(OPS, 1)
+    Op(code, mpi_op, code == AVERAGE_CODE, mpi_op is MPI.SUM) for code, (_, mpi_op) in enumerate(OPS, 1)
 )
 
 
@@ -121,11 +129,11 @@ def _op_code(op: OpArg, what: str) -> int:
     if op is None:
         return SUM_CODE
     if isinstance(op, str):
-        code = OP_CODES.get(op.upper())
-        if code is None:
+        member = OP_BY_NAME.get(op.upper())
+        if member is None:
             raise ValueError(f'{what}: unknown reduce op "{op}"; use a ReduceOp member')
-        return code
-    for code, (member, _, _) in enumerate(OPS, 1):
+        op = member
+    for code, (member, _) in enumerate(OPS, 1):
         # The class attributes are singletons: `is` settles the usual case without a native __eq__.
         if op is member or op == member:
             return code
@@ -142,7 +150,8 @@ def is_int(value: object) -> bool:
 def readable(arr: object, what: str, write: bool = False) -> tuple[int, MPI.Datatype]:
     """Validate an array MPI reads (and writes, with `write`); returns its `transport_dtype`."""
     if not isinstance(arr, np.ndarray):
-        raise TypeError(f"{what}: expected a numpy array, got {type(arr).__name__}")
+        got = f"a tensor on {arr.device}" if is_tensor(arr) else type(arr).__name__  # type: ignore[attr-defined]
+        raise TypeError(f"{what}: expected a numpy array or a CPU torch tensor, got {got}")
     entry = DTYPES.get(arr.dtype) or transport_dtype(arr, what)  # the call raises the error
     flags = arr.flags  # a new object on every access
     if not flags.c_contiguous:
