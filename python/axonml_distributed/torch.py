@@ -189,9 +189,10 @@ class _Work(dist.Work):
         self._settling = threading.Lock()
         self._error: BaseException | None = None
 
-    def _complete(self) -> None:
+    def _complete(self, inline: bool = False) -> None:
         """Wait for the native works and copy results back, once (on the lane's completion thread, or
-        on the thread that waits first); then complete the future elsewhere (`_settlers`)."""
+        on the thread that waits first); then complete the future elsewhere (`_settlers`), or here when
+        `inline` (a work finished before anyone could have chained on its future)."""
         with self._settling:
             if self._done.is_set():
                 return
@@ -203,10 +204,12 @@ class _Work(dist.Work):
             except BaseException as e:  # the future and wait() report it
                 self._error = e
             self._done.set()
-        if self._error is not None:
-            _settlers.submit(self._source.set_exception, self._error)
+        settle = self._source.set_exception if self._error is not None else self._source.set_result
+        value = self._error if self._error is not None else self._result
+        if inline:
+            settle(value)
         else:
-            _settlers.submit(self._source.set_result, self._result)
+            _settlers.submit(settle, value)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
@@ -243,6 +246,13 @@ class _Completer:
 
     def put(self, work: _Work) -> None:
         self._queue.put(work)
+
+
+def _blocking(opts: Any) -> bool:
+    """True for a blocking call from torch's Python API, which sets ``asyncOp=False`` and waits at
+    once: it then runs on the calling thread, with no hand-off to a lane's thread and back (torch's own
+    C++ callers, DDP's reducer among them, leave it True)."""
+    return opts is not None and getattr(opts, "asyncOp", True) is False
 
 
 def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
@@ -315,7 +325,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def _work(
         self, lane: Any, natives: list[Any], result: Any, finish: Callable[[], object] | None = None
     ) -> _Work:
+        natives = [n for n in natives if n is not None]  # None: run already (a blocking call)
         work = _Work(natives, result, finish)
+        if not natives:
+            work._complete(inline=True)
+            return work
         with self._lock:
             completer = self._completers.get(lane) or self._completers.setdefault(lane, _Completer())
         completer.put(work)
@@ -346,6 +360,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     # -- collectives ----------------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        detached = not _blocking(opts)
         opts = opts or dist.AllreduceOptions()
         natives, finishes = [], []
         for t in tensors:
@@ -353,7 +368,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             buf, back = _dense(t)
             if factor is not None:
                 buf.mul_(factor)
-            natives.append(self._native.all_reduce(buf, op, async_op=True))
+            natives.append(self._native.all_reduce(buf, op, async_op=detached))
             finishes.append(back)
         return self._work("coll", natives, tensors, _chain(*finishes))
 
@@ -361,12 +376,13 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        detached = not _blocking(opts)
         opts = opts or dist.BroadcastOptions()
         root = self._global(opts.rootRank)
         natives, finishes = [], []
         for t in tensors:
             buf, back = _dense(t)
-            natives.append(self._native.broadcast(buf, root, async_op=True))
+            natives.append(self._native.broadcast(buf, root, async_op=detached))
             finishes.append(back)
         return self._work("coll", natives, tensors, _chain(*finishes))
 
@@ -488,7 +504,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         return self._work("coll", [native], outputs, back)
 
     def barrier(self, opts: Any = None) -> _Work:
-        return self._work("coll", [self._native.barrier(async_op=True)], None)
+        return self._work("coll", [self._native.barrier(async_op=not _blocking(opts))], None)
 
     def alltoall(self, *args: Any, **kwargs: Any) -> _Work:
         raise NotImplementedError(_ALL_TO_ALL)
