@@ -173,43 +173,56 @@ def _value(fut: torch.futures.Future[Any]) -> Any:
 
 class _Work(dist.Work):
     """A torch Work over native works on one lane: `wait()` re-raises their errors; the future
-    completes (with `result`) once they have finished and any copy-back has run."""
+    completes (with `result`) once they have finished and any copy-back has run. The future is made
+    only when asked for: a blocking call never pays for one."""
 
     def __init__(self, natives: list[Any], result: Any, finish: Callable[[], object] | None) -> None:
         super().__init__()
         self._natives = natives
         self._result = result
         self._finish = finish
-        # torch's Future.set_exception completes the future with a value that raises in Python only;
-        # torch's C++ (DDP's reducer) would read it as the result. A callback that raises errors its
-        # future in C++ too, so the public future is the source's continuation.
-        self._source: torch.futures.Future[Any] = torch.futures.Future()
-        self._future = self._source.then(_value)
-        self._done = threading.Event()
         self._settling = threading.Lock()
+        self._claimed = False  # a thread is waiting for the native works (the others wait for it)
+        self._done = threading.Event() if natives else None
+        self._finished = False
         self._error: BaseException | None = None
+        self._source: torch.futures.Future[Any] | None = None
+        self._future: torch.futures.Future[Any] | None = None
 
-    def _complete(self, inline: bool = False) -> None:
-        """Wait for the native works and copy results back, once (on the lane's completion thread, or
-        on the thread that waits first); then complete the future elsewhere (`_settlers`), or here when
-        `inline` (a work finished before anyone could have chained on its future)."""
-        with self._settling:
-            if self._done.is_set():
-                return
-            try:
-                for w in self._natives:
-                    w.wait()  # our errors, raised here; Ctrl-C ends it on the main thread
-                if self._finish is not None:
-                    self._finish()
-            except BaseException as e:  # the future and wait() report it
-                self._error = e
-            self._done.set()
-        settle = self._source.set_exception if self._error is not None else self._source.set_result
-        value = self._error if self._error is not None else self._result
+    def _settle(self, source: torch.futures.Future[Any], inline: bool) -> None:
+        if self._error is not None:
+            settle, value = source.set_exception, self._error
+        else:
+            settle, value = source.set_result, self._result
         if inline:
             settle(value)
         else:
             _settlers.submit(settle, value)
+
+    def _complete(self, inline: bool = False) -> None:
+        """Wait for the native works and copy results back, once (on the lane's completion thread, or
+        on the thread that waits first); then complete the future, if one was asked for, elsewhere
+        (`_settlers`), or here when `inline` (nobody can have chained on it yet)."""
+        with self._settling:
+            mine, self._claimed = not self._claimed, True
+        if not mine:
+            if self._done is not None:
+                self._done.wait()
+            return
+        try:
+            for w in self._natives:
+                w.wait()  # our errors, raised here; Ctrl-C ends it on the main thread
+            if self._finish is not None:
+                self._finish()
+        except BaseException as e:  # the future and wait() report it
+            self._error = e
+        with self._settling:  # never held across a wait: get_future() must return at once
+            self._finished = True
+            source = self._source
+        if self._done is not None:
+            self._done.set()
+        if source is not None:
+            self._settle(source, inline)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
@@ -220,16 +233,25 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._finished and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
 
     def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
+        with self._settling:
+            if self._future is None:
+                # torch's Future.set_exception completes the future with a value that raises in Python
+                # only; torch's C++ (DDP's reducer) would read it as the result. A callback that raises
+                # errors its future in C++ too, so the public future is the source's continuation.
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_value)
+                if self._finished:
+                    self._settle(self._source, inline=True)
+            return self._future
 
 
 class _Completer:

@@ -11,6 +11,8 @@ use numpy::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 use crate::dtype::{Buf, BufMut, DType};
 
@@ -47,7 +49,7 @@ macro_rules! with_type {
                 $body
             }
             DType::BF16 => {
-                // Its bits: numpy arrays of it are int16 views (see `bf16_bits`).
+                // Its bits: numpy arrays of it are int16 views (see `ndarray_of`).
                 type $t = i16;
                 $body
             }
@@ -108,7 +110,7 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
             d.is_equiv_to(&numpy::dtype::<$t>(py))
         };
     }
-    // bfloat16 only ever comes tagged (`bf16_bits`): an int16 array is not one.
+    // bfloat16 only ever comes tagged (`ndarray_of`): an int16 array is not one.
     let found =
         DType::ALL.into_iter().filter(|dt| *dt != DType::BF16).find(|dt| with_type!(*dt, T => is!(T)));
     found.ok_or_else(|| {
@@ -119,48 +121,64 @@ fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
     })
 }
 
-/// For a bfloat16 torch tensor: the int16 tensor over the same memory (numpy cannot view bfloat16).
-fn bf16_bits<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
-    if obj.cast::<PyUntypedArray>().is_ok() || !is_tensor(obj)? {
-        return Ok(None);
-    }
-    let torch = obj.py().import("torch")?;
-    if !obj.getattr("dtype")?.eq(torch.getattr("bfloat16")?)? {
-        return Ok(None);
-    }
-    Ok(Some(obj.call_method0("detach")?.call_method1("view", (torch.getattr("int16")?,))?))
+/// torch's objects we compare against, looked up once torch is loaded (never imported here: without
+/// torch loaded, nothing is a tensor).
+struct Torch {
+    tensor: Py<PyType>,
+    bfloat16: Py<PyAny>,
+    int16: Py<PyAny>,
 }
 
-/// True when `obj` is a torch tensor (torch is never imported here: without it loaded, nothing is one).
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn torch(py: Python<'_>) -> PyResult<Option<&Torch>> {
+    if let Some(t) = TORCH.get(py) {
+        return Ok(Some(t));
+    }
+    let Ok(m) = py.import("sys")?.getattr("modules")?.get_item("torch") else {
+        return Ok(None);
+    };
+    let t = Torch {
+        tensor: m.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+        bfloat16: m.getattr("bfloat16")?.unbind(),
+        int16: m.getattr("int16")?.unbind(),
+    };
+    Ok(Some(TORCH.get_or_init(py, || t)))
+}
+
+/// True when `obj` is a torch tensor.
 pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let modules = obj.py().import("sys")?.getattr("modules")?;
-    match modules.get_item("torch") {
-        Ok(torch) => obj.is_instance(&torch.getattr("Tensor")?),
-        Err(_) => Ok(false),
+    match torch(obj.py())? {
+        Some(t) if obj.cast::<PyUntypedArray>().is_err() => obj.is_instance(t.tensor.bind(obj.py())),
+        _ => Ok(false),
     }
 }
 
-/// `obj` as a numpy array: itself, or a CPU tensor's zero-copy view (which keeps the tensor alive).
-pub(crate) fn as_ndarray<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
-    if obj.cast::<PyUntypedArray>().is_ok() || !is_tensor(obj)? {
-        return Ok(obj.clone());
+/// `obj` as a numpy array and whether its elements are bfloat16: itself, or a CPU tensor's zero-copy
+/// view (which keeps the tensor alive; a bfloat16 tensor's view is int16, as numpy has no bfloat16).
+fn ndarray_of<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyAny>, bool)> {
+    if !is_tensor(obj)? {
+        return Ok((obj.clone(), false));
     }
-    let device = obj.getattr("device")?.getattr("type")?.extract::<String>()?;
-    if device != "cpu" {
-        return Err(PyTypeError::new_err(format!(
-            "{what} is a torch tensor on {device}; only CPU tensors are supported"
-        )));
+    let py = obj.py();
+    let t = torch(py)?.expect("a tensor means torch is loaded");
+    let mut view = obj.call_method0("detach")?;
+    let bf16 = view.getattr("dtype")?.is(t.bfloat16.bind(py));
+    if bf16 {
+        view = view.call_method1("view", (t.int16.bind(py),))?;
     }
-    if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
-        return Err(PyValueError::new_err(format!(
-            "{what} is a non-contiguous torch tensor; pass t.contiguous() and copy the result back"
-        )));
-    }
-    obj.call_method0("detach")?.call_method0("numpy").map_err(|e| {
+    // A tensor on another device, or of a dtype numpy lacks, has no numpy view: torch says why.
+    let arr = view.call_method0("numpy").map_err(|e| {
         PyTypeError::new_err(format!(
-            "{what}: this torch tensor has no numpy view ({e}); use a supported dtype"
+            "{what}: this torch tensor has no CPU numpy view ({e}); use a supported dtype"
         ))
-    })
+    })?;
+    Ok((arr, bf16))
+}
+
+/// `obj` as a numpy array: itself, or a CPU tensor's zero-copy view (bfloat16 as int16 bits).
+pub(crate) fn as_ndarray<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    Ok(ndarray_of(obj, what)?.0)
 }
 
 /// `out` (a numpy array) as the caller's type: a torch tensor sharing its memory when `like` is one.
@@ -173,19 +191,20 @@ pub(crate) fn like<'py>(out: Bound<'py, PyAny>, like: &Bound<'py, PyAny>) -> PyR
 
 /// `obj` as a C-contiguous numpy array, with the dtype its elements carry.
 fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyUntypedArray>, DType)> {
-    let bits = bf16_bits(obj)?;
-    let arr = as_ndarray(bits.as_ref().unwrap_or(obj), what)?.cast_into::<PyUntypedArray>().map_err(|e| {
+    let (arr, bf16) = ndarray_of(obj, what)?;
+    let arr = arr.cast_into::<PyUntypedArray>().map_err(|e| {
         let obj = e.into_inner();
         let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         PyTypeError::new_err(format!("{what} must be a numpy.ndarray or a CPU torch.Tensor, got {ty}"))
     })?;
     if !arr.is_c_contiguous() {
         return Err(PyValueError::new_err(format!(
-            "{what} must be C-contiguous (got strides {:?}); use numpy.ascontiguousarray and copy the result back",
+            "{what} must be C-contiguous (got strides {:?}); pass numpy.ascontiguousarray(a) or \
+             t.contiguous() and copy the result back",
             arr.strides()
         )));
     }
-    let dtype = if bits.is_some() { DType::BF16 } else { dtype_of(&arr, what)? };
+    let dtype = if bf16 { DType::BF16 } else { dtype_of(&arr, what)? };
     Ok((arr, dtype))
 }
 
