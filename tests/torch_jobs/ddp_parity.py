@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from models import ToyModel  # the jobs' directory is on sys.path: they run as scripts
 from torch import nn
 
 IMPL, OUT = sys.argv[1], sys.argv[2]
@@ -29,17 +30,6 @@ else:
     from axonml_distributed import DistributedDataParallel as DDP  # type: ignore[assignment]
 
     dist.init_process_group("shm", timeout=60)
-
-
-class ToyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(10, 10)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(self.relu(self.net1(x)))  # type: ignore[no-any-return]
 
 
 class SmallCNN(nn.Module):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the tutorials' spelling
+from models import ToyModel  # the jobs' directory is on sys.path: they run as scripts
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -30,17 +31,6 @@ HVD_EPOCHS, HVD_BATCH, HVD_SIZE, HVD_TEST, HVD_SEED, HVD_LR = 2, 8, 64, 32, 42, 
 
 
 # --- the PyTorch DDP tutorial -----------------------------------------------------------------------------
-
-
-class ToyModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(10, 10)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net2(self.relu(self.net1(x)))  # type: ignore[no-any-return]
 
 
 def tutorial(dist: Any, ddp_class: Any, impl: str, rank: int, out: Path) -> dict[str, Any]:

@@ -103,43 +103,43 @@ fn mac(secret: &JobSecret, label: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
 }
 
 /// The rank's proof: its hello and rank 0's challenge, under the secret.
+fn client_mac(secret: &JobSecret, hello: &[u8], challenge: &[u8]) -> Hmac<Sha256> {
+    mac(secret, b"axonml rendezvous client", &[hello, challenge])
+}
+
+/// The rank's proof, to send.
 pub(crate) fn client_tag(secret: &JobSecret, hello: &[u8], challenge: &[u8]) -> [u8; NONCE] {
-    mac(secret, b"axonml rendezvous client", &[hello, challenge]).finalize().into_bytes().into()
+    client_mac(secret, hello, challenge).finalize().into_bytes().into()
 }
 
 /// Whether `tag` is the rank's proof (constant time).
 pub(crate) fn client_ok(secret: &JobSecret, hello: &[u8], challenge: &[u8], tag: &[u8]) -> bool {
-    mac(secret, b"axonml rendezvous client", &[hello, challenge]).verify_slice(tag).is_ok()
+    client_mac(secret, hello, challenge).verify_slice(tag).is_ok()
 }
 
-/// Rank 0's proof over its answer (`status`, `body`) to the rank that sent `hello` and `their_tag`.
-pub(crate) fn server_tag(
-    secret: &JobSecret,
-    hello: &[u8],
-    challenge: &[u8],
-    their_tag: &[u8],
-    status: u8,
-    body: &[u8],
-) -> [u8; NONCE] {
-    mac(secret, b"axonml rendezvous server", &[hello, challenge, their_tag, &[status], body])
-        .finalize()
-        .into_bytes()
-        .into()
+/// What rank 0 answers (`status`, `body`) to the rank that sent `hello` and proved itself with
+/// `their_tag`, after rank 0's `challenge`: everything rank 0's proof covers.
+pub(crate) struct Answer<'a> {
+    pub hello: &'a [u8],
+    pub challenge: &'a [u8],
+    pub their_tag: &'a [u8],
+    pub status: u8,
+    pub body: &'a [u8],
+}
+
+/// Rank 0's proof over its answer.
+fn server_mac(secret: &JobSecret, a: &Answer<'_>) -> Hmac<Sha256> {
+    mac(secret, b"axonml rendezvous server", &[a.hello, a.challenge, a.their_tag, &[a.status], a.body])
+}
+
+/// Rank 0's proof, to send.
+pub(crate) fn server_tag(secret: &JobSecret, a: &Answer<'_>) -> [u8; NONCE] {
+    server_mac(secret, a).finalize().into_bytes().into()
 }
 
 /// Whether `tag` is rank 0's proof over its answer (constant time).
-pub(crate) fn server_ok(
-    secret: &JobSecret,
-    hello: &[u8],
-    challenge: &[u8],
-    their_tag: &[u8],
-    status: u8,
-    body: &[u8],
-    tag: &[u8],
-) -> bool {
-    mac(secret, b"axonml rendezvous server", &[hello, challenge, their_tag, &[status], body])
-        .verify_slice(tag)
-        .is_ok()
+pub(crate) fn server_ok(secret: &JobSecret, a: &Answer<'_>, tag: &[u8]) -> bool {
+    server_mac(secret, a).verify_slice(tag).is_ok()
 }
 
 /// An address as /proc/net/tcp{,6} prints it: the raw (network order) words in hex, then the port.
@@ -207,12 +207,15 @@ mod tests {
         assert!(!client_ok(&other, b"hello", b"challenge", &t));
         assert!(!client_ok(&k, b"hello", b"challengf", &t));
         assert!(!client_ok(&k, b"hello", b"challenge", &t[..31]));
-        let s = server_tag(&k, b"hello", b"challenge", &t, 1, b"/axonml-1-x");
-        assert!(server_ok(&k, b"hello", b"challenge", &t, 1, b"/axonml-1-x", &s));
-        assert!(!server_ok(&k, b"hello", b"challenge", &t, 2, b"/axonml-1-x", &s));
-        assert!(!server_ok(&k, b"hello", b"challenge", &t, 1, b"/axonml-1-y", &s));
+        let answer =
+            |status, body| Answer { hello: b"hello", challenge: b"challenge", their_tag: &t, status, body };
+        let s = server_tag(&k, &answer(1, b"/axonml-1-x"));
+        assert!(server_ok(&k, &answer(1, b"/axonml-1-x"), &s));
+        assert!(!server_ok(&k, &answer(2, b"/axonml-1-x"), &s));
+        assert!(!server_ok(&k, &answer(1, b"/axonml-1-y"), &s));
         // The labels differ: a rank's tag never passes for rank 0's, nor the reverse.
-        assert_ne!(&t[..], &server_tag(&k, b"hello", b"challenge", b"", 1, b"")[..]);
+        let empty = Answer { hello: b"hello", challenge: b"challenge", their_tag: b"", status: 1, body: b"" };
+        assert_ne!(&t[..], &server_tag(&k, &empty)[..]);
         assert!(JobSecret::new(vec![0; 15]).is_err());
         assert_eq!(format!("{k:?}"), "JobSecret(..)");
     }

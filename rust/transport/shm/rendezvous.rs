@@ -396,7 +396,9 @@ fn greet(door: &Door, mut s: TcpStream) -> Option<Knock> {
         None => (OK, door.answer.clone()),
     };
     if let Some((key, challenge, tag)) = proof {
-        let t = auth::server_tag(key, &raw, &challenge, &tag, status, &body);
+        let answer =
+            auth::Answer { hello: &raw, challenge: &challenge, their_tag: &tag, status, body: &body };
+        let t = auth::server_tag(key, &answer);
         body.extend_from_slice(&t);
     }
     let sent = send_frame(&mut s, status, &body).is_ok();
@@ -499,7 +501,9 @@ fn knock(
     if let Some((key, challenge, tag)) = proof {
         // Rank 0 must prove it knows the secret too before we believe a word of its answer.
         let theirs = body.split_off(body.len().checked_sub(NONCE).ok_or(Cut::Lost)?);
-        if !auth::server_ok(key, &hello, &challenge, &tag, status, &body, &theirs) {
+        let answer =
+            auth::Answer { hello: &hello, challenge: &challenge, their_tag: &tag, status, body: &body };
+        if !auth::server_ok(key, &answer, &theirs) {
             return Err(Cut::Lost);
         }
     }
