@@ -143,14 +143,18 @@ def test_bad_input_raises_a_clear_error_and_aborts_the_peers(case: str) -> None:
 
 
 def test_a_non_member_cannot_call_a_group_collective() -> None:
+    members_done = threading.Barrier(3, timeout=30)  # rank 2's bad call comes after the members' barrier
+
     def fn(pg: ad.ProcessGroup) -> Any:
         sub = ad.World(pg.backend()).new_group([0, 1])
         if pg.rank() == 2:
             assert not sub.contains(2)
+            members_done.wait()
             with pytest.raises(ValueError, match="not a member"):
                 sub.barrier()
         else:
             sub.barrier()
+            members_done.wait()
             with pytest.raises(ad.PeerFailureError, match="rank 2"):
                 pg.barrier()  # rank 2 never gets here: its bad call aborted the world
 
