@@ -2,6 +2,8 @@
 //! arguments and turns them into a [`Call`] (signature plus the addresses to publish). Bad input fails
 //! here, before any peer is involved or any byte is written.
 
+use std::time::Duration;
+
 use crate::algo::Peer;
 use crate::dtype::{expect_dtype, Buf, BufMut, DType};
 use crate::error::{Error, Result};
@@ -55,6 +57,41 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
         return Err(Error::invalid(format!("rank {me} cannot {what} itself")));
     }
     Ok(())
+}
+
+/// A send, as errors name it.
+pub(crate) fn send_op(buf: &Buf<'_>, dst: usize, tag: u64) -> String {
+    format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype())
+}
+
+/// A receive, as errors name it.
+pub(crate) fn recv_op(buf: &BufMut<'_>, src: usize, tag: u64) -> String {
+    format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype())
+}
+
+/// The sender's error when the receiver refused its message.
+pub(crate) fn refused(rank: usize, op: &str) -> Error {
+    Error::invalid(format!(
+        "rank {rank}: {op} was refused by the receiver: dtype or length differ from its recv"
+    ))
+}
+
+/// The receiver's error for a message of `count` x `dtype` from `src` that its recv cannot take.
+pub(crate) fn wrong_message(
+    rank: usize,
+    op: &str,
+    count: u64,
+    dtype: &dyn std::fmt::Display,
+    src: usize,
+) -> Error {
+    Error::invalid(format!(
+        "rank {rank}: {op} got a message of {count} x {dtype} from rank {src}: dtype or length differ"
+    ))
+}
+
+/// A send or receive of `rank` whose `peer` never came.
+pub(crate) fn p2p_timeout(rank: usize, op: &str, waited: Duration, peer: usize) -> Error {
+    Error::timeout(rank, op, waited, vec![peer], vec![rank, peer])
 }
 
 fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut u8) -> Call {

@@ -1,5 +1,6 @@
-//! Every tunable of the core in one place: timeouts, message-size thresholds, segment sizes, and the
-//! environment knobs, which are read here and nowhere else.
+//! Every tunable of the core in one place: timeouts, how waits wait, message-size thresholds,
+//! segment sizes, and the environment knobs, which are read here and nowhere else. (Format
+//! constants, such as the segment's magic or the layout's limits, stay with their format.)
 
 use std::time::Duration;
 
@@ -9,14 +10,48 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// The longest timeout accepted (about 31 years): `Instant + Duration` must never overflow.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 
-/// In the in-process world, all-reduces up to this many bytes travel inside the rendezvous page.
+/// Busy-poll budget of a wait when every rank has a core: covers a peer a few microseconds behind.
+pub(crate) const SPIN: Duration = Duration::from_micros(60);
+/// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
+pub(crate) const YIELD: Duration = Duration::from_micros(400);
+/// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+
+/// In the in-process world, all-reduces up to this many bytes go one-shot.
 pub const INLINE: usize = 256;
+
+/// Owner-computes slices are multiples of this many bytes, so owners never share a cache line.
+pub(crate) const OWNER_ALIGN: usize = 64;
+/// No owned slice is smaller than this (unless the message is), so small messages are not cut into
+/// crumbs.
+pub(crate) const OWNER_MIN_SLICE: usize = 4096;
 
 /// Point-to-point messages up to this size are sent eagerly (copied; the send returns at once).
 pub const EAGER: usize = 64 * 1024;
 
+/// Most bytes of unexpected point-to-point messages a rank of the shm world holds at once, from all
+/// peers together (their sizes come from the senders: larger ones fail the receive).
+pub(crate) const EARLY_MAX: usize = 1 << 30;
+
 /// Default bytes of segment arrays (`alloc`, `ProcessGroup.empty`) per rank in the shm world.
 pub const DEFAULT_ARENA: usize = 64 << 20;
+
+/// The shm world's pipeline round (bytes of one staging buffer), for worlds of up to 8 ranks.
+pub(crate) const SHM_CHUNK: usize = 1 << 20;
+/// The shm world's largest one-shot all_reduce, for worlds of up to 8 ranks.
+pub(crate) const SHM_ONESHOT: usize = 64 << 10;
+/// Bytes per send/recv cell of the shm world (two per ordered pair of ranks), up to 8 ranks.
+pub(crate) const SHM_CELL: usize = 64 << 10;
+
+/// How long rank 0 gives one rendezvous connection to prove itself.
+pub(crate) const HANDSHAKE: Duration = Duration::from_secs(2);
+/// Rendezvous connections rank 0 serves at once; more are closed at once (a rank among them tries
+/// again).
+pub(crate) const MAX_PENDING: usize = 64;
+/// How long a rank waits for rank 0's answer on one connection before it tries again.
+pub(crate) const ATTEMPT: Duration = Duration::from_secs(5);
+/// Rendezvous reads wait in slices this long, so Ctrl-C is seen.
+pub(crate) const RENDEZVOUS_SLICE: Duration = Duration::from_millis(100);
 
 /// `AXONML_SHM_CHUNK_KIB`: the shm world's pipeline round size for large messages on private arrays,
 /// a tuning knob for benchmarks (rank 0's value counts; the others learn it from the segment header).

@@ -12,8 +12,9 @@ use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
+use crate::config::SLICE;
 use crate::error::{Error, Result};
-use crate::transport::wait::{interrupted, SLICE};
+use crate::transport::wait::interrupted;
 
 type Job = Box<dyn FnOnce() + Send>;
 

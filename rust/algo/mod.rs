@@ -1,16 +1,80 @@
-//! The collectives' data movement, written against buffers every rank can see (the in-process world, or
-//! arrays inside a shared segment), independent of how ranks meet. Each function is what ONE rank does
-//! once all members have arrived and published their buffer addresses; ranks touch disjoint memory, and
-//! the caller's second sync ("done") keeps buffers alive until every peer has finished with them.
+//! The collectives' data movement, independent of how ranks meet. Each function is what ONE member
+//! does once all members have arrived and published their buffers:
+//! * `oneshot`: small all-reduces, through a copy of every member's input;
+//! * [`direct`]: every buffer addressable by every member (the in-process world, or arrays inside a
+//!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
+//! * `staged`: private buffers of processes, pipelined through staging buffers.
+//!
+//! Members touch disjoint memory; the engine's second sync ("done") keeps buffers alive until every
+//! peer has finished with them.
 
 pub(crate) mod copy;
+pub(crate) mod oneshot;
 pub(crate) mod owner;
+pub(crate) mod staged;
 
-/// A peer's published buffers, as addresses in this process.
+use crate::dtype::DType;
+use crate::reduce::ReduceOp;
+use crate::signature::{CollKind, Signature};
+
+/// A member's buffers, as addresses in this process.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Peer {
     /// Input data (for in-place collectives, the same as `recv`).
     pub send: *const u8,
     /// Output data.
     pub recv: *mut u8,
+}
+
+/// How a collective's data moves, as the world decides from what its members published.
+pub(crate) enum Route {
+    /// Every member's buffers, addressable here: run [`direct`].
+    Direct(Vec<Peer>),
+    /// Through every member's two pipeline buffers of `chunk` bytes (`staged`).
+    Staged { bufs: Vec<[*mut u8; 2]>, chunk: usize },
+}
+
+/// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it
+/// is the root (0 where the collective has no such buffer on it).
+pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) {
+    let part = sig.count as usize * sig.dtype.map_or(0, |d| d.size());
+    match sig.kind {
+        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (part, part),
+        CollKind::AllGather => (part, n * part),
+        CollKind::ReduceScatter => (n * part, part),
+        CollKind::Gather => (part, if is_root { n * part } else { 0 }),
+        CollKind::Scatter => (if is_root { n * part } else { 0 }, part),
+        CollKind::Barrier => (0, 0),
+    }
+}
+
+/// Member `index`'s share of collective `kind` on every member's buffers (`count` elements per part,
+/// `root` the group index of the root).
+///
+/// # Safety
+/// Every member validated its buffers for the same call, and keeps them alive and untouched by itself
+/// until the done-sync.
+pub(crate) unsafe fn direct(
+    kind: CollKind,
+    dtype: DType,
+    op: ReduceOp,
+    peers: &[Peer],
+    index: usize,
+    count: usize,
+    root: Option<usize>,
+) {
+    let (bytes, r) = (count * dtype.size(), root.unwrap_or(0));
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match kind {
+            CollKind::AllReduce => owner::reduce_owned(dtype, op, peers, index, count, None),
+            CollKind::Reduce => owner::reduce_owned(dtype, op, peers, index, count, root),
+            CollKind::ReduceScatter => owner::reduce_scatter(dtype, op, peers, index, count),
+            CollKind::Broadcast => copy::broadcast(peers, index, r, bytes),
+            CollKind::AllGather => copy::all_gather(peers, index, bytes),
+            CollKind::Gather => copy::gather(peers, index, r, bytes),
+            CollKind::Scatter => copy::scatter(peers, index, r, bytes),
+            CollKind::Barrier => {}
+        }
+    }
 }

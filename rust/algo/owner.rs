@@ -9,18 +9,14 @@
 use std::ops::Range;
 
 use super::Peer;
+use crate::config::{OWNER_ALIGN, OWNER_MIN_SLICE};
 use crate::dtype::DType;
 use crate::reduce::{reduce_raw, ReduceOp};
 
-/// Owned slices are multiples of this many bytes, so owners never share a cache line.
-const ALIGN: usize = 64;
-/// No owned slice is smaller than this (unless the message is).
-const MIN_SLICE: usize = 4096;
-
 /// The element range member `index` of `n` owns in a message of `count` elements.
 pub(crate) fn owned(count: usize, elem: usize, n: usize, index: usize) -> Range<usize> {
-    let unit = (ALIGN / elem).max(1);
-    let per = count.div_ceil(n).max(MIN_SLICE / elem).div_ceil(unit) * unit;
+    let unit = (OWNER_ALIGN / elem).max(1);
+    let per = count.div_ceil(n).max(OWNER_MIN_SLICE / elem).div_ceil(unit) * unit;
     let lo = (index * per).min(count);
     lo..((index + 1) * per).min(count)
 }

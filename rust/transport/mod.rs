@@ -1,7 +1,7 @@
-//! How ranks meet: the in-process world (threads), the multi-process world (shared memory), and the
-//! waiting primitive they share.
+//! What differs per world, each implementing the engine's store (`crate::engine::Store`): the
+//! in-process world (threads) and the multi-process world (shared memory), plus the waiting primitive
+//! both use.
 
-pub(crate) mod mailbox;
 pub mod shm;
 pub mod thread;
 pub(crate) mod wait;

@@ -8,18 +8,12 @@
 
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rustix::thread::futex;
 
+use crate::config::{SLICE, SPIN, YIELD};
 use crate::error::{Error, Result};
-
-/// How long one futex sleep lasts before the slow checks run again.
-pub(crate) const SLICE: Duration = Duration::from_millis(50);
-/// Busy-poll budget when every rank has a core: covers a peer that is a few microseconds behind.
-const SPIN: Duration = Duration::from_micros(60);
-/// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
-const YIELD: Duration = Duration::from_micros(400);
 
 /// A futex word peers bump when they publish progress, plus a count of sleepers. `repr(C)` so it can
 /// live in a shared-memory segment.

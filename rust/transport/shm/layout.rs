@@ -2,9 +2,10 @@
 //!
 //! ```text
 //! header page   magic, version, layout params, nonce, abort word, per-rank pids
-//! comm table    MAX_COMMS slots: key (members, occurrence), event, one control block per world rank
+//! comm table    MAX_COMMS slots: key (members, occurrence), event, one control block (`Ctrl`) per
+//!               world rank
 //! channels      one send/recv channel per ordered pair of ranks: control lines + 2 cells
-//! staging       one block per (communicator, member): 2 small one-shot slots + 2 pipeline buffers
+//! staging       one block per (communicator, member): 2 one-shot buffers + 2 pipeline buffers
 //! arenas        one per rank: memory handed out by `alloc` (segment arrays)
 //! ```
 //! Everything is offsets from the segment start (peers map it at other addresses), and every rank
@@ -19,12 +20,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use crossbeam_utils::CachePadded;
 
+use crate::config::{SHM_CELL, SHM_CHUNK, SHM_ONESHOT};
+use crate::engine::{Ctrl, Page};
+use crate::error::{Error, Result};
 use crate::transport::wait::Event;
 
-/// "AXONSHM" + format generation, little endian.
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
-/// Bumped whenever the layout or protocol changes.
-pub(crate) const VERSION: u32 = 3;
+/// The segment header's first word: "AXONSHM" + format generation, little endian.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
+/// The segment format's version, bumped whenever the layout or protocol changes.
+pub const VERSION: u32 = 3;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member
@@ -41,7 +45,7 @@ pub(crate) struct Params {
     pub world: usize,
     /// Bytes per pipeline round of a staged collective (one buffer; two per member).
     pub chunk: usize,
-    /// Largest all_reduce sent one-shot (one slot; two per member).
+    /// Largest all_reduce sent one-shot (one buffer; two per member).
     pub small: usize,
     /// Bytes of each rank's arena for segment arrays.
     pub arena: usize,
@@ -59,11 +63,11 @@ impl Params {
         let large = world > 8;
         Params {
             world,
-            chunk: if large { (world * 4096).max(256 << 10) } else { 1 << 20 },
-            small: if large { 16 << 10 } else { 64 << 10 },
+            chunk: if large { (world * 4096).max(SHM_CHUNK / 4) } else { SHM_CHUNK },
+            small: if large { SHM_ONESHOT / 4 } else { SHM_ONESHOT },
             // Saturating: an absurd request stays absurd (and `check` refuses it) instead of wrapping.
             arena: arena.checked_next_multiple_of(PAGE).unwrap_or(usize::MAX),
-            cell: if large { 8 << 10 } else { 64 << 10 },
+            cell: if large { SHM_CELL / 8 } else { SHM_CELL },
             // Room for several subgroups alive at once (torch users create them freely), each member
             // taking a block; freed when every member dropped its group.
             pool: if large { world } else { (4 * world).max(16) },
@@ -79,7 +83,7 @@ impl Params {
             return Err(format!("pipeline chunk {} bytes", self.chunk));
         }
         if !pow2_pages(self.small) || self.small > self.chunk {
-            return Err(format!("one-shot slot {} bytes", self.small));
+            return Err(format!("one-shot buffer {} bytes", self.small));
         }
         if !pow2_pages(self.cell) || self.cell > 64 << 20 {
             return Err(format!("send/recv cell {} bytes", self.cell));
@@ -89,6 +93,17 @@ impl Params {
         }
         Ok(())
     }
+}
+
+/// Fails unless `rank` can be a rank of a world of `world` ranks.
+pub(crate) fn check_member(rank: usize, world: usize) -> Result<()> {
+    if world == 0 || world > MAX_RANKS {
+        return Err(Error::invalid(format!("world_size must be 1..={MAX_RANKS}, got {world}")));
+    }
+    if rank >= world {
+        return Err(Error::invalid(format!("rank {rank} is out of range for a world of {world} ranks")));
+    }
+    Ok(())
 }
 
 /// Where everything is, in bytes from the segment start.
@@ -123,6 +138,12 @@ impl Layout {
         let arenas = staging + (w + params.pool) * block;
         let total = arenas + w * params.arena;
         Ok(Layout { params, comms, comm_stride, chans, chan_stride, staging, block, arenas, total })
+    }
+
+    /// [`Layout::new`] for a segment this rank creates: unusable parameters are the caller's error.
+    pub(crate) fn checked(params: Params) -> Result<Layout> {
+        Layout::new(params)
+            .map_err(|p| Error::invalid(format!("unusable shared-memory layout parameter: {p}")))
     }
 
     /// Offset of the control lines of the channel from `src` to `dst`.
@@ -212,34 +233,8 @@ pub(crate) struct CommHead {
     pub event: Event,
 }
 
-/// What a member publishes for one collective (page `k % 2` for call k). Plain numbers only: peers
-/// decode and bounds-check them, never trust them as pointers.
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub(crate) struct Page {
-    /// The encoded signature (see `wire`).
-    pub sig: [u64; 4],
-    /// Offsets of the member's send and receive buffers in the segment, or `NOT_SHARED`.
-    pub send: u64,
-    pub recv: u64,
-}
-
 /// A buffer that does not live in the segment.
 pub(crate) const NOT_SHARED: u64 = u64::MAX;
-
-/// One member's control block in a communicator slot. Counters are monotonic over the slot's life.
-#[repr(C)]
-pub(crate) struct Ctrl {
-    /// Sequence number of the last collective this member entered (its page is published).
-    pub arrive: CachePadded<AtomicU64>,
-    /// Sequence number of the last collective whose shared buffers this member no longer touches.
-    pub done: CachePadded<AtomicU64>,
-    /// Sequence number of the last collective this member completed successfully (timeout reports).
-    pub completed: CachePadded<AtomicU64>,
-    /// Pipeline steps completed (three per staged round).
-    pub step: CachePadded<AtomicU64>,
-    pub pages: [CachePadded<UnsafeCell<Page>>; 2],
-}
 
 /// The control lines of one ordered pair's channel (see `p2p`): chunks move through the two cells
 /// that follow; each message's header travels at the front of its first chunk.

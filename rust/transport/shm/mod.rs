@@ -1,30 +1,17 @@
 //! The multi-process world on one host: ranks are processes sharing one /dev/shm segment.
 //!
 //! Ranks meet through `rendezvous` (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
-//! hands out its name and nonce to ranks that prove they belong to the job (`auth`), and unlinks it
-//! once everyone attached) and then talk only through
-//! the segment (`layout` describes it, `segment` creates and checks it). The protocol is the
-//! in-process world's (see `transport::thread`) with the control blocks in the segment and shared
-//! futexes:
-//!
-//! 1. publish page `k % 2` (encoded signature + buffer offsets; for a one-shot all_reduce also copy the
-//!    data into one-shot slot `k % 2`), store `arrive = k`, wake the communicator's event;
-//! 2. wait until every member arrived at k, decode and compare the signatures: any difference aborts
-//!    the world and every member raises the same mismatch, before any buffer is touched;
-//! 3. move data: a one-shot all_reduce (≤ `small` bytes) reduces every member's slot in rank order
-//!    into its own buffer and is done (one sync). When every member's buffers lie in the segment
-//!    (arrays from `alloc`), run the thread world's owner-computes / direct-copy algorithms on them
-//!    (zero copy) and finish with `done = k` and a wait for every member's `done`. Otherwise pipeline
-//!    through the staging buffers (`staged`).
-//! 4. every member that arrived stores `done = k` on every way out. Before writing peers' arrays, a
-//!    member on the zero-copy path re-checks the abort word (SeqCst, after a fence); a member whose
-//!    arrival wait failed first aborts the world and then waits, with no deadline, for the `done` of
-//!    every peer it sees arrived (one side always sees the other: the arrival and the abort are both
-//!    SeqCst, with fences between).
-//!    The zero-copy path, and any member that saw the abort after every arrival, also waits without a
-//!    deadline for every member's `done`, so no rank returns while a peer may still touch its arrays.
-//!    The one-shot and staged paths need no such wait: peers only read staging (in the segment, reused
-//!    two calls later at the earliest) and only the owner writes a private buffer.
+//! hands out its name and nonce to ranks that prove they belong to the job (`handshake`, `auth`), and
+//! unlinks it once everyone attached), or through the job's own key-value store (`store_join`), and
+//! then talk only through the segment (`layout` describes it, `segment` creates and checks it,
+//! `shared` is one process's view of it). The engine (`crate::engine`) runs the meeting protocol on
+//! the control blocks in the segment, with shared futexes (`store`):
+//! * buffers are published as segment offsets; an all_reduce of at most `small` bytes goes one-shot
+//!   through the first two buffers of each member's staging block;
+//! * when every member's buffers lie in the segment (arrays from `alloc`, the `arena`), the direct
+//!   algorithms run on them in place (zero copy), followed by the engine's drain;
+//! * otherwise data is pipelined through the staging blocks (`algo::staged`): peers only read
+//!   staging, and only the owner writes a private buffer, so no drain is needed.
 //!
 //! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word, the
 //! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
@@ -39,27 +26,35 @@
 //! Each rank maps what only a peer writes (peers' staging blocks, the cells of channels it does not
 //! send on) read-only, so a stray write there faults in the writer instead of corrupting a peer.
 
+mod abort;
+mod arena;
 mod auth;
-mod backend;
+mod comms;
+mod handshake;
 mod layout;
 mod liveness;
 mod p2p;
 mod rendezvous;
 pub(crate) mod segment;
-mod staged;
+mod shared;
+mod store;
 mod store_join;
-mod table;
 #[cfg(test)]
 mod tests;
-mod wire;
-mod world;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use auth::JobSecret;
-pub use backend::ShmBackend;
-pub use layout::MAX_RANKS;
+pub use layout::{MAGIC, MAX_RANKS, VERSION};
+pub use segment::PREFIX;
 pub use store_join::SegmentToken;
+
+use crate::config::MAX_TIMEOUT;
+use crate::engine::{AsEngine, Engine};
+use rendezvous::Joined;
+use shared::Shared;
+use store::ShmStore;
 
 pub use crate::config::DEFAULT_ARENA;
 
@@ -104,5 +99,52 @@ impl ShmOptions {
             chunk_bytes: crate::config::shm_chunk_from_env(),
             secret: None,
         }
+    }
+}
+
+/// One rank's handle on the shared-memory world (or one of its subgroups). A
+/// [`Backend`](crate::Backend).
+pub struct ShmBackend(Engine<ShmStore>);
+
+impl ShmBackend {
+    /// Join the job described by `opts`: rendezvous, attach the segment, open peers' pidfds.
+    pub fn connect(mut opts: ShmOptions) -> crate::Result<ShmBackend> {
+        opts.timeout = opts.timeout.min(MAX_TIMEOUT);
+        let joined = rendezvous::join(&opts)?;
+        Self::from_joined(joined, opts.rank, opts.timeout)
+    }
+
+    /// Join as `rank` of `world_size` with a token rank 0 made (`SegmentToken::token`) and passed
+    /// through the job's own key-value store (see `store_join`). Blocks until every rank has joined.
+    pub fn join_token(
+        token: &str,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> crate::Result<ShmBackend> {
+        let timeout = timeout.min(MAX_TIMEOUT);
+        let joined = store_join::join(token, rank, world_size, timeout)?;
+        Self::from_joined(joined, rank, timeout)
+    }
+
+    /// The world's communicator over a joined segment.
+    fn from_joined(joined: Joined, rank: usize, timeout: Duration) -> crate::Result<ShmBackend> {
+        let world = Arc::new(Shared::new(joined, rank, timeout)?);
+        Ok(ShmBackend(Engine::new(ShmStore::world(world))))
+    }
+
+    /// How long a wait lasts before it fails.
+    pub fn timeout(&self) -> Duration {
+        crate::engine::Store::timeout(self.0.store())
+    }
+}
+
+impl AsEngine for ShmBackend {
+    type Store = ShmStore;
+    fn engine(&self) -> &Engine<ShmStore> {
+        &self.0
+    }
+    fn wrap(engine: Engine<ShmStore>) -> Self {
+        ShmBackend(engine)
     }
 }

@@ -1,6 +1,6 @@
 //! Point-to-point messages: one channel per ordered pair of ranks, in the segment.
 //!
-//! Semantics are the in-process world's (`transport::mailbox`): receives match by (source, tag), in
+//! Semantics are the in-process world's (`transport::thread::mailbox`): receives match by (source, tag), in
 //! send order per tag but out of order across tags, and small messages are sent eagerly.
 //!
 //! A channel is a stream of chunks through two cells: the sender fills cell q % 2 once the receiver
@@ -19,28 +19,14 @@
 use std::sync::atomic::Ordering::*;
 
 use super::layout::ChanHead;
-use super::world::{lock, ChanState, Shared};
-use crate::config::EAGER;
+use super::shared::{lock, ChanState, Shared};
+use crate::call;
+use crate::config::{EAGER, EARLY_MAX};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;
-/// Most bytes of unexpected messages a rank holds at once, from all peers together. The size of a
-/// message comes from its sender's header: a larger one (or one that would pass this total) fails
-/// the receive and aborts the world before anything is allocated.
-pub(crate) const EARLY_MAX: usize = 1 << 30;
-
-fn timed_out(w: &Shared, op: &str, peer: usize) -> Error {
-    Error::Timeout {
-        rank: w.rank,
-        op: op.to_string(),
-        waited: w.timeout,
-        missing: vec![peer],
-        group: vec![w.rank, peer],
-        progress: String::new(),
-    }
-}
 
 /// Chunks taken by a message of `bytes` bytes with cells of `cell` bytes.
 fn chunks(bytes: usize, cell: usize) -> u64 {
@@ -48,23 +34,18 @@ fn chunks(bytes: usize, cell: usize) -> u64 {
 }
 
 /// Send `buf` to `dst` (eagerly when small; module docs).
-pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-    let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
+pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
     let mut st = lock(&w.sends[dst]);
     let (ch, cells) = w.chan(w.rank, dst);
     let peers = [dst];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, dst)))
+        w.wait(&ch.event, &peers, op, ready)
+            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, w.timeout, dst)))
     };
     let m = st.msgs + 1;
     st.msgs = m;
     let refused = || ch.answer.load(Acquire) == m << 1 | 1;
-    let refusal = || {
-        Error::invalid(format!(
-            "rank {}: {op} was refused by the receiver: dtype or length differ from its recv",
-            w.rank
-        ))
-    };
+    let refusal = || call::refused(w.rank, op);
     let cell = w.layout.params.cell;
     let data = buf.bytes();
     let header = [tag, buf.dtype() as u64, buf.len() as u64, m];
@@ -106,16 +87,12 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>
 
 /// Receive into `buf` the first message from `src` with `tag`, which must carry `buf`'s dtype and
 /// length.
-pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-    let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
+pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
     let mut st = lock(&w.recvs[src]);
     let mismatch = |count: u64, dtype: u64| {
         let what =
             DType::from_code(dtype as u8).map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
-        Error::invalid(format!(
-            "rank {}: {op} got a message of {count} x {what} from rank {src}: dtype or length differ",
-            w.rank
-        ))
+        call::wrong_message(w.rank, op, count, &what, src)
     };
     let fits = |count: u64, dtype: u64| {
         DType::from_code(dtype as u8).filter(|_| dtype < 256) == Some(buf.dtype())
@@ -132,7 +109,8 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64) -> Res
     let (ch, cells) = w.chan(src, w.rank);
     let peers = [src];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, &op, ready).map_err(|e| e.unwrap_or_else(|| timed_out(w, &op, src)))
+        w.wait(&ch.event, &peers, op, ready)
+            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, w.timeout, src)))
     };
     let cell = w.layout.params.cell;
     loop {

@@ -129,11 +129,42 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     Ok(b)
 }
 
+/// How every segment name starts ("/axonml-<uid>-<job id or random hex>").
+pub const PREFIX: &str = "/axonml-";
+
+/// The segment name of this user for `suffix` (a job id, or random hex).
+pub(crate) fn name_for(suffix: &str) -> String {
+    format!("{PREFIX}{}-{suffix}", rustix::process::geteuid().as_raw())
+}
+
+/// Whether a name received from a peer or a store may be a segment's: never a path elsewhere.
+pub(crate) fn plausible_name(name: &str) -> bool {
+    name.starts_with(PREFIX) && !name[1..].contains('/') && name.len() < 250
+}
+
 /// A random segment name: it keeps a job's segment apart from other jobs of the same user (the
 /// file's mode keeps other users out).
 pub(crate) fn random_name() -> Result<String> {
     let hex: String = random::<16>()?.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!("/axonml-{}-{hex}", rustix::process::geteuid().as_raw()))
+    Ok(name_for(&hex))
+}
+
+/// Create a segment under a fresh random name (see [`create`]). A random name collides only with a
+/// planted file: then try another rather than use it.
+pub(crate) fn create_random(layout: &Layout, nonce: [u8; 16]) -> Result<(String, Mapping)> {
+    let mut tries = 0;
+    loop {
+        let name = random_name()?;
+        match create(&name, layout, nonce) {
+            Ok(m) => return Ok((name, m)),
+            Err(Error::Os { source, .. })
+                if tries < 4 && source.kind() == std::io::ErrorKind::AlreadyExists =>
+            {
+                tries += 1
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Remove a segment name (the mapping stays valid for everyone who has it).

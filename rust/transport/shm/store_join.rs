@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::layout::{Layout, Params, MAX_RANKS};
+use super::layout::{check_member, Layout, Params};
 use super::liveness::Liveness;
 use super::rendezvous::{pids, register, Joined};
 use super::segment::{self, Mapping};
@@ -35,24 +35,11 @@ impl SegmentToken {
     /// Create the segment for `world` ranks with `arena_bytes` of segment arrays per rank, under a
     /// fresh random name.
     pub fn create(world: usize, arena_bytes: usize) -> Result<SegmentToken> {
-        check_world(world)?;
-        let layout = Layout::new(Params::new(world, arena_bytes))
-            .map_err(|p| Error::invalid(format!("unusable shared-memory layout parameter: {p}")))?;
+        check_member(0, world)?;
+        let layout = Layout::checked(Params::new(world, arena_bytes))?;
         let nonce = segment::random::<16>()?;
-        // A random name collides only with a planted file: try a fresh one rather than use it.
-        let mut tries = 0;
-        loop {
-            let name = segment::random_name()?;
-            match segment::create(&name, &layout, nonce) {
-                Ok(m) => return Ok(SegmentToken { name, nonce, world, _mapping: m }),
-                Err(Error::Os { source, .. })
-                    if tries < 4 && source.kind() == std::io::ErrorKind::AlreadyExists =>
-                {
-                    tries += 1
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let (name, mapping) = segment::create_random(&layout, nonce)?;
+        Ok(SegmentToken { name, nonce, world, _mapping: mapping })
     }
 
     /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
@@ -60,13 +47,6 @@ impl SegmentToken {
         let hex: String = self.nonce.iter().map(|b| format!("{b:02x}")).collect();
         format!("{} {hex} {}", self.name, self.world)
     }
-}
-
-fn check_world(world: usize) -> Result<()> {
-    if world == 0 || world > MAX_RANKS {
-        return Err(Error::invalid(format!("world_size must be 1..={MAX_RANKS}, got {world}")));
-    }
-    Ok(())
 }
 
 /// Parse a token from the store: it came through a channel others may write, so check everything.
@@ -77,7 +57,7 @@ fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
     else {
         return Err(bad());
     };
-    if !name.starts_with("/axonml-") || name[1..].contains('/') || name.len() >= 250 {
+    if !segment::plausible_name(name) {
         return Err(bad());
     }
     if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -99,10 +79,7 @@ fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
 /// Attach the segment named by `token` as `rank` of `world` and wait (until `timeout`, Ctrl-C, or a
 /// registered rank's death) until every rank has attached; then the name is removed.
 pub(crate) fn join(token: &str, rank: usize, world: usize, timeout: Duration) -> Result<Joined> {
-    check_world(world)?;
-    if rank >= world {
-        return Err(Error::invalid(format!("rank {rank} is out of range for a world of {world} ranks")));
-    }
+    check_member(rank, world)?;
     let (name, nonce) = parse(token, world)?;
     let (mapping, layout) = segment::attach(&name, world, nonce)?;
     let h = mapping.header();

@@ -6,7 +6,7 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
-use super::world::Shared;
+use super::shared::Shared;
 use super::{p2p, rendezvous, ShmOptions};
 use crate::dtype::{BufMut, DType};
 use crate::error::Error;
@@ -97,7 +97,7 @@ fn an_unexpected_message_larger_than_the_limit_fails_the_receive_without_allocat
     ch.filled.store(1, std::sync::atomic::Ordering::Release);
     let mut x = [0u8; 4];
     let t = Instant::now();
-    let e = p2p::recv(&r0, BufMut::new(&mut x[..]), 1, 7).unwrap_err();
+    let e = p2p::recv(&r0, BufMut::new(&mut x[..]), 1, 7, "recv").unwrap_err();
     let said = |m: &str| m.contains("1099511627776 bytes with tag 9") && m.contains("1024 MiB");
     assert!(matches!(&e, Error::InvalidArgument(m) if said(m)), "{e}");
     assert!(t.elapsed() < Duration::from_secs(10), "failed at once, not at the timeout");
@@ -106,9 +106,9 @@ fn an_unexpected_message_larger_than_the_limit_fails_the_receive_without_allocat
 
 #[test]
 fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_error() {
-    use super::layout::Page;
-    use super::{wire, ShmBackend};
+    use super::ShmBackend;
     use crate::backend::Backend;
+    use crate::engine::{wire, Published};
     use crate::reduce::ReduceOp;
     use crate::signature::{CollKind, Signature};
 
@@ -134,10 +134,8 @@ fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_e
     let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
     let off = w.arena(1).start as u64 + 2;
     let ctrl = w.ctrl(0, 1);
-    // SAFETY: rank 1's page 1 (call 1), read by rank 0 only after `arrive = 1`.
-    unsafe {
-        std::ptr::write_volatile(ctrl.pages[1].get(), Page { sig: wire::encode(&sig), send: off, recv: off })
-    };
+    // Rank 1's page 1 (call 1), read by rank 0 only after `arrive = 1`.
+    ctrl.pages[1].store(&Published { sig: wire::encode(&sig), send: off, recv: off });
     ctrl.arrive.store(1, std::sync::atomic::Ordering::SeqCst);
     w.comm_head(0).event.notify(true);
     let e = honest.join().unwrap();

@@ -13,7 +13,7 @@
 //! copies the other owners' results out. Per rank that moves (5 − 2/N)·S bytes, the floor for private
 //! buffers.
 
-use crate::algo::owner::owned;
+use super::owner::owned;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{reduce_raw, ReduceOp};

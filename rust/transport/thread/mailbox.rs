@@ -12,11 +12,12 @@ use std::sync::atomic::{AtomicU8, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use super::thread::World;
-use super::wait::SLICE;
-use crate::config::EAGER;
+use super::store::Shared;
+use crate::call;
+use crate::config::{EAGER, SLICE};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
+use crate::transport::wait::interrupted;
 
 const QUEUED: u8 = 0;
 const COPYING: u8 = 1;
@@ -65,7 +66,7 @@ impl Mailbox {
     /// and gives the guard back.
     fn nap<'a>(
         &'a self,
-        world: &World,
+        world: &Shared,
         peer: usize,
         guard: Guard<'a>,
         deadline: Instant,
@@ -74,7 +75,7 @@ impl Mailbox {
         if let Err(e) = world.check_abort().and_then(|()| world.check_present(peer, op)) {
             return Err((Some(Box::new(e)), guard));
         }
-        if super::wait::interrupted() {
+        if interrupted() {
             return Err((Some(Box::new(Error::Interrupted { op: op.to_string() })), guard));
         }
         let now = Instant::now();
@@ -86,7 +87,15 @@ impl Mailbox {
         Ok(g)
     }
 
-    pub(crate) fn send(&self, world: &World, src: usize, dst: usize, tag: u64, buf: Buf<'_>) -> Result<()> {
+    pub(crate) fn send(
+        &self,
+        world: &Shared,
+        src: usize,
+        dst: usize,
+        tag: u64,
+        buf: Buf<'_>,
+        op: &str,
+    ) -> Result<()> {
         let eager = buf.byte_len() <= EAGER;
         let copy = eager.then(|| buf.bytes().to_vec());
         let data = copy.as_ref().map_or(buf.as_ptr(), |c| c.as_ptr());
@@ -97,7 +106,6 @@ impl Mailbox {
             _copy: copy,
             state: AtomicU8::new(QUEUED),
         });
-        let op = format!("send({} x {} to rank {dst}, tag {tag})", buf.len(), buf.dtype());
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
         q.entry((src, dst, tag)).or_default().push_back(letter.clone());
@@ -109,9 +117,7 @@ impl Mailbox {
             match letter.state.load(Acquire) {
                 DELIVERED => return Ok(()),
                 REFUSED => {
-                    return Err(Error::invalid(format!(
-                        "rank {src}: {op} was refused by the receiver: dtype or length differ from its recv"
-                    )))
+                    return Err(call::refused(src, op));
                 }
                 COPYING => {
                     // The receiver is copying from our buffer right now: wait it out, whatever the deadline.
@@ -120,7 +126,7 @@ impl Mailbox {
                 }
                 _ => {}
             }
-            q = match self.nap(world, dst, q, deadline, &op) {
+            q = match self.nap(world, dst, q, deadline, op) {
                 Ok(g) => g,
                 Err((e, mut g)) => {
                     if letter.state.load(Acquire) != QUEUED {
@@ -130,7 +136,7 @@ impl Mailbox {
                     if let Some(queue) = g.get_mut(&(src, dst, tag)) {
                         queue.retain(|l| !Arc::ptr_eq(l, &letter));
                     }
-                    return Err(e.map_or_else(|| timeout(src, op, world, dst), |e| *e));
+                    return Err(e.map_or_else(|| call::p2p_timeout(src, op, world.timeout(), dst), |e| *e));
                 }
             };
         }
@@ -138,13 +144,13 @@ impl Mailbox {
 
     pub(crate) fn recv(
         &self,
-        world: &World,
+        world: &Shared,
         src: usize,
         dst: usize,
         tag: u64,
         mut buf: BufMut<'_>,
+        op: &str,
     ) -> Result<()> {
-        let op = format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype());
         let deadline = Instant::now() + world.timeout();
         let mut q = self.lock();
         let letter = loop {
@@ -152,18 +158,17 @@ impl Mailbox {
                 l.state.store(COPYING, Release);
                 break l;
             }
-            q = match self.nap(world, src, q, deadline, &op) {
+            q = match self.nap(world, src, q, deadline, op) {
                 Ok(g) => g,
-                Err((e, _)) => return Err(e.map_or_else(|| timeout(dst, op, world, src), |e| *e)),
+                Err((e, _)) => {
+                    return Err(e.map_or_else(|| call::p2p_timeout(dst, op, world.timeout(), src), |e| *e))
+                }
             };
         };
         drop(q);
         let result = if letter.dtype != buf.dtype() || letter.len != buf.len() {
             letter.state.store(REFUSED, Release);
-            Err(Error::invalid(format!(
-                "rank {dst}: {op} got a message of {} x {} from rank {src}: dtype or length differ",
-                letter.len, letter.dtype
-            )))
+            Err(call::wrong_message(dst, op, letter.len as u64, &letter.dtype, src))
         } else {
             // SAFETY: same dtype and length, checked above; the sender is blocked until DELIVERED.
             unsafe { std::ptr::copy_nonoverlapping(letter.data, buf.as_mut_ptr(), buf.byte_len()) };
@@ -173,8 +178,4 @@ impl Mailbox {
         self.wake_all();
         result
     }
-}
-
-fn timeout(rank: usize, op: String, world: &World, peer: usize) -> Error {
-    Error::timeout(rank, op, world.timeout(), vec![peer], vec![rank, peer])
 }

@@ -1,5 +1,5 @@
-//! The communicator table: which slot and staging blocks the n-th split of a rank set uses, and
-//! giving them back once every member has dropped its group (module docs of `shm`).
+//! The communicator table in the segment: which slot and staging blocks the n-th split of a rank set
+//! uses, and giving them back once every member has dropped its group (module docs of `shm`).
 //!
 //! Every change happens under one lock word in the header, held for a scan of the table and never
 //! across a wait; a rank waiting for it watches the holder's liveness, so a holder that dies aborts
@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering::*;
 
 use super::layout::{FREE, IN_USE, MAX_COMMS};
-use super::world::{lock, Shared};
+use super::shared::Shared;
 use crate::error::{Error, Result};
 
 /// `first_block` of a slot whose members got no staging blocks (each of them fails and leaves).
@@ -54,16 +54,12 @@ impl Shared {
         }
     }
 
-    /// The communicator slot of the `occurrence`-th split of `mask` (a bitmask of `n` ranks) by this
-    /// rank, binding a free slot and `n` staging blocks if this rank is the first member here.
+    /// The communicator slot of this rank's next split of `members` (validated, sorted), binding a
+    /// free slot and staging blocks for the members if this rank is the first member here.
     /// Returns (slot, first block).
-    pub(crate) fn claim(&self, mask: u64, n: usize, op: &str) -> Result<(usize, u32)> {
-        let occurrence = {
-            let mut s = lock(&self.splits);
-            let c = s.entry(mask).or_insert(0);
-            *c += 1;
-            *c
-        };
+    pub(crate) fn claim(&self, members: &[usize], op: &str) -> Result<(usize, u32)> {
+        let (mask, n) = (members.iter().fold(0u64, |m, &r| m | 1 << r), members.len());
+        let occurrence = self.splits.next(members);
         let _locked = self.lock_table(op)?;
         // Slot 0 is the world.
         let bound = (1..MAX_COMMS).find(|&s| {

@@ -1,5 +1,5 @@
-//! Signatures as plain numbers for the control pages, and back. Decoding never trusts the bytes: an
-//! unknown code is `None`, which the caller reports as a corrupt segment.
+//! Signatures as plain numbers for the pages, and back. Decoding never trusts the bytes: an
+//! unknown code is `None`, which the caller reports as a corrupt page.
 
 use crate::dtype::DType;
 use crate::reduce::ReduceOp;

@@ -1,0 +1,439 @@
+//! The meeting protocol, written once for every world (`store` is what a world provides).
+//!
+//! For the k-th collective of a communicator (each member keeps its own count, so k agrees as long as
+//! members call the same collectives):
+//! 1. publish: write the call's signature and buffers into page `k % 2` of this member's control block
+//!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`), store `arrive = k`
+//!    and wake the communicator's event;
+//! 2. wait until every member's `arrive >= k`, then compare the signatures: any difference aborts the
+//!    world and every member fails with the same mismatch, before any buffer is touched;
+//! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
+//!    own buffer), direct (owner-computes and copies straight between the published buffers), or
+//!    staged (pipelined through staging buffers, when peers cannot address every buffer);
+//! 4. store `done = k` on every way out of a call this member arrived at; after the direct path, wait
+//!    until every member's `done >= k` (peers may still touch our buffers until then).
+//!
+//! A member does not leave a call while a peer may still touch its buffers. A member whose arrival
+//! wait fails (abort, timeout, interrupt, dead peer) first makes sure the world is aborted, then waits
+//! for the `done` of every peer it sees arrived; a member that saw every arrival re-checks the abort
+//! flag before the direct path. Both sides order their store and their load with `SeqCst` fences, so
+//! one always sees the other: either the failed member waits for us, or we touch none of its buffers.
+//! Peers past step 2 never block before step 4, so these drains end at once in practice; they are
+//! still bounded (Ctrl-C, the timeout, dead peers), and a drain that gives up marks the handle
+//! (`buffers_may_be_in_use`) so the bindings keep the buffers alive for good. The one-shot and staged
+//! paths need no drain: peers read only one-shot and staging buffers, which outlive the call.
+//!
+//! Pages and one-shot buffers alternate so that a member publishing call k+1 never overwrites what a
+//! slower peer still reads for call k: to reach k+2 every peer must have arrived at k+1, which it does
+//! only after finishing k.
+
+mod store;
+pub(crate) mod wire;
+
+use std::cell::RefCell;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+
+pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
+
+use crate::algo::{self, spans, staged::Staged, Route};
+use crate::backend::{Backend, SharedMem};
+use crate::call::{self, Call};
+use crate::dtype::{Buf, BufMut};
+use crate::error::{Error, Result};
+use crate::reduce::ReduceOp;
+use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
+use crate::transport::wait::Stop;
+use crate::work::Lanes;
+
+/// Per-handle counters, behind a lock that doubles as the "one collective at a time" check.
+#[derive(Default)]
+struct Local {
+    /// Collectives entered on this communicator.
+    seq: u64,
+    /// Pipeline rounds run on this communicator (`algo::staged`).
+    round: u64,
+}
+
+/// One rank's handle on one communicator of a world: the protocol above, over the world's store.
+pub(crate) struct Engine<S> {
+    store: S,
+    local: Mutex<Local>,
+    /// A drain gave up: a peer may still touch buffers of a call that returned.
+    undrained: AtomicBool,
+    lanes: Lanes,
+}
+
+/// A public backend type that is an [`Engine`] over its world's store; every such type is a
+/// [`Backend`] through the one implementation below.
+pub(crate) trait AsEngine: Send + Sync + Sized + 'static {
+    /// The world's store.
+    type Store: Store;
+    /// The engine inside.
+    fn engine(&self) -> &Engine<Self::Store>;
+    /// Wrap an engine (a new subgroup's handle).
+    fn wrap(engine: Engine<Self::Store>) -> Self;
+}
+
+impl<S: Store> Engine<S> {
+    pub(crate) fn new(store: S) -> Self {
+        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes: Lanes::default() }
+    }
+
+    pub(crate) fn store(&self) -> &S {
+        &self.store
+    }
+
+    fn check_abort(&self, op: &str, waiting: bool) -> Result<()> {
+        if self.store.aborted() {
+            return Err(self.store.abort_error(op, waiting));
+        }
+        Ok(())
+    }
+
+    /// Abort on behalf of this rank and return `err`: a failing rank must not leave its peers waiting.
+    fn fail(&self, err: Error) -> Error {
+        match &err {
+            Error::Aborted { .. } => {}
+            Error::Timeout { missing, .. } => self.store.abort(&err.to_string(), Cause::Missing(missing)),
+            _ => self.store.abort(&err.to_string(), Cause::Other),
+        }
+        err
+    }
+
+    /// The lock of one collective, or a usage error when another thread of this rank is in one.
+    fn enter(&self) -> Result<MutexGuard<'_, Local>> {
+        match self.local.try_lock() {
+            Ok(l) => Ok(l),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(Error::Usage(format!(
+                "rank {}: another collective is already running on this group from another thread; \
+                 use one thread per rank (or async_op=True, which queues in order)",
+                self.store.rank()
+            ))),
+        }
+    }
+
+    /// Where every member is, for timeout reports: its counters, with the kinds read from its pages
+    /// (a page being rewritten only shows as an unknown call).
+    fn progress(&self) -> String {
+        let s = &self.store;
+        let at: Vec<Progress> = (0..s.members().len())
+            .map(|j| {
+                let c = s.ctrl(j);
+                let kind = |k: u64| {
+                    let page = c.pages[(k % 2) as usize].load();
+                    wire::decode(page.sig).filter(|s| s.seq == k).map(|s| s.kind)
+                };
+                let (completed, entered) = (c.completed.load(Acquire), c.arrive.load(Acquire));
+                Progress {
+                    rank: s.members()[j],
+                    completed: (completed, kind(completed)),
+                    entered: (entered, kind(entered)),
+                    left: c.done.load(Acquire) >= entered,
+                }
+            })
+            .collect();
+        describe_progress(&at)
+    }
+
+    /// Add where each member is to a timeout that does not say it yet.
+    fn with_progress(&self, mut e: Error) -> Error {
+        if let Error::Timeout { progress, .. } = &mut e {
+            if progress.is_empty() {
+                *progress = self.progress();
+            }
+        }
+        e
+    }
+
+    /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
+    /// on abort, interrupt, a dead peer or the timeout, naming the members that never got there.
+    fn wait_all(&self, which: fn(&Ctrl) -> &AtomicU64, k: u64, op: &str) -> Result<()> {
+        let s = &self.store;
+        let n = s.members().len();
+        let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);
+        let ready = || (0..n).all(|j| which(s.ctrl(j)).load(Acquire) >= k);
+        let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
+        let e = match s.wait(op).until(ready, || self.check_abort(op, true), slow) {
+            Ok(()) => return Ok(()),
+            Err(Stop::Failed(e)) => e,
+            Err(Stop::TimedOut) => {
+                Error::timeout(s.rank(), op, s.timeout(), behind().collect(), s.members().to_vec())
+            }
+        };
+        Err(self.with_progress(self.fail(e)))
+    }
+
+    /// Wait until every other member (or only those of `busy`, indices) has stored `done >= k`, or is
+    /// gone (a dead peer touches nothing). Aborts do not end it: peers past their arrival wait never
+    /// block before storing `done`. A stopped peer (SIGSTOP) would hold it forever, so it is bounded
+    /// by the timeout and by Ctrl-C; when it gives up, the handle is marked so the bindings keep the
+    /// buffers alive for good, and the error names the peers that never finished.
+    fn drain(&self, busy: Option<&[usize]>, k: u64, op: &str) -> Result<()> {
+        let s = &self.store;
+        let (n, me) = (s.members().len(), s.index());
+        let gone = RefCell::new(Vec::new());
+        let others = move || (0..n).filter(move |&j| j != me);
+        let pending = || {
+            let gone = gone.borrow().clone();
+            let listed = move |j: &usize| busy.is_none_or(|b| b.contains(j));
+            others().filter(listed).filter(move |&j| s.ctrl(j).done.load(Acquire) < k && !gone.contains(&j))
+        };
+        let slow = || {
+            for j in pending() {
+                if s.check_alive(&[s.members()[j]], op).is_err() {
+                    gone.borrow_mut().push(j);
+                }
+            }
+            Ok(())
+        };
+        match s.wait(op).until(|| pending().next().is_none(), || Ok(()), slow) {
+            Ok(()) => Ok(()),
+            Err(stop) => {
+                self.undrained.store(true, SeqCst);
+                Err(match stop {
+                    Stop::Failed(e) => e,
+                    Stop::TimedOut => {
+                        let stuck = pending().map(|j| s.members()[j]).collect();
+                        Error::timeout(s.rank(), op, s.timeout(), stuck, s.members().to_vec())
+                    }
+                })
+            }
+        }
+    }
+
+    /// Run one validated collective through the protocol in the module docs.
+    fn execute(&self, call: Result<Call>) -> Result<()> {
+        let call = call.map_err(|e| self.fail(e))?;
+        let mut local = self.enter()?;
+        let k = local.seq + 1;
+        let mut sig = call.sig;
+        sig.seq = k;
+        let op = sig.to_string();
+        self.check_abort(&op, false)?;
+        local.seq = k;
+        let s = &self.store;
+        let (n, me) = (s.members().len(), s.index());
+        let bytes = call.count * call.dtype.size();
+        let (sb, rb) = spans(&sig, n, call.root == Some(me));
+        let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
+        let ctrl = s.ctrl(me);
+        if oneshot {
+            // SAFETY: this member's input holds `bytes`; its one-shot buffer `k % 2` was last read by
+            // peers for call k − 2, and every peer has since arrived at k − 1.
+            unsafe { algo::oneshot::publish(call.mine.send, s.oneshot(me, k), bytes) };
+        }
+        let page = Published {
+            sig: wire::encode(&sig),
+            send: s.share(call.mine.send, sb),
+            recv: s.share(call.mine.recv, rb),
+        };
+        ctrl.pages[(k % 2) as usize].store(&page);
+        ctrl.arrive.store(k, SeqCst);
+        s.notify();
+        let arrived = self.wait_all(|c| &c.arrive, k, &op);
+        let everyone = arrived.is_ok();
+        let (result, drain) = match arrived {
+            Ok(()) => self.run(&mut local, &call, &sig, oneshot, k, &op),
+            // `wait_all` aborted the world (or found it aborted): a peer that sees every arrival now
+            // re-checks the abort flag before touching our buffers, or else we see its arrival below.
+            Err(e) => (Err(e), true),
+        };
+        // From here on we touch nothing of this call: peers waiting for us may go.
+        if !drain && result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
+        ctrl.done.store(k, Release);
+        s.notify();
+        if !drain {
+            return result;
+        }
+        // Wait (bounded: see `drain`) for every member that may still read or write our buffers: all of
+        // them when everyone arrived, else those whose arrival we can see now (pairs with their re-check
+        // of the abort flag: one of the two sides sees the other's store).
+        fence(SeqCst);
+        let seen: Option<Vec<usize>> =
+            (!everyone).then(|| (0..n).filter(|&j| s.ctrl(j).arrive.load(SeqCst) >= k).collect());
+        let drained = self.drain(seen.as_deref(), k, &op);
+        let result = match (result, drained) {
+            // An interrupted drain reports the interrupt: the signal it consumed must reach Python.
+            (_, Err(e @ Error::Interrupted { .. })) | (Ok(()), Err(e)) => Err(e),
+            // A member that failed meanwhile did not do its share of our buffers.
+            (Ok(()), Ok(())) => self.check_abort(&op, true),
+            (err, _) => err,
+        };
+        if result.is_ok() {
+            ctrl.completed.store(k, Release);
+        }
+        result.map_err(|e| self.with_progress(e))
+    }
+
+    /// Steps 2 and 3 for a call every member arrived at: compare, re-check the abort flag, move data.
+    /// Returns the outcome and whether peers may still touch our buffers (then the caller drains).
+    /// Errors found in the pages need no drain: every member reads the same pages and fails alike.
+    fn run(
+        &self,
+        local: &mut Local,
+        call: &Call,
+        sig: &Signature,
+        oneshot: bool,
+        k: u64,
+        op: &str,
+    ) -> (Result<()>, bool) {
+        let s = &self.store;
+        let (n, me) = (s.members().len(), s.index());
+        let pages: Vec<Published> = (0..n).map(|j| s.ctrl(j).pages[(k % 2) as usize].load()).collect();
+        let mut calls = Vec::with_capacity(n);
+        for (j, page) in pages.iter().enumerate() {
+            let Some(sig) = wire::decode(page.sig).filter(|s| s.seq == k) else {
+                let rank = s.members()[j];
+                let e =
+                    Error::invalid(format!("rank {rank} published an unreadable call (corrupted segment?)"));
+                return (Err(self.fail(e)), false);
+            };
+            calls.push((s.members()[j], sig));
+        }
+        if let Some(details) = describe_mismatch(&calls) {
+            return (Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })), false);
+        }
+        let bytes = call.count * call.dtype.size();
+        if sig.kind == CollKind::Barrier || bytes == 0 {
+            return (Ok(()), false);
+        }
+        let red = sig.op.unwrap_or(ReduceOp::Sum);
+        if oneshot {
+            let inputs: Vec<*const u8> = (0..n).map(|j| s.oneshot(j, k).cast_const()).collect();
+            // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
+            // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
+            unsafe { algo::oneshot::reduce(call.dtype, red, &inputs, call.mine.recv, call.count) };
+            return (Ok(()), false);
+        }
+        let route = match s.route(&pages, sig, call.root) {
+            Ok(route) => route,
+            Err(e) => return (Err(self.fail(e)), false),
+        };
+        match route {
+            Route::Direct(peers) => {
+                // Everyone arrived, but a member whose arrival wait failed meanwhile may be gone: then
+                // touch none of the peers' buffers (module docs).
+                fence(SeqCst);
+                if s.aborted() {
+                    return (self.check_abort(op, true), true);
+                }
+                // SAFETY: every member validated its buffers for this signature, all agree on it, and
+                // each keeps its buffers until every member stored its done (drain).
+                unsafe { algo::direct(sig.kind, call.dtype, red, &peers, me, call.count, call.root) };
+                (Ok(()), true)
+            }
+            Route::Staged { bufs, chunk } => {
+                let staged = Staged {
+                    kind: sig.kind,
+                    dtype: call.dtype,
+                    op: red,
+                    n,
+                    me,
+                    root: call.root.unwrap_or(0),
+                    count: call.count,
+                    send: call.mine.send,
+                    recv: call.mine.recv,
+                    bufs: &bufs,
+                    chunk,
+                };
+                let ctrl = s.ctrl(me);
+                let publish = |step: u64| {
+                    ctrl.step.store(step, Release);
+                    s.notify();
+                };
+                let sync = |step: u64| self.wait_all(|c| &c.step, step, op);
+                // SAFETY: the buffers were validated for this signature, which every member shares. Only
+                // their owner touches private buffers (peers read staging, which outlives the call), so
+                // a member may leave the pipeline without waiting for the others.
+                (unsafe { staged.run(&mut local.round, publish, sync) }, false)
+            }
+        }
+    }
+
+    fn split(&self, ranks: &[usize]) -> Result<Self> {
+        let members = call::validate_ranks(ranks, self.store.world_size())?;
+        let index = call::index_of(&members, self.store.rank(), "the calling")?;
+        Ok(Engine::new(self.store.split(members, index)?))
+    }
+
+    /// A send or receive: the peer checked, then the world's own point-to-point path.
+    fn p2p(&self, peer: usize, what: &str, op: String, go: impl FnOnce(&str) -> Result<()>) -> Result<()> {
+        call::peer(self.store.members(), self.store.rank(), peer, what).map_err(|e| self.fail(e))?;
+        self.check_abort(&op, false)?;
+        go(&op).map_err(|e| self.fail(e))
+    }
+}
+
+impl<T: AsEngine> Backend for T {
+    fn name(&self) -> &str {
+        T::Store::NAME
+    }
+    fn rank(&self) -> usize {
+        self.engine().store.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.engine().store.world_size()
+    }
+    fn members(&self) -> &[usize] {
+        self.engine().store.members()
+    }
+    fn lanes(&self) -> &Lanes {
+        &self.engine().lanes
+    }
+    fn buffers_may_be_in_use(&self) -> bool {
+        self.engine().undrained.load(SeqCst)
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.engine().execute(call::all_reduce(&mut buf, op))
+    }
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.engine().execute(call::broadcast(self.members(), &mut buf, root))
+    }
+    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        self.engine().execute(call::all_gather(self.members().len(), &send, &mut recv))
+    }
+    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.engine().execute(call::reduce_scatter(self.members().len(), &send, &mut recv, op))
+    }
+    fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
+        self.engine().execute(call::gather(self.members(), self.rank(), &send, recv.as_mut(), root))
+    }
+    fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
+        self.engine().execute(call::scatter(self.members(), self.rank(), send.as_ref(), &mut recv, root))
+    }
+    fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
+        self.engine().execute(call::reduce(self.members(), &mut buf, root, op))
+    }
+    fn barrier(&self) -> Result<()> {
+        self.engine().execute(Ok(call::barrier()))
+    }
+
+    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
+        let op = call::send_op(&buf, dst, tag);
+        let e = self.engine();
+        e.p2p(dst, "send to", op, |op| e.store.send(buf, dst, tag, op))
+    }
+    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
+        let op = call::recv_op(&buf, src, tag);
+        let e = self.engine();
+        e.p2p(src, "receive from", op, |op| e.store.recv(buf, src, tag, op))
+    }
+
+    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
+        Ok(Arc::new(T::wrap(self.engine().split(ranks)?)))
+    }
+    fn abort(&self, reason: &str) {
+        self.engine().store.abort(reason, Cause::Other);
+    }
+    fn leave(&self) {
+        self.engine().store.leave();
+    }
+    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
+        self.engine().store.alloc(bytes)
+    }
+}

@@ -1,0 +1,150 @@
+//! What the engine needs from a world: the [`Store`] trait, and the per-member state both worlds keep
+//! in the same shape (a [`Ctrl`] block of counters and two [`Page`]s per member of a communicator).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crossbeam_utils::CachePadded;
+
+use crate::algo::Route;
+use crate::backend::SharedMem;
+use crate::dtype::{Buf, BufMut};
+use crate::error::{Error, Result};
+use crate::signature::Signature;
+use crate::transport::wait::Wait;
+
+/// One member's control block in a communicator. Counters are monotonic over the communicator's life
+/// and written only by their member. `repr(C)`: in the shm world it lives in the segment.
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct Ctrl {
+    /// Sequence number of the last collective this member entered (its page is published).
+    pub arrive: CachePadded<AtomicU64>,
+    /// Sequence number of the last collective whose buffers this member no longer touches.
+    pub done: CachePadded<AtomicU64>,
+    /// Sequence number of the last collective this member completed successfully (timeout reports).
+    pub completed: CachePadded<AtomicU64>,
+    /// Pipeline steps completed (three per staged round, see `algo::staged`).
+    pub step: CachePadded<AtomicU64>,
+    /// Page `k % 2` describes call k.
+    pub pages: [CachePadded<Page>; 2],
+}
+
+/// What a member publishes for one collective: its encoded signature (`engine::wire`) and where its
+/// send and receive buffers are, as the world expresses them (addresses in the in-process world,
+/// segment offsets in the shm world). Plain numbers only: peers decode and check them, never trust them.
+#[derive(Clone, Copy, Default, Debug)]
+pub(crate) struct Published {
+    pub sig: [u64; 4],
+    pub send: u64,
+    pub recv: u64,
+}
+
+/// The words of a [`Published`] value. Atomic (relaxed) so that timeout reports may read a page while
+/// its member rewrites it; the `arrive` counter orders the words for the protocol.
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct Page([AtomicU64; 6]);
+
+impl Page {
+    pub(crate) fn store(&self, p: &Published) {
+        let words = [p.sig[0], p.sig[1], p.sig[2], p.sig[3], p.send, p.recv];
+        for (w, v) in self.0.iter().zip(words) {
+            w.store(v, Relaxed);
+        }
+    }
+
+    pub(crate) fn load(&self) -> Published {
+        let w: [u64; 6] = std::array::from_fn(|i| self.0[i].load(Relaxed));
+        Published { sig: [w[0], w[1], w[2], w[3]], send: w[4], recv: w[5] }
+    }
+}
+
+/// Why the world is being aborted, as far as the other ranks need to know.
+pub(crate) enum Cause<'a> {
+    /// An error on the aborting rank, or an explicit abort.
+    Other,
+    /// This rank's process died.
+    Dead(usize),
+    /// These ranks never arrived before the deadline.
+    Missing(&'a [usize]),
+}
+
+/// How many times one rank has split each rank set, so that the n-th split of a set on every member
+/// finds the same communicator.
+#[derive(Default)]
+pub(crate) struct Splits(Mutex<HashMap<Vec<usize>, u32>>);
+
+impl Splits {
+    /// Count one more split of `members`; returns its occurrence (1 for the first).
+    pub(crate) fn next(&self, members: &[usize]) -> u32 {
+        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let c = counts.entry(members.to_vec()).or_insert(0);
+        *c += 1;
+        *c
+    }
+}
+
+/// One member's view of one communicator in a world: what differs between worlds. The engine
+/// (`engine::Engine`) runs the meeting protocol against it.
+pub(crate) trait Store: Send + Sync + Sized + 'static {
+    /// Short name of the transport ("threads", "shm").
+    const NAME: &'static str;
+
+    /// This rank's global rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the whole world.
+    fn world_size(&self) -> usize;
+    /// Global ranks of the communicator's members, ascending.
+    fn members(&self) -> &[usize];
+    /// This member's index in [`Store::members`].
+    fn index(&self) -> usize;
+    /// How long any wait lasts.
+    fn timeout(&self) -> Duration;
+
+    /// Member `j`'s control block.
+    fn ctrl(&self, j: usize) -> &Ctrl;
+    /// A wait on the communicator's event, with this world's spin policy and a fresh deadline.
+    fn wait<'a>(&'a self, op: &'a str) -> Wait<'a>;
+    /// Wake the members waiting on the communicator's event (after publishing a counter).
+    fn notify(&self);
+
+    /// All-reduces of at most this many bytes go one-shot (`algo::oneshot`).
+    fn oneshot_bytes(&self) -> usize;
+    /// Member `j`'s one-shot buffer for call `k` ([`Store::oneshot_bytes`] long; buffer `k % 2`).
+    fn oneshot(&self, j: usize, k: u64) -> *mut u8;
+
+    /// How peers find `bytes` at `ptr`, this member's buffer (a number for [`Published`]).
+    fn share(&self, ptr: *const u8, bytes: usize) -> u64;
+    /// How the data of `sig` moves, given every member's page: straight between the published
+    /// buffers, or through staging. Fails when a page names a buffer no honest peer would publish.
+    fn route(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Route>;
+
+    /// True once the world is aborted (a cheap `SeqCst` load, checked on every poll).
+    fn aborted(&self) -> bool;
+    /// The error an aborted world gives in `op`: who aborted and why, or, for a member `waiting` in a
+    /// collective when the cause was a timeout, that timeout (naming the missing ranks).
+    fn abort_error(&self, op: &str, waiting: bool) -> Error;
+    /// Abort the whole world on behalf of this rank (the first abort wins) and wake every waiter.
+    fn abort(&self, reason: &str, cause: Cause<'_>);
+    /// Fails when one of the global `ranks` is gone for good (and will never arrive), naming it.
+    fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()>;
+
+    /// Send `buf` to global rank `dst` (already checked); `op` names the call in errors.
+    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()>;
+    /// Receive into `buf` from global rank `src` (already checked).
+    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()>;
+
+    /// This rank's view of the communicator over `members` (validated, sorted; this rank is
+    /// `members[index]`).
+    fn split(&self, members: Vec<usize>, index: usize) -> Result<Self>;
+    /// This rank will make no more calls (see `Backend::leave`).
+    fn leave(&self) {}
+    /// Memory every member can address (see `Backend::alloc`).
+    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
+        let _ = bytes;
+        Ok(None)
+    }
+}

@@ -1,0 +1,184 @@
+//! The shared-memory world's engine store: one rank's view of one communicator slot of the segment.
+//! Buffers are published as segment offsets; peers' arrays are used in place when every member's
+//! buffers lie in the segment, and staged through the members' blocks otherwise.
+
+use std::sync::atomic::Ordering::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::layout::NOT_SHARED;
+use super::shared::Shared;
+use crate::algo::{spans, Peer, Route};
+use crate::backend::SharedMem;
+use crate::dtype::{Buf, BufMut};
+use crate::engine::{Cause, Ctrl, Published, Store};
+use crate::error::{Error, Result};
+use crate::signature::Signature;
+use crate::transport::wait::{may_spin, Wait};
+
+/// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
+const NO_BUFFER: u64 = NOT_SHARED - 1;
+
+/// One rank's view of one communicator (slot `slot` of the segment's table).
+pub(crate) struct ShmStore {
+    world: Arc<Shared>,
+    slot: usize,
+    members: Vec<usize>,
+    index: usize,
+    first_block: usize,
+}
+
+impl Drop for ShmStore {
+    /// A subgroup's handle gives back its share of the slot (freed once every member has).
+    fn drop(&mut self) {
+        if self.slot != 0 {
+            // The block may be a peer's in the next group that gets it: read-only again first.
+            let _ = self.world.own_block(self.first_block + self.index, false);
+            self.world.leave(self.slot);
+        }
+    }
+}
+
+impl ShmStore {
+    /// This rank's view of the world's own communicator (slot 0).
+    pub(crate) fn world(world: Arc<Shared>) -> Self {
+        let (n, rank) = (world.size, world.rank);
+        // Marking slot 0 in use lets `abort` wake its waiters.
+        let head = world.comm_head(0);
+        head.members.store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
+        head.state.store(super::layout::IN_USE, Release);
+        ShmStore { world, slot: 0, members: (0..n).collect(), index: rank, first_block: 0 }
+    }
+
+    /// Member `j`'s staging block.
+    fn block(&self, j: usize) -> *mut u8 {
+        self.world.block(self.first_block + j)
+    }
+
+    /// Every member's buffers as local addresses, when all of them live in the segment (the zero-copy
+    /// path); `None` if any member has a private buffer. An offset no correct peer publishes (outside
+    /// its arena, or misaligned for the dtype) is an error.
+    fn direct(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Peer>>> {
+        let n = self.members.len();
+        let align = sig.dtype.map_or(1, |d| d.size());
+        let resolve = |j: usize, off: u64, bytes: usize| -> Result<Option<*mut u8>> {
+            match (bytes, off) {
+                (0, _) => Ok(Some(std::ptr::null_mut())),
+                (_, NO_BUFFER | NOT_SHARED) => Ok(None),
+                (b, off) => self
+                    .world
+                    .resolve(self.members[j], off, b, align)
+                    .map(Some)
+                    .map_err(|why| Error::invalid(format!("{sig}: {why} (corrupted segment?)"))),
+            }
+        };
+        let mut peers = Vec::with_capacity(n);
+        for (j, page) in pages.iter().enumerate() {
+            let (s, r) = spans(sig, n, root == Some(j));
+            let Some(send) = resolve(j, page.send, s)? else { return Ok(None) };
+            let Some(recv) = resolve(j, page.recv, r)? else { return Ok(None) };
+            peers.push(Peer { send: send.cast_const(), recv });
+        }
+        Ok(Some(peers))
+    }
+}
+
+impl Store for ShmStore {
+    const NAME: &'static str = "shm";
+
+    fn rank(&self) -> usize {
+        self.world.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world.size
+    }
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+    fn index(&self) -> usize {
+        self.index
+    }
+    fn timeout(&self) -> Duration {
+        self.world.timeout
+    }
+
+    fn ctrl(&self, j: usize) -> &Ctrl {
+        self.world.ctrl(self.slot, j)
+    }
+    fn wait<'a>(&'a self, op: &'a str) -> Wait<'a> {
+        Wait {
+            event: &self.world.comm_head(self.slot).event,
+            shared: true,
+            // Every rank of the world is a process on this host competing for its cores.
+            spin: may_spin(self.world.size),
+            deadline: Instant::now() + self.world.timeout,
+            op,
+        }
+    }
+    fn notify(&self) {
+        self.world.comm_head(self.slot).event.notify(true);
+    }
+
+    fn oneshot_bytes(&self) -> usize {
+        self.world.layout.params.small
+    }
+    fn oneshot(&self, j: usize, k: u64) -> *mut u8 {
+        // SAFETY: the two one-shot buffers open the member's staging block.
+        unsafe { self.block(j).add((k % 2) as usize * self.world.layout.params.small) }
+    }
+
+    fn share(&self, ptr: *const u8, bytes: usize) -> u64 {
+        if ptr.is_null() || bytes == 0 {
+            NO_BUFFER
+        } else {
+            self.world.offset_of(ptr, bytes).unwrap_or(NOT_SHARED)
+        }
+    }
+    fn route(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Route> {
+        if let Some(peers) = self.direct(pages, sig, root)? {
+            return Ok(Route::Direct(peers));
+        }
+        let p = &self.world.layout.params;
+        let bufs = (0..self.members.len())
+            .map(|j| {
+                let b = self.block(j);
+                // SAFETY: both pipeline buffers lie inside the member's staging block.
+                unsafe { [b.add(2 * p.small), b.add(2 * p.small + p.chunk)] }
+            })
+            .collect();
+        Ok(Route::Staged { bufs, chunk: p.chunk })
+    }
+
+    fn aborted(&self) -> bool {
+        self.world.header().abort_state.load(SeqCst) != 0
+    }
+    fn abort_error(&self, op: &str, waiting: bool) -> Error {
+        let waiting = waiting.then_some(&self.members[..]);
+        let e = self.world.check_abort(op, waiting).err();
+        e.unwrap_or_else(|| Error::Aborted { by: usize::MAX, reason: String::new() })
+    }
+    fn abort(&self, reason: &str, cause: Cause<'_>) {
+        self.world.abort(reason, cause);
+    }
+    fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()> {
+        self.world.check_alive(ranks, op)
+    }
+
+    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
+        super::p2p::send(&self.world, buf, dst, tag, op)
+    }
+    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
+        super::p2p::recv(&self.world, buf, src, tag, op)
+    }
+
+    fn split(&self, members: Vec<usize>, index: usize) -> Result<Self> {
+        let (slot, first) = self.world.claim(&members, "new_group")?;
+        // From here on dropping the store leaves the slot.
+        let group = ShmStore { world: self.world.clone(), slot, members, index, first_block: first as usize };
+        self.world.own_block(group.first_block + index, true)?;
+        Ok(group)
+    }
+    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
+        Ok(self.world.shared_mem(bytes))
+    }
+}
