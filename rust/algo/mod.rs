@@ -13,7 +13,7 @@ pub(crate) mod oneshot;
 pub(crate) mod owner;
 pub(crate) mod staged;
 
-use crate::dtype::DType;
+use crate::call::Call;
 use crate::reduce::ReduceOp;
 use crate::signature::{CollKind, Signature};
 
@@ -48,25 +48,17 @@ pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) 
     }
 }
 
-/// Member `index`'s share of collective `kind` on every member's buffers (`count` elements per part,
-/// `root` the group index of the root).
+/// Member `index`'s share of `call` (reducing with `op`) on every member's buffers.
 ///
 /// # Safety
 /// Every member validated its buffers for the same call, and keeps them alive and untouched by itself
 /// until the done-sync.
-pub(crate) unsafe fn direct(
-    kind: CollKind,
-    dtype: DType,
-    op: ReduceOp,
-    peers: &[Peer],
-    index: usize,
-    count: usize,
-    root: Option<usize>,
-) {
+pub(crate) unsafe fn direct(call: &Call, op: ReduceOp, peers: &[Peer], index: usize) {
+    let (dtype, count, root) = (call.dtype, call.count, call.root);
     let (bytes, r) = (count * dtype.size(), root.unwrap_or(0));
     // SAFETY: forwarded from the caller.
     unsafe {
-        match kind {
+        match call.sig.kind {
             CollKind::AllReduce => owner::reduce_owned(dtype, op, peers, index, count, None),
             CollKind::Reduce => owner::reduce_owned(dtype, op, peers, index, count, root),
             CollKind::ReduceScatter => owner::reduce_scatter(dtype, op, peers, index, count),

@@ -27,19 +27,19 @@
 //! slower peer still reads for call k: to reach k+2 every peer must have arrived at k+1, which it does
 //! only after finishing k.
 
+mod backend;
 mod store;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering::*};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
+pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
 use crate::algo::{self, spans, staged::Staged, Route};
-use crate::backend::{Backend, SharedMem};
 use crate::call::{self, Call};
-use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
@@ -62,17 +62,6 @@ pub(crate) struct Engine<S> {
     /// A drain gave up: a peer may still touch buffers of a call that returned.
     undrained: AtomicBool,
     lanes: Lanes,
-}
-
-/// A public backend type that is an [`Engine`] over its world's store; every such type is a
-/// [`Backend`] through the one implementation below.
-pub(crate) trait AsEngine: Send + Sync + Sized + 'static {
-    /// The world's store.
-    type Store: Store;
-    /// The engine inside.
-    fn engine(&self) -> &Engine<Self::Store>;
-    /// Wrap an engine (a new subgroup's handle).
-    fn wrap(engine: Engine<Self::Store>) -> Self;
 }
 
 impl<S: Store> Engine<S> {
@@ -323,7 +312,7 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: every member validated its buffers for this signature, all agree on it, and
                 // each keeps its buffers until every member stored its done (drain).
-                unsafe { algo::direct(sig.kind, call.dtype, red, &peers, me, call.count, call.root) };
+                unsafe { algo::direct(call, red, &peers, me) };
                 (Ok(()), true)
             }
             Route::Staged { bufs, chunk } => {
@@ -365,75 +354,5 @@ impl<S: Store> Engine<S> {
         call::peer(self.store.members(), self.store.rank(), peer, what).map_err(|e| self.fail(e))?;
         self.check_abort(&op, false)?;
         go(&op).map_err(|e| self.fail(e))
-    }
-}
-
-impl<T: AsEngine> Backend for T {
-    fn name(&self) -> &str {
-        T::Store::NAME
-    }
-    fn rank(&self) -> usize {
-        self.engine().store.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.engine().store.world_size()
-    }
-    fn members(&self) -> &[usize] {
-        self.engine().store.members()
-    }
-    fn lanes(&self) -> &Lanes {
-        &self.engine().lanes
-    }
-    fn buffers_may_be_in_use(&self) -> bool {
-        self.engine().undrained.load(SeqCst)
-    }
-
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::all_reduce(&mut buf, op))
-    }
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.engine().execute(call::broadcast(self.members(), &mut buf, root))
-    }
-    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        self.engine().execute(call::all_gather(self.members().len(), &send, &mut recv))
-    }
-    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::reduce_scatter(self.members().len(), &send, &mut recv, op))
-    }
-    fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
-        self.engine().execute(call::gather(self.members(), self.rank(), &send, recv.as_mut(), root))
-    }
-    fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
-        self.engine().execute(call::scatter(self.members(), self.rank(), send.as_ref(), &mut recv, root))
-    }
-    fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::reduce(self.members(), &mut buf, root, op))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.engine().execute(Ok(call::barrier()))
-    }
-
-    fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
-        let op = call::send_op(&buf, dst, tag);
-        let e = self.engine();
-        e.p2p(dst, "send to", op, |op| e.store.send(buf, dst, tag, op))
-    }
-    fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
-        let op = call::recv_op(&buf, src, tag);
-        let e = self.engine();
-        e.p2p(src, "receive from", op, |op| e.store.recv(buf, src, tag, op))
-    }
-
-    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
-        Ok(Arc::new(T::wrap(self.engine().split(ranks)?)))
-    }
-    fn abort(&self, reason: &str) {
-        self.engine().store.abort(reason, Cause::Other);
-    }
-    fn leave(&self) {
-        self.engine().store.leave();
-    }
-    fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
-        self.engine().store.alloc(bytes)
     }
 }

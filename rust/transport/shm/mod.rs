@@ -51,7 +51,7 @@ pub use segment::PREFIX;
 pub use store_join::SegmentToken;
 
 use crate::config::MAX_TIMEOUT;
-use crate::engine::{AsEngine, Engine};
+use crate::engine::{backend_type, Engine};
 use rendezvous::Joined;
 use shared::Shared;
 use store::ShmStore;
@@ -132,19 +132,6 @@ impl ShmBackend {
         let world = Arc::new(Shared::new(joined, rank, timeout)?);
         Ok(ShmBackend(Engine::new(ShmStore::world(world))))
     }
-
-    /// How long a wait lasts before it fails.
-    pub fn timeout(&self) -> Duration {
-        crate::engine::Store::timeout(self.0.store())
-    }
 }
 
-impl AsEngine for ShmBackend {
-    type Store = ShmStore;
-    fn engine(&self) -> &Engine<ShmStore> {
-        &self.0
-    }
-    fn wrap(engine: Engine<ShmStore>) -> Self {
-        ShmBackend(engine)
-    }
-}
+backend_type!(ShmBackend, ShmStore);

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{DEFAULT_TIMEOUT, MAX_TIMEOUT};
-use crate::engine::{AsEngine, Engine};
+use crate::engine::{backend_type, Engine};
 use store::{Shared, ThreadStore};
 
 /// One rank's handle on the in-process world (or one of its subgroups): collectives block until every
@@ -40,19 +40,6 @@ impl ThreadBackend {
     pub fn single() -> ThreadBackend {
         Self::create_world(1).pop().expect("a world of one rank")
     }
-
-    /// How long a wait lasts before it fails.
-    pub fn timeout(&self) -> Duration {
-        crate::engine::Store::timeout(self.0.store())
-    }
 }
 
-impl AsEngine for ThreadBackend {
-    type Store = ThreadStore;
-    fn engine(&self) -> &Engine<ThreadStore> {
-        &self.0
-    }
-    fn wrap(engine: Engine<ThreadStore>) -> Self {
-        ThreadBackend(engine)
-    }
-}
+backend_type!(ThreadBackend, ThreadStore);
