@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::dtype::{Buf, BufMut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::transport::thread::MockBackend;
+use crate::transport::thread::ThreadBackend;
 use crate::work::{Lane, Work};
 
 /// A group of ranks, as seen from one rank (which may or may not be a member).
@@ -39,9 +39,9 @@ impl ProcessGroup {
         Ok(ProcessGroup { backend, comm, ranks })
     }
 
-    /// A world of one rank (the seed's `ProcessGroup::mock`).
+    /// A world of one rank, in the in-process world.
     pub fn mock() -> Self {
-        Self::new(Arc::new(MockBackend::single()))
+        Self::new(Arc::new(ThreadBackend::single()))
     }
 
     /// The world backend this group was made from.
@@ -116,7 +116,7 @@ impl ProcessGroup {
         self.comm()?.lanes().flush(lane)
     }
 
-    /// All-reduce `buf` in place (the seed's `all_reduce_tensor`, on a slice).
+    /// All-reduce `buf` in place.
     pub fn all_reduce_tensor<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.flush(Lane::Collectives)?;
         self.comm()?.all_reduce(BufMut::new(buf), op)
@@ -169,7 +169,7 @@ pub struct World {
 }
 
 impl World {
-    /// The world of `backend` (the seed's `World::init`).
+    /// The world of `backend`: the group of every rank, and the subgroups made from it.
     pub fn init(backend: Arc<dyn Backend>) -> Self {
         World { group: Arc::new(ProcessGroup::new(backend)) }
     }

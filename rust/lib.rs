@@ -1,16 +1,24 @@
-//! Data-parallel training collectives on CPUs.
+//! Data-parallel training collectives on CPUs: an in-process world (ranks are threads) and a
+//! shared-memory world (ranks are processes of one host), with process groups and gradient buckets.
 //!
-//! * [`ReduceOp`] and typed reductions over [`DType`]s ([`reduce::reduce_slices`]);
-//! * the [`Backend`] trait, with [`MockBackend`]: an in-process world where each rank is a thread and
-//!   collectives really wait for every member and exchange data through the callers' buffers;
-//! * [`ProcessGroup`] and [`World`] with real subgroups;
-//! * asynchronous [`Work`].
+//! The layers, each knowing only the ones below it:
+//!
+//! | layer | modules |
+//! |---|---|
+//! | groups | [`group`] ([`ProcessGroup`], [`World`], subgroups), [`synchronizer`] (bucketed gradient averaging), [`work`] (queued asynchronous calls) |
+//! | the protocol | `engine`: publish, wait for arrivals, compare signatures, move data, done, drain — once, against the `engine::Store` each world implements; [`backend`]: the [`Backend`] trait it implements |
+//! | data movement | `algo`: one-shot, direct (owner-computes and copies), staged (pipelined through staging buffers) |
+//! | worlds | [`transport`]: [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`] (segment, rendezvous, liveness); `transport::wait`, the one way to wait |
+//! | core types | [`config`] (every tunable and environment knob), `call` (argument checks), [`signature`], [`dtype`], [`reduce`] (kernels), [`bucket`], [`error`] |
+//!
+//! The Python bindings (`bindings`, behind the `python` feature) sit on top and are the only code that
+//! names Python types.
 //!
 //! ```
 //! use std::sync::Arc;
-//! use axonml_distributed::{MockBackend, ProcessGroup, ReduceOp};
+//! use axonml_distributed::{ProcessGroup, ReduceOp, ThreadBackend};
 //!
-//! let handles: Vec<_> = MockBackend::create_world(2)
+//! let handles: Vec<_> = ThreadBackend::create_world(2)
 //!     .into_iter()
 //!     .map(|b| std::thread::spawn(move || {
 //!         let pg = ProcessGroup::new(Arc::new(b));

@@ -16,7 +16,7 @@ use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 use crate::work::{Lane, Work};
 
-/// The seed's default bucket size: 25M elements (~100 MB of f32).
+/// The default bucket size: 25M elements (~100 MB of f32).
 pub const DEFAULT_BUCKET_SIZE: usize = 25_000_000;
 
 /// When buckets are reduced.

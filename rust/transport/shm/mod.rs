@@ -13,11 +13,11 @@
 //! * otherwise data is pipelined through the staging blocks (`algo::staged`): peers only read
 //!   staging, and only the owner writes a private buffer, so no drain is needed.
 //!
-//! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word, the
+//! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word (`abort`), the
 //! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
 //! within one slice, and every member raises `PeerDied` naming it.
 //!
-//! Subgroups live in a fixed table of communicator slots, changed only under a lock in the header:
+//! Subgroups live in a fixed table of communicator slots (`comms`), changed only under a lock in the header:
 //! the n-th split of a rank set finds the slot bound to (members, n), or, for the first member there,
 //! binds a free slot and staging blocks for its members. A member that drops its group marks itself
 //! left; once every member has, the slot and its blocks are free again. Every member finds the same

@@ -129,7 +129,7 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     Ok(b)
 }
 
-/// How every segment name starts ("/axonml-<uid>-<job id or random hex>").
+/// How every segment name starts (`/axonml-<uid>-<job id or random hex>`).
 pub const PREFIX: &str = "/axonml-";
 
 /// The segment name of this user for `suffix` (a job id, or random hex).
