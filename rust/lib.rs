@@ -1,15 +1,17 @@
 //! Data-parallel training collectives on CPUs: an in-process world (ranks are threads) and a
 //! shared-memory world (ranks are processes of one host), with process groups and gradient buckets.
 //!
-//! The layers, each knowing only the ones below it:
-//!
-//! | layer | modules |
-//! |---|---|
-//! | groups | [`group`] ([`ProcessGroup`], [`World`], subgroups), [`synchronizer`] (bucketed gradient averaging), [`work`] (queued asynchronous calls) |
-//! | the protocol | `engine`: publish, wait for arrivals, compare signatures, move data, done, drain — once, against the `engine::Store` each world implements; [`backend`]: the [`Backend`] trait it implements |
-//! | data movement | `algo`: one-shot, direct (owner-computes and copies), staged (pipelined through staging buffers) |
-//! | worlds | [`transport`]: [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`] (segment, rendezvous, liveness); `transport::wait`, the one way to wait |
-//! | core types | [`config`] (every tunable and environment knob), `call` (argument checks), [`signature`], [`dtype`], [`reduce`] (kernels), [`bucket`], [`error`] |
+//! The layers, top down, each knowing only the ones below it:
+//! * groups: [`group`] ([`ProcessGroup`], [`World`], subgroups), [`synchronizer`] (bucketed gradient
+//!   averaging), [`work`] (queued asynchronous calls);
+//! * the protocol: `engine` (publish, wait for arrivals, compare signatures, move data, done, drain:
+//!   written once, against the `engine::Store` that each world implements), which implements the
+//!   [`backend`] trait [`Backend`];
+//! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
+//! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
+//!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
+//! * core types: [`config`] (every tunable and environment knob), `call` (argument checks),
+//!   [`signature`], [`dtype`], [`reduce`] (the kernels), [`bucket`], [`error`].
 //!
 //! The Python bindings (`bindings`, behind the `python` feature) sit on top and are the only code that
 //! names Python types.

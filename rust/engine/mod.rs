@@ -138,7 +138,7 @@ impl<S: Store> Engine<S> {
 
     /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
     /// on abort, interrupt, a dead peer or the timeout, naming the members that never got there.
-    fn wait_all(&self, which: fn(&Ctrl) -> &AtomicU64, k: u64, op: &str) -> Result<()> {
+    fn wait_all(&self, which: impl Fn(&Ctrl) -> &AtomicU64 + Copy, k: u64, op: &str) -> Result<()> {
         let s = &self.store;
         let n = s.members().len();
         let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);

@@ -148,3 +148,23 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_gives_back_what_was_published() {
+        let page = Page::default();
+        let p = Published { sig: [1, u64::MAX, 3, 4], send: 5, recv: u64::MAX - 1 };
+        page.store(&p);
+        let got = page.load();
+        assert_eq!((got.sig, got.send, got.recv), (p.sig, p.send, p.recv));
+    }
+
+    #[test]
+    fn splits_count_each_rank_set_on_its_own() {
+        let s = Splits::default();
+        assert_eq!([s.next(&[0, 1]), s.next(&[0, 2]), s.next(&[0, 1]), s.next(&[0, 1])], [1, 1, 2, 3]);
+    }
+}

@@ -1,14 +1,16 @@
-//! What the Rust integration tests of both worlds share: how to run a world of ranks on threads, the
-//! inputs and their sequential reference, and the checks every world must pass.
+//! What the Rust integration tests share: how to run a world of ranks on threads (either world), the
+//! inputs and their sequential reference, and the checks of the meeting protocol that every world
+//! must pass (run for both worlds by `tests/engine.rs`).
 #![allow(dead_code)] // each test crate uses its own subset
 
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axonml_distributed::backend::SharedMem;
 use axonml_distributed::reduce::reduce_slices;
 use axonml_distributed::transport::shm::{ShmBackend, ShmOptions};
-use axonml_distributed::{Backend, Buf, BufMut, Error, MockBackend, ProcessGroup, ReduceOp, World};
+use axonml_distributed::{Backend, Buf, BufMut, DType, Error, ProcessGroup, ReduceOp, ThreadBackend, World};
 
 pub const LONG: Duration = Duration::from_secs(30);
 
@@ -16,6 +18,10 @@ pub const LONG: Duration = Duration::from_secs(30);
 pub trait Worlds {
     /// The backend of `rank` in a fresh world of `n` (called on that rank's thread).
     fn connect(&self, n: usize, timeout: Duration) -> Arc<dyn Fn(usize) -> Arc<dyn Backend> + Send + Sync>;
+
+    /// A buffer of `len` floats for collectives of `b`: the world's fastest kind (segment memory where
+    /// the world has it).
+    fn buffer(&self, b: &dyn Backend, len: usize) -> Buffer;
 
     /// Run `f(pg)` on one thread per rank of a fresh world; results in rank order.
     fn run<R: Send + 'static>(
@@ -40,9 +46,13 @@ pub struct Threads;
 
 impl Worlds for Threads {
     fn connect(&self, n: usize, timeout: Duration) -> Arc<dyn Fn(usize) -> Arc<dyn Backend> + Send + Sync> {
-        let pool: Mutex<Vec<Option<MockBackend>>> =
-            Mutex::new(MockBackend::create_world_with_timeout(n, timeout).into_iter().map(Some).collect());
+        let pool: Mutex<Vec<Option<ThreadBackend>>> =
+            Mutex::new(ThreadBackend::create_world_with_timeout(n, timeout).into_iter().map(Some).collect());
         Arc::new(move |r| Arc::new(pool.lock().unwrap()[r].take().unwrap()))
+    }
+
+    fn buffer(&self, _: &dyn Backend, len: usize) -> Buffer {
+        Buffer::Heap(vec![0.0; len])
     }
 }
 
@@ -59,6 +69,40 @@ impl Worlds for Shm {
             o.arena_bytes = 8 << 20;
             Arc::new(ShmBackend::connect(o).unwrap())
         })
+    }
+
+    fn buffer(&self, b: &dyn Backend, len: usize) -> Buffer {
+        Buffer::Segment(in_segment(b, &vec![0.0; len]), len)
+    }
+}
+
+/// A segment array holding `data` (the zero-copy path of the shm world).
+pub fn in_segment(b: &dyn Backend, data: &[f32]) -> SharedMem {
+    let m = b.alloc(data.len() * 4).unwrap().expect("arena space");
+    // SAFETY: a fresh allocation of data.len() floats.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), m.as_ptr().cast(), data.len()) };
+    m
+}
+
+/// Floats in ordinary memory or in a segment.
+pub enum Buffer {
+    Heap(Vec<f32>),
+    Segment(SharedMem, usize),
+}
+
+impl Buffer {
+    pub fn floats(&mut self) -> &mut [f32] {
+        match self {
+            Buffer::Heap(v) => v,
+            // SAFETY: the allocation holds `len` floats and only this buffer uses it.
+            Buffer::Segment(m, len) => unsafe { std::slice::from_raw_parts_mut(m.as_ptr().cast(), *len) },
+        }
+    }
+
+    pub fn buf(&mut self) -> BufMut<'_> {
+        let x = self.floats();
+        // SAFETY: the floats of this buffer, borrowed for the call.
+        unsafe { BufMut::from_raw(DType::F32, x.as_mut_ptr().cast(), x.len()) }
     }
 }
 
@@ -266,4 +310,68 @@ pub fn abort_wakes_every_waiter_with_the_aborting_rank(w: &impl Worlds) {
             "{e:?}"
         );
     }
+}
+
+/// A member leaving a collective on an abort must not leave while a peer may still write into its
+/// buffer: ranks 0 and 1 loop an all_reduce on a subgroup while rank 2 aborts the world at a varying
+/// moment (`abort_after(trial)`); once a call fails, nothing may write the failing rank's buffer.
+pub fn no_peer_writes_into_a_buffer_after_its_collective_returned(
+    w: &(impl Worlds + Sync),
+    trials: u64,
+    len: usize,
+    abort_after: fn(u64) -> Duration,
+) {
+    for trial in 0..trials {
+        let connect = w.connect(3, LONG);
+        let go = Arc::new(std::sync::Barrier::new(3));
+        let written: Vec<usize> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..3)
+                .map(|r| {
+                    let (connect, go) = (connect.clone(), go.clone());
+                    s.spawn(move || {
+                        let b = connect(r);
+                        if r == 2 {
+                            go.wait();
+                            std::thread::sleep(abort_after(trial));
+                            b.abort("a rank outside the subgroup failed");
+                            return 0;
+                        }
+                        let sub = b.split(&[0, 1]).unwrap();
+                        let mut x = w.buffer(&*b, len);
+                        go.wait();
+                        loop {
+                            x.floats().fill(1.0);
+                            if sub.all_reduce(x.buf(), ReduceOp::Sum).is_err() {
+                                x.floats().fill(-7.0);
+                                std::thread::sleep(Duration::from_millis(100));
+                                return x.floats().iter().filter(|&&v| v != -7.0).count();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(written, [0, 0, 0], "trial {trial}: elements written after the call returned");
+    }
+}
+
+/// A group over every rank is a group of its own: calls on it never match calls on the world.
+pub fn a_group_over_every_rank_does_not_share_the_world_sequence(w: &impl Worlds) {
+    let got = w.run(2, Duration::from_millis(300), |pg| {
+        let all = ProcessGroup::with_ranks(pg.backend().clone(), &[0, 1]).unwrap();
+        let (mut x, mut y) = (vec![1.0f32; 4], vec![10.0f32; 4]);
+        if pg.rank() == 0 {
+            (
+                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
+                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
+            )
+        } else {
+            (
+                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
+                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
+            )
+        }
+    });
+    assert_eq!(got, vec![(false, false), (false, false)], "crossed calls on two groups must fail, not match");
 }

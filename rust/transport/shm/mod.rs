@@ -13,15 +13,16 @@
 //! * otherwise data is pipelined through the staging blocks (`algo::staged`): peers only read
 //!   staging, and only the owner writes a private buffer, so no drain is needed.
 //!
-//! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word (`abort`), the
-//! deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank aborts the world
-//! within one slice, and every member raises `PeerDied` naming it.
+//! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word
+//! (`abort`), the deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank
+//! aborts the world within one slice, and every member raises `PeerDied` naming it.
 //!
-//! Subgroups live in a fixed table of communicator slots (`comms`), changed only under a lock in the header:
-//! the n-th split of a rank set finds the slot bound to (members, n), or, for the first member there,
-//! binds a free slot and staging blocks for its members. A member that drops its group marks itself
-//! left; once every member has, the slot and its blocks are free again. Every member finds the same
-//! slot: a bound key stays bound until all its members have left, and none asks for it again.
+//! Subgroups live in a fixed table of communicator slots (`comms`), changed only under a lock in the
+//! header: the n-th split of a rank set finds the slot bound to (members, n), or, for the first
+//! member there, binds a free slot and staging blocks for its members. A member that drops its group
+//! marks itself left; once every member has, the slot and its blocks are free again. Every member
+//! finds the same slot: a bound key stays bound until all its members have left, and none asks for it
+//! again.
 //!
 //! Each rank maps what only a peer writes (peers' staging blocks, the cells of channels it does not
 //! send on) read-only, so a stray write there faults in the writer instead of corrupting a peer.

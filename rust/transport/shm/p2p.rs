@@ -1,7 +1,7 @@
 //! Point-to-point messages: one channel per ordered pair of ranks, in the segment.
 //!
-//! Semantics are the in-process world's (`transport::thread::mailbox`): receives match by (source, tag), in
-//! send order per tag but out of order across tags, and small messages are sent eagerly.
+//! Semantics are the in-process world's (`transport::thread::mailbox`): receives match by (source,
+//! tag), in send order per tag but out of order across tags, and small messages are sent eagerly.
 //!
 //! A channel is a stream of chunks through two cells: the sender fills cell q % 2 once the receiver
 //! drained chunk q − 2 (`filled`/`drained` count chunks over the pair's life). Each message starts

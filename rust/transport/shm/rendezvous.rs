@@ -4,10 +4,10 @@
 //! already in use is a clear error) and creates the segment. It answers a connecting rank with the
 //! segment's name and session nonce only once the rank has proved it belongs to the job (`auth`: the
 //! job secret, or without one the socket's owner). Connections are served concurrently, each by a
-//! thread with a short deadline (`config::HANDSHAKE`; the exchange itself is `handshake`): a port scanner, a stranger without the secret or a
-//! silent socket is dropped unanswered and costs the job nothing. A rank that is not admitted tries
-//! again until the job's timeout; a rank rank 0 cannot take (wrong world size, a rank already taken)
-//! is told why. Each rank attaches, checks the segment, records its pid and reports back; once every
+//! thread with a short deadline (`config::HANDSHAKE`; the exchange itself is `handshake`): a port
+//! scanner, a stranger without the secret or a silent socket is dropped unanswered and costs the job
+//! nothing. A rank that is not admitted tries again until the job's timeout; a rank rank 0 cannot
+//! take (wrong world size, a rank already taken) is told why. Each rank attaches, checks the segment, records its pid and reports back; once every
 //! rank has attached, rank 0 unlinks the name (from then on no crash can leak it) and releases
 //! everyone. The TCP connection carries only these few messages and is closed afterwards; collective
 //! data never touches it.
