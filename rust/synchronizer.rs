@@ -30,7 +30,8 @@ pub enum GradSyncStrategy {
     NoSync,
 }
 
-struct Slot {
+/// One bucket of the step, and its reduction.
+struct BucketState {
     bucket: Arc<Mutex<GradientBucket>>,
     /// Set once the bucket is complete: nothing more may be added to it.
     closed: bool,
@@ -48,7 +49,7 @@ pub struct GradientSynchronizer {
     bucket_size: usize,
     expected: Option<usize>,
     added: usize,
-    slots: Vec<Slot>,
+    states: Vec<BucketState>,
     /// (bucket, entry index) of each gradient, in the order added.
     order: Vec<(usize, usize)>,
     group: Option<Arc<ProcessGroup>>,
@@ -62,7 +63,7 @@ impl GradientSynchronizer {
             bucket_size: bucket_size.max(1),
             expected: None,
             added: 0,
-            slots: Vec::new(),
+            states: Vec::new(),
             order: Vec::new(),
             group: None,
         }
@@ -78,7 +79,7 @@ impl GradientSynchronizer {
     }
     /// Number of buckets used this step.
     pub fn num_buckets(&self) -> usize {
-        self.slots.len()
+        self.states.len()
     }
 
     /// Start a step of `num_gradients` gradients; with `group`, overlapped buckets launch as they complete
@@ -97,28 +98,28 @@ impl GradientSynchronizer {
                 self.added
             )));
         }
-        if bucket >= self.slots.len() {
-            self.slots.resize_with(bucket + 1, || Slot {
+        if bucket >= self.states.len() {
+            self.states.resize_with(bucket + 1, || BucketState {
                 bucket: Arc::new(Mutex::new(GradientBucket::new(self.bucket_size))),
                 closed: false,
                 work: None,
             });
         }
-        if self.slots[bucket].closed {
+        if self.states[bucket].closed {
             return Err(Error::invalid(format!(
                 "bucket {bucket} is already complete (buckets fill in index order); use a later bucket"
             )));
         }
         {
             // A gradient larger than a whole bucket gets a bucket of its own size (as in torch's DDP).
-            let mut b = lock(&self.slots[bucket].bucket);
+            let mut b = lock(&self.states[bucket].bucket);
             if b.is_empty() && grad.len() > b.capacity() {
                 *b = GradientBucket::new(grad.len());
             }
         }
-        let added = lock(&self.slots[bucket].bucket).add_buf(grad, shape)?;
+        let added = lock(&self.states[bucket].bucket).add_buf(grad, shape)?;
         if !added {
-            let b = lock(&self.slots[bucket].bucket);
+            let b = lock(&self.states[bucket].bucket);
             return Err(Error::invalid(format!(
                 "bucket {bucket} is full: {} of {} elements used, the gradient has {}; use another bucket",
                 b.size(),
@@ -126,13 +127,13 @@ impl GradientSynchronizer {
                 grad.len()
             )));
         }
-        let entry = lock(&self.slots[bucket].bucket).entries().len() - 1;
+        let entry = lock(&self.states[bucket].bucket).entries().len() - 1;
         self.order.push((bucket, entry));
         self.added += 1;
         for earlier in 0..bucket {
             self.complete(earlier)?;
         }
-        if lock(&self.slots[bucket].bucket).is_full() || self.expected == Some(self.added) {
+        if lock(&self.states[bucket].bucket).is_full() || self.expected == Some(self.added) {
             self.complete(bucket)?;
         }
         Ok(self.order.len() - 1)
@@ -140,13 +141,13 @@ impl GradientSynchronizer {
 
     /// Mark bucket `i` complete; overlapped buckets start reducing now when the group is known.
     fn complete(&mut self, i: usize) -> Result<()> {
-        let slot = &mut self.slots[i];
-        if slot.closed {
+        let state = &mut self.states[i];
+        if state.closed {
             return Ok(());
         }
-        slot.closed = true;
+        state.closed = true;
         if let (GradSyncStrategy::Overlapped, Some(group)) = (self.strategy, &self.group) {
-            slot.work = Some(launch(group, &slot.bucket)?);
+            state.work = Some(launch(group, &state.bucket)?);
         }
         Ok(())
     }
@@ -157,23 +158,23 @@ impl GradientSynchronizer {
         if self.strategy == GradSyncStrategy::NoSync {
             return Ok(());
         }
-        for slot in &mut self.slots {
-            slot.closed = true;
-            let empty = lock(&slot.bucket).is_empty();
-            if slot.work.is_none() && !empty {
+        for state in &mut self.states {
+            state.closed = true;
+            let empty = lock(&state.bucket).is_empty();
+            if state.work.is_none() && !empty {
                 match self.strategy {
-                    GradSyncStrategy::Overlapped => slot.work = Some(launch(group, &slot.bucket)?),
+                    GradSyncStrategy::Overlapped => state.work = Some(launch(group, &state.bucket)?),
                     _ => {
                         let comm = group.comm()?;
                         group.flush(Lane::Collectives)?;
-                        comm.all_reduce(lock(&slot.bucket).data_mut(), ReduceOp::Average)?;
+                        comm.all_reduce(lock(&state.bucket).data_mut(), ReduceOp::Average)?;
                     }
                 }
             }
         }
         let mut first = Ok(());
-        for slot in &self.slots {
-            if let Some(w) = &slot.work {
+        for state in &self.states {
+            if let Some(w) = &state.work {
                 if let (Err(e), Ok(())) = (w.wait(), &first) {
                     first = Err(e);
                 }
@@ -186,7 +187,7 @@ impl GradientSynchronizer {
     pub fn averaged(&self, i: usize, mut out: BufMut<'_>) -> Result<()> {
         let &(b, e) =
             self.order.get(i).ok_or_else(|| Error::invalid(format!("no gradient {i} in this step")))?;
-        let bucket = lock(&self.slots[b].bucket);
+        let bucket = lock(&self.states[b].bucket);
         let Entry { offset, .. } = &bucket.entries()[e];
         let len = bucket.entries()[e].len();
         let data = bucket.data();
@@ -200,12 +201,12 @@ impl GradientSynchronizer {
 
     /// Buckets whose all-reduce was started in the background this step.
     pub fn launched(&self) -> usize {
-        self.slots.iter().filter(|s| s.work.is_some()).count()
+        self.states.iter().filter(|s| s.work.is_some()).count()
     }
 
     /// Bucket `i` of this step (for backends that reduce it themselves).
     pub fn bucket(&self, i: usize) -> Option<&Arc<Mutex<GradientBucket>>> {
-        self.slots.get(i).map(|s| &s.bucket)
+        self.states.get(i).map(|s| &s.bucket)
     }
 
     /// Number of gradients added this step.
@@ -219,12 +220,12 @@ impl GradientSynchronizer {
 
     /// Forget every gradient and bucket (waiting for background work first).
     pub fn clear(&mut self) {
-        for slot in &self.slots {
-            if let Some(w) = &slot.work {
+        for state in &self.states {
+            if let Some(w) = &state.work {
                 let _ = w.wait();
             }
         }
-        self.slots.clear();
+        self.states.clear();
         self.order.clear();
         self.added = 0;
         self.expected = None;
