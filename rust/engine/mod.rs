@@ -29,6 +29,8 @@
 
 mod backend;
 mod store;
+#[cfg(test)]
+mod tests;
 pub(crate) mod wire;
 
 use std::cell::RefCell;

@@ -7,7 +7,7 @@
 //! messages go through the world's `mailbox`.
 
 mod mailbox;
-mod store;
+pub(crate) mod store;
 
 use std::sync::Arc;
 use std::time::Duration;

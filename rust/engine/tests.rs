@@ -1,0 +1,54 @@
+//! The protocol against a hand-played peer: one real member (an engine over the in-process world's
+//! store) and one whose steps the test takes itself, at chosen moments.
+
+use std::sync::atomic::Ordering::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{wire, AsEngine, Cause, Engine, Published, Store};
+use crate::backend::Backend;
+use crate::dtype::{BufMut, DType};
+use crate::error::Error;
+use crate::reduce::ReduceOp;
+use crate::signature::{CollKind, Signature};
+use crate::transport::thread::store::{Shared, ThreadStore};
+use crate::transport::thread::ThreadBackend;
+
+/// A peer that saw every arrival and did its share, whose peer then failed its own arrival wait
+/// without doing its share (the arrival it missed came a moment too late), must not report success:
+/// its buffer lacks that peer's part of the result.
+#[test]
+fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
+    const COUNT: usize = 4096; // past one-shot, and each of the two members owns half
+    let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
+    let s1 = ThreadStore::world(&shared, 1);
+    let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
+    let mut theirs = vec![2.0f32; COUNT];
+    // The hand-played member 1 publishes call 1 and arrives.
+    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
+    let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4);
+    s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
+    s1.ctrl(1).arrive.store(1, SeqCst);
+    s1.notify();
+    std::thread::scope(|s| {
+        let member0 = s.spawn(|| {
+            let mut x = vec![1.0f32; COUNT];
+            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
+            (r, x)
+        });
+        // Member 0 did its share and waits for member 1's done; member 1 now fails as a member whose
+        // arrival wait timed out would: it aborts the world and leaves without doing its share.
+        let t = Instant::now();
+        while s1.ctrl(0).done.load(SeqCst) < 1 {
+            assert!(t.elapsed() < Duration::from_secs(10), "member 0 never finished its share");
+            std::thread::yield_now();
+        }
+        s1.abort("rank 1 timed out", Cause::Other);
+        s1.ctrl(1).done.store(1, SeqCst);
+        s1.notify();
+        let (r, x) = member0.join().unwrap();
+        assert!(matches!(r, Err(Error::Aborted { by: 1, .. })), "{r:?}");
+        assert!(x[COUNT - 1] == 1.0, "member 1's half was never reduced");
+    });
+    assert!(theirs[..COUNT / 2].iter().all(|&v| v == 3.0), "member 0 did its half of member 1's buffer");
+}
