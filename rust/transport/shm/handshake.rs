@@ -107,9 +107,8 @@ pub(super) enum Knock {
     Refused(String),
 }
 
-/// One connection to rank 0, on its own thread: the rank must prove itself within
-/// [`HANDSHAKE`](crate::config::HANDSHAKE), or it is dropped without a word. Returns what rank 0
-/// must know.
+/// One connection to rank 0, on its own thread: the rank must prove itself within [`HANDSHAKE`], or
+/// it is dropped without a word. Returns what rank 0 must know.
 pub(super) fn greet(door: &Door, mut s: TcpStream) -> Option<Knock> {
     let deadline = Instant::now() + HANDSHAKE;
     s.set_nonblocking(false).ok()?;

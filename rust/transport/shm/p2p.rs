@@ -6,10 +6,10 @@
 //! A channel is a stream of chunks through two cells: the sender fills cell q % 2 once the receiver
 //! drained chunk q − 2 (`filled`/`drained` count chunks over the pair's life). Each message starts
 //! with a header (tag, dtype, count, message number) at the front of its first chunk, its bytes
-//! follow. A message whose header and bytes fit in the two cells (and of at most [`EAGER`](crate::config::EAGER) bytes) is
-//! eager: the send returns once its chunks are posted (waiting, with the normal deadline, only while
-//! the cells still hold earlier messages). A larger send returns once the receiver has drained all of
-//! it, and fails when the receiver refused it (dtype or length differ from its recv).
+//! follow. A message whose header and bytes fit in the two cells (and of at most [`EAGER`] bytes)
+//! is eager: the send returns once its chunks are posted (waiting, with the normal deadline, only
+//! while the cells still hold earlier messages). A larger send returns once the receiver has drained
+//! all of it, and fails when the receiver refused it (dtype or length differ from its recv).
 //!
 //! The receiver takes messages off its channel in order. One whose tag is not the one asked for is
 //! copied into this rank's private queue of unexpected messages for that tag (draining the channel, so
