@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from axonml_distributed import _core
-from axonml_distributed._core import MockBackend, ProcessGroup, ReduceOp, ShmSegment
+from axonml_distributed._core import ProcessGroup, ReduceOp, ShmSegment, ThreadBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,7 @@ def test_stub_matches_the_native_module() -> None:
 
 def on_threads(n: int, fn: Any) -> list[Any]:
     """`fn(group)` on every rank of a thread world; what each returned or raised."""
-    groups = [ProcessGroup(b) for b in MockBackend.create_world(n, timeout=30)]
+    groups = [ProcessGroup(b) for b in ThreadBackend.create_world(n, timeout=30)]
     out: list[Any] = [None] * n
 
     def run(r: int) -> None:
@@ -76,7 +76,7 @@ def test_dtype_and_kind_tables_name_every_collective_and_dtype() -> None:
 
 
 def test_check_op_refuses_what_a_collective_refuses_with_its_message() -> None:
-    pg = ProcessGroup(MockBackend.single())
+    pg = ProcessGroup(ThreadBackend.single())
     with pytest.raises(TypeError) as native:
         pg.all_reduce(np.zeros(3, np.int32), ReduceOp.AVERAGE)
     with pytest.raises(TypeError) as exported:
@@ -100,7 +100,7 @@ def test_check_op_refuses_what_a_collective_refuses_with_its_message() -> None:
 
 @pytest.mark.parametrize("ranks", [[], [0, 3], [1, 1], [2, 0, 2]])
 def test_validate_ranks_refuses_what_a_group_refuses_with_its_message(ranks: list[int]) -> None:
-    world = MockBackend.create_world(3)
+    world = ThreadBackend.create_world(3)
     with pytest.raises(ValueError) as native:
         ProcessGroup(world[0], ranks)
     with pytest.raises(ValueError) as exported:
@@ -181,3 +181,33 @@ def test_segment_facts_match_a_real_segment() -> None:
     assert field("world") == 2
     assert field("uid") == os.geteuid()
     assert field("creator") == os.getpid()
+
+
+def test_thread_backend_is_the_thread_world_and_mock_backend_its_alias() -> None:
+    assert _core.MockBackend is ThreadBackend
+    assert ThreadBackend.single().name() == "threads"
+
+
+def test_sync_all_without_a_group_calls_the_source_handed_down() -> None:
+    from axonml_distributed._core import GradientSynchronizer, GradSyncStrategy
+    from axonml_distributed.init import get_default_group
+
+    native = ProcessGroup.mock()
+    ops: list[Any] = []
+
+    class PythonGroup:  # a group written in Python (as MPI's): reduced bucket by bucket
+        def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+            ops.append(op)
+            native.all_reduce(buf, op)
+
+    sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 4)
+    _core.set_default_group_source(PythonGroup)
+    try:
+        g = np.arange(3, dtype=np.float32)
+        sync.prepare(1)
+        sync.add_gradient(0, g)
+        sync.sync_all()
+    finally:
+        _core.set_default_group_source(get_default_group)
+    assert ops == [ReduceOp.AVERAGE] and type(ops[0]) is ReduceOp
+    np.testing.assert_array_equal(g, np.arange(3, dtype=np.float32))

@@ -98,13 +98,15 @@ class Backend:
     def leave(self) -> None: ...
 
 @final
-class MockBackend:
+class ThreadBackend:
     """The in-process world: each rank is a thread; collectives exchange data through the callers' arrays."""
 
     @staticmethod
     def create_world(n: int, timeout: float | None = None) -> list[Backend]: ...
     @staticmethod
     def single(timeout: float | None = None) -> Backend: ...
+
+MockBackend = ThreadBackend  # its earlier name
 
 @final
 class ShmBackend:
@@ -228,6 +230,10 @@ class GradSyncStrategy:
     NO_SYNC: ClassVar[GradSyncStrategy]
     def __int__(self) -> int: ...
 
+def set_default_group_source(get_default_group: Any) -> None:
+    """What `GradientSynchronizer.sync_all()` calls for a group when given none (the package passes its
+    `get_default_group` on import; the native module never imports the package)."""
+
 @final
 class GradientSynchronizer:
     """Buckets gradients and averages them across a group, in place."""
@@ -266,6 +272,7 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "SegmentMemory",
+    "ThreadBackend",
     "ShmBackend",
     "ShmSegment",
     "Work",
@@ -273,5 +280,6 @@ __all__ = [
     "check_op",
     "checked_timeout",
     "describe_mismatch",
+    "set_default_group_source",
     "validate_ranks",
 ]

@@ -5,8 +5,9 @@
 //! bits, tagged bfloat16.
 
 use half::f16;
+use numpy::ndarray::{ArrayViewD, IxDyn};
 use numpy::{
-    BorrowError, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    BorrowError, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -267,22 +268,23 @@ pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyRe
     py.import("numpy")?.call_method1("zeros", (shape.to_vec(), descr))
 }
 
-/// A 1-D numpy array over `len` elements of `dtype` at `ptr`, keeping `owner` alive as its base.
+/// A numpy array of `shape` over the elements of `dtype` at `ptr`, keeping `owner` alive as its base.
 ///
 /// # Safety
-/// The memory must stay valid, and not move, for as long as `owner` lives.
+/// `ptr` must hold product(shape) elements of `dtype`, aligned for it, valid and unmoved for as long as
+/// `owner` lives, and used by nothing else than this array while it is writable.
 pub(crate) unsafe fn view<'py>(
     owner: Bound<'py, PyAny>,
     dtype: DType,
     ptr: *const u8,
-    len: usize,
+    shape: &[usize],
     writable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let arr = with_type!(dtype, T => {
-        // SAFETY: the caller guarantees `len` valid elements at `ptr` for the owner's lifetime.
-        let v = unsafe { numpy::ndarray::ArrayView1::<T>::from_shape_ptr(len, ptr.cast::<T>()) };
+        // SAFETY: the caller guarantees the elements at `ptr` for the owner's lifetime.
+        let v = unsafe { ArrayViewD::<T>::from_shape_ptr(IxDyn(shape), ptr.cast::<T>()) };
         // SAFETY: as above; `owner` becomes the array's base and keeps the memory alive.
-        unsafe { PyArray1::<T>::borrow_from_array(&v, owner) }.into_any()
+        unsafe { PyArrayDyn::<T>::borrow_from_array(&v, owner) }.into_any()
     });
     if !writable {
         arr.call_method1("setflags", (false,))?;

@@ -1,15 +1,14 @@
-//! The core's codes, checks and segment facts, for the parts written in Python: the MPI backend
-//! signs, checks and describes its calls with these, so a mistake reads the same on every backend; the
-//! launcher and the stale-segment cleanup name and recognise segments with them.
+//! The core's codes, checks and segment facts, for the parts written in Python: the MPI backend signs,
+//! checks and describes its calls (and checks its timeouts) with these, so a mistake reads the same on
+//! every backend; the launcher and the stale-segment cleanup name and recognise segments with them.
 
 use std::mem::{offset_of, size_of};
 
-use numpy::PyArrayDescr;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::PyDict;
 
-use super::array::{dtype_of, unsupported};
+use super::args::{dtype_arg, timeout_from};
 use super::op::parse_op;
 use crate::dtype::DType;
 use crate::reduce::ReduceOp;
@@ -52,16 +51,12 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SEGMENT_HEADER", header)
 }
 
-/// The core's dtype of `dtype`: a dtype name (including "bfloat16"), or anything `numpy.dtype` takes.
-fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<DType> {
-    if let Ok(name) = dtype.cast::<PyString>() {
-        let name = name.to_str()?;
-        if let Some(d) = DType::ALL.into_iter().find(|d| d.name() == name) {
-            return Ok(d);
-        }
-    }
-    let descr = dtype.py().import("numpy")?.call_method1("dtype", (dtype,))?;
-    dtype_of(descr.cast::<PyArrayDescr>()?).ok_or_else(|| unsupported("the buffer", &descr))
+/// `seconds` checked as every native timeout is (positive, at most about 31 years; None: the default
+/// of 300 s).
+#[pyfunction]
+#[pyo3(signature = (seconds=None))]
+pub(crate) fn checked_timeout(seconds: Option<f64>) -> PyResult<f64> {
+    Ok(timeout_from(seconds)?.as_secs_f64())
 }
 
 /// The code of `op` once the core's rule allows it on `dtype`, else the TypeError a collective raises.

@@ -17,7 +17,7 @@ pub(crate) struct PyWorld {
 
 #[pymethods]
 impl PyWorld {
-    /// The world of `backend` (the seed's `World::init`).
+    /// The world of `backend`.
     #[new]
     fn new(backend: &PyBackend) -> Self {
         PyWorld { inner: World::init(backend.inner.clone()) }
