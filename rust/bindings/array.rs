@@ -17,47 +17,18 @@ use pyo3::types::PyType;
 
 use crate::dtype::{Buf, BufMut, DType};
 
-/// Run `$body` with `$t` bound to the Rust type of `$dtype`.
+/// Run `$body` with `$t` bound to the Rust type of `$dtype`: the one table from dtype to Rust type.
+/// bfloat16 is its bits: numpy arrays of it are int16 views (see `ndarray_of`).
 macro_rules! with_type {
     ($dtype:expr, $t:ident => $body:expr) => {
+        with_type!(@ $dtype, $t, $body, F16 f16, F32 f32, F64 f64, I8 i8, U8 u8, I32 i32, I64 i64, BF16 i16, Bool bool)
+    };
+    (@ $dtype:expr, $t:ident, $body:expr, $($d:ident $ty:ty),*) => {
         match $dtype {
-            DType::F16 => {
-                type $t = f16;
+            $(DType::$d => {
+                type $t = $ty;
                 $body
-            }
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::BF16 => {
-                // Its bits: numpy arrays of it are int16 views (see `ndarray_of`).
-                type $t = i16;
-                $body
-            }
-            DType::Bool => {
-                type $t = bool;
-                $body
-            }
+            })*
         }
     };
 }

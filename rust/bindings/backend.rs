@@ -7,13 +7,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::args::timeout_from;
-use super::collectives::{self as c, Prepared};
+use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::run_blocking;
 use crate::backend::Backend;
 use crate::transport::thread::MockBackend;
-
-type Obj<'a, 'py> = &'a Bound<'py, PyAny>;
 
 /// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
 /// released, until every member arrives.
@@ -46,53 +44,35 @@ impl PyBackend {
     }
     /// All-reduce `buf` in place.
     #[pyo3(signature = (buf, op=None))]
-    fn all_reduce(&self, py: Python<'_>, buf: Obj<'_, '_>, op: Option<Obj<'_, '_>>) -> PyResult<()> {
+    fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>) -> PyResult<()> {
         self.run(py, c::all_reduce(buf, op))
     }
     /// Copy global rank `src`'s `buf` into every member's `buf`.
-    fn broadcast(&self, py: Python<'_>, buf: Obj<'_, '_>, src: usize) -> PyResult<()> {
+    fn broadcast(&self, py: Python<'_>, buf: &Obj, src: usize) -> PyResult<()> {
         self.run(py, c::broadcast(buf, src))
     }
     /// Concatenate every member's `send` into `recv`.
-    fn all_gather(&self, py: Python<'_>, send: Obj<'_, '_>, recv: Obj<'_, '_>) -> PyResult<()> {
+    fn all_gather(&self, py: Python<'_>, send: &Obj, recv: &Obj) -> PyResult<()> {
         self.run(py, c::all_gather(send, recv))
     }
     /// Reduce `send` and keep this member's chunk in `recv`.
     #[pyo3(signature = (send, recv, op=None))]
-    fn reduce_scatter(
-        &self,
-        py: Python<'_>,
-        send: Obj<'_, '_>,
-        recv: Obj<'_, '_>,
-        op: Option<Obj<'_, '_>>,
-    ) -> PyResult<()> {
+    fn reduce_scatter(&self, py: Python<'_>, send: &Obj, recv: &Obj, op: Option<&Obj>) -> PyResult<()> {
         self.run(py, c::reduce_scatter(send, recv, op))
     }
     /// Concatenate every member's `send` into `dst`'s `recv` (None elsewhere).
     #[pyo3(signature = (send, recv, dst))]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        send: Obj<'_, '_>,
-        recv: Option<Obj<'_, '_>>,
-        dst: usize,
-    ) -> PyResult<()> {
+    fn gather(&self, py: Python<'_>, send: &Obj, recv: Option<&Obj>, dst: usize) -> PyResult<()> {
         self.run(py, c::gather(send, recv, dst))
     }
     /// Split `src`'s `send` (None elsewhere) into every member's `recv`.
     #[pyo3(signature = (send, recv, src))]
-    fn scatter(
-        &self,
-        py: Python<'_>,
-        send: Option<Obj<'_, '_>>,
-        recv: Obj<'_, '_>,
-        src: usize,
-    ) -> PyResult<()> {
+    fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize) -> PyResult<()> {
         self.run(py, c::scatter(send, recv, src))
     }
     /// Reduce `buf` into `dst`'s `buf`.
     #[pyo3(signature = (buf, dst, op=None))]
-    fn reduce(&self, py: Python<'_>, buf: Obj<'_, '_>, dst: usize, op: Option<Obj<'_, '_>>) -> PyResult<()> {
+    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<()> {
         self.run(py, c::reduce(buf, dst, op))
     }
     /// Block until every member arrives.
@@ -101,12 +81,12 @@ impl PyBackend {
     }
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]
-    fn send(&self, py: Python<'_>, buf: Obj<'_, '_>, dst: usize, tag: u64) -> PyResult<()> {
+    fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64) -> PyResult<()> {
         self.run(py, c::send(buf, dst, tag))
     }
     /// Receive into `buf` from global rank `src`.
     #[pyo3(signature = (buf, src, tag=0))]
-    fn recv(&self, py: Python<'_>, buf: Obj<'_, '_>, src: usize, tag: u64) -> PyResult<()> {
+    fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64) -> PyResult<()> {
         self.run(py, c::recv(buf, src, tag))
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.

@@ -17,7 +17,8 @@ pub(crate) struct Prepared<'py> {
     pub job: Job,
 }
 
-type Obj<'a, 'py> = &'a Bound<'py, PyAny>;
+/// A Python argument.
+pub(crate) type Obj<'py> = Bound<'py, PyAny>;
 
 // SAFETY (every `unsafe { raw.buf*() }` below): the RawArray comes from an `Array` of the same
 // `Prepared`, whose guard (run now) or object reference (queued) is kept until the job has finished,
@@ -54,27 +55,27 @@ impl<'py> Prepared<'py> {
 }
 
 /// `all_reduce(buf, op)`.
-pub(crate) fn all_reduce<'py>(buf: Obj<'_, 'py>, op: Option<Obj<'_, 'py>>) -> PyResult<Prepared<'py>> {
+pub(crate) fn all_reduce<'py>(buf: &Obj<'py>, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
     Ok(Prepared::all_reduce(writable(buf, "buf")?, op))
 }
 
 /// `broadcast(buf, root)`.
-pub(crate) fn broadcast<'py>(buf: Obj<'_, 'py>, root: usize) -> PyResult<Prepared<'py>> {
+pub(crate) fn broadcast<'py>(buf: &Obj<'py>, root: usize) -> PyResult<Prepared<'py>> {
     Ok(Prepared::broadcast(writable(buf, "buf")?, root))
 }
 
 /// `all_gather(send, recv)`.
-pub(crate) fn all_gather<'py>(send: Obj<'_, 'py>, recv: Obj<'_, 'py>) -> PyResult<Prepared<'py>> {
+pub(crate) fn all_gather<'py>(send: &Obj<'py>, recv: &Obj<'py>) -> PyResult<Prepared<'py>> {
     let send = readable(send, "send")?;
     Ok(Prepared::all_gather(send, writable(recv, "recv")?))
 }
 
 /// `reduce_scatter(send, recv, op)`.
 pub(crate) fn reduce_scatter<'py>(
-    send: Obj<'_, 'py>,
-    recv: Obj<'_, 'py>,
-    op: Option<Obj<'_, 'py>>,
+    send: &Obj<'py>,
+    recv: &Obj<'py>,
+    op: Option<&Obj<'py>>,
 ) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
     let send = readable(send, "send")?;
@@ -82,11 +83,7 @@ pub(crate) fn reduce_scatter<'py>(
 }
 
 /// `gather(send, recv, dst)`: `recv` only on `dst`.
-pub(crate) fn gather<'py>(
-    send: Obj<'_, 'py>,
-    recv: Option<Obj<'_, 'py>>,
-    dst: usize,
-) -> PyResult<Prepared<'py>> {
+pub(crate) fn gather<'py>(send: &Obj<'py>, recv: Option<&Obj<'py>>, dst: usize) -> PyResult<Prepared<'py>> {
     let send = readable(send, "send")?;
     let recv = recv.map(|r| writable(r, "recv")).transpose()?;
     let (s, r) = (send.raw, recv.as_ref().map(|r| r.raw));
@@ -95,11 +92,7 @@ pub(crate) fn gather<'py>(
 }
 
 /// `scatter(send, recv, src)`: `send` only on `src`.
-pub(crate) fn scatter<'py>(
-    send: Option<Obj<'_, 'py>>,
-    recv: Obj<'_, 'py>,
-    src: usize,
-) -> PyResult<Prepared<'py>> {
+pub(crate) fn scatter<'py>(send: Option<&Obj<'py>>, recv: &Obj<'py>, src: usize) -> PyResult<Prepared<'py>> {
     let send = send.map(|s| readable(s, "send")).transpose()?;
     let recv = writable(recv, "recv")?;
     let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
@@ -108,11 +101,7 @@ pub(crate) fn scatter<'py>(
 }
 
 /// `reduce(buf, dst, op)`.
-pub(crate) fn reduce<'py>(
-    buf: Obj<'_, 'py>,
-    dst: usize,
-    op: Option<Obj<'_, 'py>>,
-) -> PyResult<Prepared<'py>> {
+pub(crate) fn reduce<'py>(buf: &Obj<'py>, dst: usize, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
     let buf = writable(buf, "buf")?;
     let raw = buf.raw;
@@ -125,7 +114,7 @@ pub(crate) fn barrier<'py>() -> Prepared<'py> {
 }
 
 /// `send(buf, dst, tag)`.
-pub(crate) fn send<'py>(buf: Obj<'_, 'py>, dst: usize, tag: u64) -> PyResult<Prepared<'py>> {
+pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepared<'py>> {
     let buf = readable(buf, "buf")?;
     let raw = buf.raw;
     let job: Job = Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag));
@@ -133,6 +122,6 @@ pub(crate) fn send<'py>(buf: Obj<'_, 'py>, dst: usize, tag: u64) -> PyResult<Pre
 }
 
 /// `recv(buf, src, tag)`.
-pub(crate) fn recv<'py>(buf: Obj<'_, 'py>, src: usize, tag: u64) -> PyResult<Prepared<'py>> {
+pub(crate) fn recv<'py>(buf: &Obj<'py>, src: usize, tag: u64) -> PyResult<Prepared<'py>> {
     Ok(Prepared::recv(writable(buf, "buf")?, src, tag))
 }

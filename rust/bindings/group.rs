@@ -13,13 +13,12 @@ use pyo3::types::PyDict;
 
 use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros};
 use super::backend::PyBackend;
-use super::collectives::{self as c, Prepared};
+use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
 use super::op::parse_op;
 use super::work::{queued, run_blocking, PyWork};
 use crate::group::ProcessGroup;
 
-type Obj<'a, 'py> = &'a Bound<'py, PyAny>;
 /// What every collective method returns: None, a new array, or a `Work` (with `async_op=True`).
 type Ret = PyResult<Py<PyAny>>;
 
@@ -150,17 +149,17 @@ impl PyProcessGroup {
 
     /// Reduce `buf` across the group in place.
     #[pyo3(signature = (buf, op=None, *, async_op=false))]
-    fn all_reduce(&self, py: Python<'_>, buf: Obj<'_, '_>, op: Option<Obj<'_, '_>>, async_op: bool) -> Ret {
+    fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
         self.run(py, async_op, c::all_reduce(buf, op), None)
     }
     /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
     #[pyo3(signature = (buf, src=None, *, async_op=false))]
-    fn broadcast(&self, py: Python<'_>, buf: Obj<'_, '_>, src: Option<usize>, async_op: bool) -> Ret {
+    fn broadcast(&self, py: Python<'_>, buf: &Obj, src: Option<usize>, async_op: bool) -> Ret {
         self.run(py, async_op, c::broadcast(buf, self.root_or_first(src)), None)
     }
     /// Concatenate every member's `send` into `recv` (shape `(size, *send.shape)`).
     #[pyo3(signature = (send, recv, *, async_op=false))]
-    fn all_gather(&self, py: Python<'_>, send: Obj<'_, '_>, recv: Obj<'_, '_>, async_op: bool) -> Ret {
+    fn all_gather(&self, py: Python<'_>, send: &Obj, recv: &Obj, async_op: bool) -> Ret {
         self.run(py, async_op, c::all_gather(send, recv), None)
     }
     /// Reduce `send` across the group; chunk i (of `size` equal chunks) lands in the i-th member's `recv`.
@@ -168,47 +167,26 @@ impl PyProcessGroup {
     fn reduce_scatter(
         &self,
         py: Python<'_>,
-        send: Obj<'_, '_>,
-        recv: Obj<'_, '_>,
-        op: Option<Obj<'_, '_>>,
+        send: &Obj,
+        recv: &Obj,
+        op: Option<&Obj>,
         async_op: bool,
     ) -> Ret {
         self.run(py, async_op, c::reduce_scatter(send, recv, op), None)
     }
     /// Concatenate every member's `send` into `dst`'s `recv` (pass None elsewhere).
     #[pyo3(signature = (send, recv, dst, *, async_op=false))]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        send: Obj<'_, '_>,
-        recv: Option<Obj<'_, '_>>,
-        dst: usize,
-        async_op: bool,
-    ) -> Ret {
+    fn gather(&self, py: Python<'_>, send: &Obj, recv: Option<&Obj>, dst: usize, async_op: bool) -> Ret {
         self.run(py, async_op, c::gather(send, recv, dst), None)
     }
     /// Split `src`'s `send` (None elsewhere) into one chunk per member's `recv`.
     #[pyo3(signature = (send, recv, src, *, async_op=false))]
-    fn scatter(
-        &self,
-        py: Python<'_>,
-        send: Option<Obj<'_, '_>>,
-        recv: Obj<'_, '_>,
-        src: usize,
-        async_op: bool,
-    ) -> Ret {
+    fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize, async_op: bool) -> Ret {
         self.run(py, async_op, c::scatter(send, recv, src), None)
     }
     /// Reduce `buf` into global rank `dst`'s `buf`; the other members' buffers are left unchanged.
     #[pyo3(signature = (buf, dst, op=None, *, async_op=false))]
-    fn reduce(
-        &self,
-        py: Python<'_>,
-        buf: Obj<'_, '_>,
-        dst: usize,
-        op: Option<Obj<'_, '_>>,
-        async_op: bool,
-    ) -> Ret {
+    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>, async_op: bool) -> Ret {
         self.run(py, async_op, c::reduce(buf, dst, op), None)
     }
     /// Block until every member arrives.
@@ -218,31 +196,25 @@ impl PyProcessGroup {
     }
     /// Send `buf` to global rank `dst`; returns once the receiver has it.
     #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]
-    fn send(&self, py: Python<'_>, buf: Obj<'_, '_>, dst: usize, tag: u64, async_op: bool) -> Ret {
+    fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64, async_op: bool) -> Ret {
         self.run(py, async_op, c::send(buf, dst, tag), None)
     }
     /// Receive into `buf` from global rank `src` (dtype and size must match the send).
     #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
-    fn recv(&self, py: Python<'_>, buf: Obj<'_, '_>, src: usize, tag: u64, async_op: bool) -> Ret {
+    fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64, async_op: bool) -> Ret {
         self.run(py, async_op, c::recv(buf, src, tag), None)
     }
 
     /// A new array: `t` reduced across the group.
     #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn all_reduce_tensor(
-        &self,
-        py: Python<'_>,
-        t: Obj<'_, '_>,
-        op: Option<Obj<'_, '_>>,
-        async_op: bool,
-    ) -> Ret {
+    fn all_reduce_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
         let (op, out) = self.checked(parse_op(op).and_then(|op| Ok((op, copy_of(t)?))))?;
         let call = writable(&out, "t").map(|a| Prepared::all_reduce(a, op));
         self.run(py, async_op, call, Some(like(out.clone(), t)?))
     }
     /// A new array: `src`'s `t` (default: the group's first rank).
     #[pyo3(signature = (t, src=None, *, async_op=false))]
-    fn broadcast_tensor(&self, py: Python<'_>, t: Obj<'_, '_>, src: Option<usize>, async_op: bool) -> Ret {
+    fn broadcast_tensor(&self, py: Python<'_>, t: &Obj, src: Option<usize>, async_op: bool) -> Ret {
         let out = self.checked(copy_of(t))?;
         let root = self.root_or_first(src);
         let call = writable(&out, "t").map(|a| Prepared::broadcast(a, root));
@@ -250,7 +222,7 @@ impl PyProcessGroup {
     }
     /// A new array of shape `(size, *t.shape)`: every member's `t`, in group order.
     #[pyo3(signature = (t, *, async_op=false))]
-    fn all_gather_tensor(&self, py: Python<'_>, t: Obj<'_, '_>, async_op: bool) -> Ret {
+    fn all_gather_tensor(&self, py: Python<'_>, t: &Obj, async_op: bool) -> Ret {
         let s = self.checked(readable(t, "t"))?;
         let shape: Vec<usize> = std::iter::once(self.inner.size()).chain(s.shape.iter().copied()).collect();
         let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
@@ -259,13 +231,7 @@ impl PyProcessGroup {
     }
     /// A new array: this member's chunk of `t` reduced across the group (dimension 0 split in `size`).
     #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn reduce_scatter_tensor(
-        &self,
-        py: Python<'_>,
-        t: Obj<'_, '_>,
-        op: Option<Obj<'_, '_>>,
-        async_op: bool,
-    ) -> Ret {
+    fn reduce_scatter_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
         let (op, s) = self.checked(parse_op(op).and_then(|op| Ok((op, readable(t, "t")?))))?;
         let n = self.inner.size();
         let first = s.shape.first().copied().unwrap_or(0);
@@ -282,7 +248,7 @@ impl PyProcessGroup {
     }
     /// Send `t` to global rank `dst`.
     #[pyo3(signature = (t, dst, tag=0, *, async_op=false))]
-    fn send_tensor(&self, py: Python<'_>, t: Obj<'_, '_>, dst: usize, tag: u64, async_op: bool) -> Ret {
+    fn send_tensor(&self, py: Python<'_>, t: &Obj, dst: usize, tag: u64, async_op: bool) -> Ret {
         self.send(py, t, dst, tag, async_op)
     }
     /// A new array of `shape` and `dtype` received from global rank `src`.
@@ -290,8 +256,8 @@ impl PyProcessGroup {
     fn recv_tensor(
         &self,
         py: Python<'_>,
-        shape: Obj<'_, '_>,
-        dtype: Obj<'_, '_>,
+        shape: &Obj,
+        dtype: &Obj,
         src: usize,
         tag: u64,
         async_op: bool,
