@@ -41,9 +41,38 @@ class ReduceOp:
     MAX: ClassVar[ReduceOp]
     AVERAGE: ClassVar[ReduceOp]
     AVG: ClassVar[ReduceOp]  # torch's name for AVERAGE (the same member)
-    def __int__(self) -> int: ...
+    def __int__(self) -> int: ...  # the core's code: OP_CODES[name]
+    def __hash__(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...  # the same member, or its code
 
 _Op = ReduceOp | str | None
+
+# The core's tables, for the backends written in Python (MPI): name -> code, as in call signatures.
+DTYPE_CODES: dict[str, int]  # "float32" -> ...; also "bfloat16" and "bool"
+OP_CODES: dict[str, int]  # "SUM" -> ...; int(ReduceOp.X) == OP_CODES["X"]
+KIND_CODES: dict[str, int]  # "all_reduce" -> ...
+
+def check_op(op: ReduceOp | str, dtype: npt.DTypeLike) -> int:
+    """The code of `op` when the core allows it on `dtype` (a dtype name, "bfloat16" too, or anything
+    `numpy.dtype` takes); else the TypeError a collective raises (e.g. AVERAGE of integers)."""
+
+def validate_ranks(ranks: Sequence[int], world_size: int) -> list[int]:
+    """`ranks` sorted, when the core's member check accepts them (not empty, in range, no duplicate);
+    else the ValueError a group raises."""
+
+def describe_mismatch(
+    signatures: Sequence[tuple[int, int, int, int, int, int] | None], members: Sequence[int]
+) -> str | None:
+    """The message of the CollectiveMismatchError the native worlds raise, given each member's call as
+    `(seq, kind, dtype, count, root, op)` (codes from the tables above, -1 for a field not set; `root`
+    is a global rank) or None for a member that entered no call; None when every member agrees."""
+
+# The shared-memory segment, for the launcher and the stale-segment cleanup: names are
+# SEGMENT_PREFIX + "<uid>-<job>"; the header (little endian) starts with these fields.
+SEGMENT_PREFIX: str
+SEGMENT_MAGIC: int
+SEGMENT_VERSION: int
+SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
 
 def checked_timeout(seconds: float | None = None) -> float:
     """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
@@ -69,13 +98,15 @@ class Backend:
     def leave(self) -> None: ...
 
 @final
-class MockBackend:
+class ThreadBackend:
     """The in-process world: each rank is a thread; collectives exchange data through the callers' arrays."""
 
     @staticmethod
     def create_world(n: int, timeout: float | None = None) -> list[Backend]: ...
     @staticmethod
     def single(timeout: float | None = None) -> Backend: ...
+
+MockBackend = ThreadBackend  # its earlier name
 
 @final
 class ShmBackend:
@@ -199,6 +230,10 @@ class GradSyncStrategy:
     NO_SYNC: ClassVar[GradSyncStrategy]
     def __int__(self) -> int: ...
 
+def set_default_group_source(get_default_group: Any) -> None:
+    """What `GradientSynchronizer.sync_all()` calls for a group when given none (the package passes its
+    `get_default_group` on import; the native module never imports the package)."""
+
 @final
 class GradientSynchronizer:
     """Buckets gradients and averages them across a group, in place."""
@@ -219,7 +254,14 @@ __all__ = [
     "GradSyncStrategy",
     "GradientBucket",
     "GradientSynchronizer",
+    "DTYPE_CODES",
     "INLINE_BYTES",
+    "KIND_CODES",
+    "OP_CODES",
+    "SEGMENT_HEADER",
+    "SEGMENT_MAGIC",
+    "SEGMENT_PREFIX",
+    "SEGMENT_VERSION",
     "__version__",
     "Backend",
     "CollectiveMismatchError",
@@ -230,9 +272,14 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "SegmentMemory",
+    "ThreadBackend",
     "ShmBackend",
     "ShmSegment",
     "Work",
     "World",
+    "check_op",
     "checked_timeout",
+    "describe_mismatch",
+    "set_default_group_source",
+    "validate_ranks",
 ]

@@ -5,8 +5,9 @@
 //! bits, tagged bfloat16.
 
 use half::f16;
+use numpy::ndarray::{ArrayViewD, IxDyn};
 use numpy::{
-    BorrowError, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    BorrowError, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -16,47 +17,18 @@ use pyo3::types::PyType;
 
 use crate::dtype::{Buf, BufMut, DType};
 
-/// Run `$body` with `$t` bound to the Rust type of `$dtype`.
+/// Run `$body` with `$t` bound to the Rust type of `$dtype`: the one table from dtype to Rust type.
+/// bfloat16 is its bits: numpy arrays of it are int16 views (see `ndarray_of`).
 macro_rules! with_type {
     ($dtype:expr, $t:ident => $body:expr) => {
+        with_type!(@ $dtype, $t, $body, F16 f16, F32 f32, F64 f64, I8 i8, U8 u8, I32 i32, I64 i64, BF16 i16, Bool bool)
+    };
+    (@ $dtype:expr, $t:ident, $body:expr, $($d:ident $ty:ty),*) => {
         match $dtype {
-            DType::F16 => {
-                type $t = f16;
+            $(DType::$d => {
+                type $t = $ty;
                 $body
-            }
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::BF16 => {
-                // Its bits: numpy arrays of it are int16 views (see `ndarray_of`).
-                type $t = i16;
-                $body
-            }
-            DType::Bool => {
-                type $t = bool;
-                $body
-            }
+            })*
         }
     };
 }
@@ -102,23 +74,24 @@ pub(crate) struct Array<'py> {
     _guard: Box<dyn Held + 'py>,
 }
 
-fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
-    let py = arr.py();
-    let d = arr.dtype();
-    macro_rules! is {
-        ($t:ty) => {
-            d.is_equiv_to(&numpy::dtype::<$t>(py))
-        };
-    }
-    // bfloat16 only ever comes tagged (`ndarray_of`): an int16 array is not one.
-    let found =
-        DType::ALL.into_iter().filter(|dt| *dt != DType::BF16).find(|dt| with_type!(*dt, T => is!(T)));
-    found.ok_or_else(|| {
-        PyTypeError::new_err(format!(
-            "{what} has dtype {d}, which is not supported; use one of float16, float32, float64, int8, uint8, \
-             int32, int64, bool (native byte order), or a bfloat16 torch tensor"
-        ))
-    })
+/// The collective dtype of a numpy dtype (numpy has no bfloat16: an int16 array is not one, it only
+/// ever comes tagged, see `ndarray_of`).
+pub(crate) fn dtype_of(d: &Bound<'_, PyArrayDescr>) -> Option<DType> {
+    let py = d.py();
+    DType::ALL
+        .into_iter()
+        .filter(|dt| *dt != DType::BF16)
+        .find(|dt| with_type!(*dt, T => d.is_equiv_to(&numpy::dtype::<T>(py))))
+}
+
+/// The TypeError for a dtype no collective takes, naming those they do.
+pub(crate) fn unsupported(what: &str, d: &Bound<'_, PyAny>) -> PyErr {
+    let names: Vec<&str> = DType::ALL.iter().filter(|d| **d != DType::BF16).map(|d| d.name()).collect();
+    PyTypeError::new_err(format!(
+        "{what} has dtype {d}, which is not supported; use one of {} (native byte order), or a bfloat16 \
+         torch tensor",
+        names.join(", ")
+    ))
 }
 
 /// torch's objects we compare against, looked up once torch is loaded (never imported here: without
@@ -204,7 +177,10 @@ fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyU
             arr.strides()
         )));
     }
-    let dtype = if bf16 { DType::BF16 } else { dtype_of(&arr, what)? };
+    let dtype = match bf16 {
+        true => DType::BF16,
+        false => dtype_of(&arr.dtype()).ok_or_else(|| unsupported(what, arr.dtype().as_any()))?,
+    };
     Ok((arr, dtype))
 }
 
@@ -263,22 +239,23 @@ pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyRe
     py.import("numpy")?.call_method1("zeros", (shape.to_vec(), descr))
 }
 
-/// A 1-D numpy array over `len` elements of `dtype` at `ptr`, keeping `owner` alive as its base.
+/// A numpy array of `shape` over the elements of `dtype` at `ptr`, keeping `owner` alive as its base.
 ///
 /// # Safety
-/// The memory must stay valid, and not move, for as long as `owner` lives.
+/// `ptr` must hold product(shape) elements of `dtype`, aligned for it, valid and unmoved for as long as
+/// `owner` lives, and used by nothing else than this array while it is writable.
 pub(crate) unsafe fn view<'py>(
     owner: Bound<'py, PyAny>,
     dtype: DType,
     ptr: *const u8,
-    len: usize,
+    shape: &[usize],
     writable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let arr = with_type!(dtype, T => {
-        // SAFETY: the caller guarantees `len` valid elements at `ptr` for the owner's lifetime.
-        let v = unsafe { numpy::ndarray::ArrayView1::<T>::from_shape_ptr(len, ptr.cast::<T>()) };
+        // SAFETY: the caller guarantees the elements at `ptr` for the owner's lifetime.
+        let v = unsafe { ArrayViewD::<T>::from_shape_ptr(IxDyn(shape), ptr.cast::<T>()) };
         // SAFETY: as above; `owner` becomes the array's base and keeps the memory alive.
-        unsafe { PyArray1::<T>::borrow_from_array(&v, owner) }.into_any()
+        unsafe { PyArrayDyn::<T>::borrow_from_array(&v, owner) }.into_any()
     });
     if !writable {
         arr.call_method1("setflags", (false,))?;

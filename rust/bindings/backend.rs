@@ -1,105 +1,17 @@
-//! `ReduceOp`, `Backend` and `MockBackend` for Python: the seed's method style, ranks global.
+//! `Backend` (one rank's handle on a world, ranks global) and `ThreadBackend` (the in-process world)
+//! for Python.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 
-use super::array::{readable, writable, Array};
+use super::args::timeout_from;
+use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
-use super::work::{run_blocking, Job};
+use super::work::run_blocking;
 use crate::backend::Backend;
-use crate::config::{DEFAULT_TIMEOUT, MAX_TIMEOUT};
-use crate::reduce::ReduceOp;
 use crate::transport::thread::MockBackend;
-use crate::work::Lane;
-
-/// How values from the ranks are combined.
-#[pyclass(name = "ReduceOp", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum PyReduceOp {
-    /// Elementwise sum.
-    #[pyo3(name = "SUM")]
-    Sum,
-    /// Elementwise product.
-    #[pyo3(name = "PRODUCT")]
-    Product,
-    /// Elementwise minimum (NaN propagates).
-    #[pyo3(name = "MIN")]
-    Min,
-    /// Elementwise maximum (NaN propagates).
-    #[pyo3(name = "MAX")]
-    Max,
-    /// Sum divided by the number of ranks (floating-point dtypes only).
-    #[pyo3(name = "AVERAGE")]
-    Average,
-}
-
-#[pymethods]
-impl PyReduceOp {
-    /// torch's name for AVERAGE.
-    #[classattr]
-    #[pyo3(name = "AVG")]
-    fn avg() -> PyReduceOp {
-        PyReduceOp::Average
-    }
-}
-
-impl From<PyReduceOp> for ReduceOp {
-    fn from(op: PyReduceOp) -> ReduceOp {
-        match op {
-            PyReduceOp::Sum => ReduceOp::Sum,
-            PyReduceOp::Product => ReduceOp::Product,
-            PyReduceOp::Min => ReduceOp::Min,
-            PyReduceOp::Max => ReduceOp::Max,
-            PyReduceOp::Average => ReduceOp::Average,
-        }
-    }
-}
-
-/// A `ReduceOp`, or its name in any case ("sum", "AVERAGE", and "avg" or "mean" for AVERAGE); `None`
-/// means SUM.
-pub(crate) fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
-    let Some(op) = op else {
-        return Ok(ReduceOp::Sum);
-    };
-    if let Ok(op) = op.extract::<PyReduceOp>() {
-        return Ok(op.into());
-    }
-    if let Ok(s) = op.cast::<PyString>() {
-        let name = s.to_str()?.to_ascii_uppercase();
-        return ReduceOp::ALL
-            .into_iter()
-            .find(|o| o.name() == name || (matches!(&*name, "MEAN" | "AVG") && *o == ReduceOp::Average))
-            .ok_or_else(|| {
-                PyValueError::new_err(format!("unknown reduce op {name:?}; use a ReduceOp member"))
-            });
-    }
-    Err(PyTypeError::new_err("op must be a ReduceOp (or its name)"))
-}
-
-/// Seconds (float or None) to a timeout: positive, finite and at most `MAX_TIMEOUT` (about 31 years),
-/// so no deadline computed from it can overflow.
-pub(crate) fn timeout_from(seconds: Option<f64>) -> PyResult<Duration> {
-    match seconds {
-        None => Ok(DEFAULT_TIMEOUT),
-        Some(s) if s > 0.0 && s <= MAX_TIMEOUT.as_secs_f64() => Ok(Duration::from_secs_f64(s)),
-        Some(s) => Err(PyValueError::new_err(format!(
-            "timeout must be a positive number of seconds up to {:.0} (about 31 years), got {s}",
-            MAX_TIMEOUT.as_secs_f64()
-        ))),
-    }
-}
-
-/// `seconds` checked as every native timeout is (positive, at most about 31 years; None: the default
-/// of 300 s), for the backends written in Python (MPI).
-#[pyfunction]
-#[pyo3(signature = (seconds=None))]
-pub(crate) fn checked_timeout(seconds: Option<f64>) -> PyResult<f64> {
-    Ok(timeout_from(seconds)?.as_secs_f64())
-}
 
 /// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
 /// released, until every member arrives.
@@ -109,13 +21,10 @@ pub(crate) struct PyBackend {
 }
 
 impl PyBackend {
-    fn checked<T>(&self, r: PyResult<T>) -> PyResult<T> {
-        abort_on_bad_arguments(&*self.inner, r)
-    }
-
-    /// Run `job` now, after the work that groups over this communicator queued on `lane`.
-    fn run(&self, py: Python<'_>, lane: Lane, arrays: Vec<Array<'_>>, job: Job) -> PyResult<()> {
-        run_blocking(py, &self.inner, lane, arrays, job)
+    /// Run `call` now (after the work that groups over this communicator queued on its lane); bad
+    /// arguments abort the world, as in `ProcessGroup`.
+    fn run(&self, py: Python<'_>, call: PyResult<Prepared<'_>>) -> PyResult<()> {
+        run_blocking(py, &self.inner, abort_on_bad_arguments(&*self.inner, call)?)
     }
 }
 
@@ -135,134 +44,50 @@ impl PyBackend {
     }
     /// All-reduce `buf` in place.
     #[pyo3(signature = (buf, op=None))]
-    fn all_reduce(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let op = self.checked(parse_op(op))?;
-        let a = self.checked(writable(buf, "buf"))?;
-        let raw = a.raw;
-        // SAFETY (every job here): `run_blocking` keeps the arrays' borrow guards until the job ends.
-        self.run(
-            py,
-            Lane::Collectives,
-            vec![a],
-            Box::new(move |b| b.all_reduce(unsafe { raw.buf_mut() }, op)),
-        )
+    fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>) -> PyResult<()> {
+        self.run(py, c::all_reduce(buf, op))
     }
     /// Copy global rank `src`'s `buf` into every member's `buf`.
-    fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize) -> PyResult<()> {
-        let a = self.checked(writable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Collectives,
-            vec![a],
-            Box::new(move |b| b.broadcast(unsafe { raw.buf_mut() }, src)),
-        )
+    fn broadcast(&self, py: Python<'_>, buf: &Obj, src: usize) -> PyResult<()> {
+        self.run(py, c::broadcast(buf, src))
     }
     /// Concatenate every member's `send` into `recv`.
-    fn all_gather(&self, py: Python<'_>, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
-        let (sr, rr) = (s.raw, r.raw);
-        let job: Job = Box::new(move |b| b.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() }));
-        self.run(py, Lane::Collectives, vec![s, r], job)
+    fn all_gather(&self, py: Python<'_>, send: &Obj, recv: &Obj) -> PyResult<()> {
+        self.run(py, c::all_gather(send, recv))
     }
     /// Reduce `send` and keep this member's chunk in `recv`.
     #[pyo3(signature = (send, recv, op=None))]
-    fn reduce_scatter(
-        &self,
-        py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let op = self.checked(parse_op(op))?;
-        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
-        let (sr, rr) = (s.raw, r.raw);
-        let job: Job = Box::new(move |b| b.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op));
-        self.run(py, Lane::Collectives, vec![s, r], job)
+    fn reduce_scatter(&self, py: Python<'_>, send: &Obj, recv: &Obj, op: Option<&Obj>) -> PyResult<()> {
+        self.run(py, c::reduce_scatter(send, recv, op))
     }
     /// Concatenate every member's `send` into `dst`'s `recv` (None elsewhere).
     #[pyo3(signature = (send, recv, dst))]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: Option<&Bound<'_, PyAny>>,
-        dst: usize,
-    ) -> PyResult<()> {
-        let s = self.checked(readable(send, "send"))?;
-        let r = self.checked(recv.map(|r| writable(r, "recv")).transpose())?;
-        let (sr, rr) = (s.raw, r.as_ref().map(|r| r.raw));
-        let job: Job =
-            Box::new(move |b| b.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst));
-        self.run(py, Lane::Collectives, std::iter::once(s).chain(r).collect(), job)
+    fn gather(&self, py: Python<'_>, send: &Obj, recv: Option<&Obj>, dst: usize) -> PyResult<()> {
+        self.run(py, c::gather(send, recv, dst))
     }
     /// Split `src`'s `send` (None elsewhere) into every member's `recv`.
     #[pyo3(signature = (send, recv, src))]
-    fn scatter(
-        &self,
-        py: Python<'_>,
-        send: Option<&Bound<'_, PyAny>>,
-        recv: &Bound<'_, PyAny>,
-        src: usize,
-    ) -> PyResult<()> {
-        let s = self.checked(send.map(|s| readable(s, "send")).transpose())?;
-        let r = self.checked(writable(recv, "recv"))?;
-        let (sr, rr) = (s.as_ref().map(|s| s.raw), r.raw);
-        let job: Job =
-            Box::new(move |b| b.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src));
-        self.run(py, Lane::Collectives, s.into_iter().chain(std::iter::once(r)).collect(), job)
+    fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize) -> PyResult<()> {
+        self.run(py, c::scatter(send, recv, src))
     }
     /// Reduce `buf` into `dst`'s `buf`.
     #[pyo3(signature = (buf, dst, op=None))]
-    fn reduce(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        dst: usize,
-        op: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let op = self.checked(parse_op(op))?;
-        let a = self.checked(writable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Collectives,
-            vec![a],
-            Box::new(move |b| b.reduce(unsafe { raw.buf_mut() }, dst, op)),
-        )
+    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<()> {
+        self.run(py, c::reduce(buf, dst, op))
     }
     /// Block until every member arrives.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, Lane::Collectives, vec![], Box::new(|b| b.barrier()))
+        self.run(py, Ok(c::barrier()))
     }
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]
-    fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: usize, tag: u64) -> PyResult<()> {
-        let a = self.checked(readable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Send { peer: dst, tag },
-            vec![a],
-            Box::new(move |b| b.send(unsafe { raw.buf() }, dst, tag)),
-        )
+    fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64) -> PyResult<()> {
+        self.run(py, c::send(buf, dst, tag))
     }
     /// Receive into `buf` from global rank `src`.
     #[pyo3(signature = (buf, src, tag=0))]
-    fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, src: usize, tag: u64) -> PyResult<()> {
-        let a = self.checked(writable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Recv { peer: src, tag },
-            vec![a],
-            Box::new(move |b| b.recv(unsafe { raw.buf_mut() }, src, tag)),
-        )
+    fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64) -> PyResult<()> {
+        self.run(py, c::recv(buf, src, tag))
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.
     fn abort(&self, reason: &str) {
@@ -285,11 +110,11 @@ impl PyBackend {
 
 /// The in-process world: each rank is a thread, and collectives exchange data through the callers'
 /// own arrays.
-#[pyclass(name = "MockBackend", module = "axonml_distributed", frozen)]
-pub(crate) struct PyMockBackend;
+#[pyclass(name = "ThreadBackend", module = "axonml_distributed", frozen)]
+pub(crate) struct PyThreadBackend;
 
 #[pymethods]
-impl PyMockBackend {
+impl PyThreadBackend {
     /// A world of `n` ranks; give `backends[r]` to the thread that plays rank r. Every wait fails after
     /// `timeout` seconds (default 300).
     #[staticmethod]

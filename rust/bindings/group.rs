@@ -11,12 +11,16 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros, Array};
-use super::backend::{parse_op, PyBackend};
+use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros};
+use super::backend::PyBackend;
+use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
-use super::work::{queued, run_blocking, Job, PyWork};
+use super::op::parse_op;
+use super::work::{queued, run_blocking, PyWork};
 use crate::group::ProcessGroup;
-use crate::work::Lane;
+
+/// What every collective method returns: None, a new array, or a `Work` (with `async_op=True`).
+type Ret = PyResult<Py<PyAny>>;
 
 /// A group of ranks as seen from this rank: collectives involve only its members.
 #[pyclass(name = "ProcessGroup", module = "axonml_distributed", frozen)]
@@ -31,23 +35,24 @@ impl PyProcessGroup {
         abort_on_bad_arguments(&**self.inner.backend(), r)
     }
 
-    /// Run `job` now with the GIL released (the borrow guards in `arrays` outlive it), after the work
-    /// queued on `lane`, or queue it there.
+    /// Run `call` now with the GIL released (the borrow guards in its arrays outlive it), after the work
+    /// queued on its lane, or queue it there; bad arguments abort the world first. `result` is what the
+    /// call (or its `Work.wait()`) returns.
     fn run<'py>(
         &self,
         py: Python<'py>,
-        lane: Lane,
         async_op: bool,
-        arrays: Vec<Array<'py>>,
+        call: PyResult<Prepared<'py>>,
         result: Option<Bound<'py, PyAny>>,
-        job: Job,
-    ) -> PyResult<Py<PyAny>> {
+    ) -> Ret {
+        let call = self.checked(call)?;
         let comm = self.checked(self.inner.comm().map_err(PyErr::from))?.clone();
         if !async_op {
-            run_blocking(py, &comm, lane, arrays, job)?;
+            run_blocking(py, &comm, call)?;
             return Ok(result.map_or_else(|| py.None(), Bound::unbind));
         }
-        let work = self.inner.submit(lane, queued(comm.clone(), arrays, job))?;
+        let (lane, job) = queued(comm.clone(), call);
+        let work = self.inner.submit(lane, job)?;
         let w = PyWork { work, result: result.map(Bound::unbind), comm };
         Ok(Bound::new(py, w)?.into_any().unbind())
     }
@@ -55,24 +60,8 @@ impl PyProcessGroup {
     fn root_or_first(&self, root: Option<usize>) -> usize {
         root.unwrap_or(self.inner.ranks()[0])
     }
-
-    /// A C-ordered numpy copy of `t` (an array or a CPU tensor), for the `*_tensor` collectives that
-    /// return new arrays.
-    fn copy_of<'py>(t: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        if is_tensor(t)? {
-            // torch's own copy: it keeps dtypes numpy lacks (bfloat16) and makes any layout contiguous.
-            let contiguous = t.py().import("torch")?.getattr("contiguous_format")?;
-            let kwargs = PyDict::new(t.py());
-            kwargs.set_item("memory_format", contiguous)?;
-            return t.call_method0("detach")?.call_method("clone", (), Some(&kwargs));
-        }
-        let np = t.py().import("numpy")?;
-        np.call_method1("array", (as_ndarray(t, "t")?,))?.call_method1("copy", ("C",))
-    }
 }
 
-// SAFETY (every `unsafe { raw.buf*() }` below): the RawArray comes from an `Array` whose guard (sync) or
-// object reference (async) is kept until the job has finished, and the collective is its only user.
 #[pymethods]
 impl PyProcessGroup {
     /// The group of every rank of `backend`'s world (`ranks=None`), or of `ranks` (global; every member
@@ -152,7 +141,7 @@ impl PyProcessGroup {
             Err(_) => shape.extract()?,
         };
         let descr = descr.cast::<numpy::PyArrayDescr>()?;
-        match super::shm::segment_array(self.inner.backend(), &dims, descr)? {
+        match super::segment::segment_array(self.inner.backend(), &dims, descr)? {
             Some(a) => Ok(a),
             None => np.call_method1("empty", (shape, dtype)),
         }
@@ -160,272 +149,89 @@ impl PyProcessGroup {
 
     /// Reduce `buf` across the group in place.
     #[pyo3(signature = (buf, op=None, *, async_op=false))]
-    fn all_reduce(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
-        )
+    fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
+        self.run(py, async_op, c::all_reduce(buf, op), None)
     }
     /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
     #[pyo3(signature = (buf, src=None, *, async_op=false))]
-    fn broadcast(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        src: Option<usize>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let a = self.checked(writable(buf, "buf"))?;
-        let (raw, root) = (a.raw, self.root_or_first(src));
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
-        )
+    fn broadcast(&self, py: Python<'_>, buf: &Obj, src: Option<usize>, async_op: bool) -> Ret {
+        self.run(py, async_op, c::broadcast(buf, self.root_or_first(src)), None)
     }
     /// Concatenate every member's `send` into `recv` (shape `(size, *send.shape)`).
     #[pyo3(signature = (send, recv, *, async_op=false))]
-    fn all_gather(
-        &self,
-        py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: &Bound<'_, PyAny>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (s, r) = self.checked(readable(send, "send").and_then(|s| Ok((s, writable(recv, "recv")?))))?;
-        let (sr, rr) = (s.raw, r.raw);
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![s, r],
-            None,
-            Box::new(move |c| c.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() })),
-        )
+    fn all_gather(&self, py: Python<'_>, send: &Obj, recv: &Obj, async_op: bool) -> Ret {
+        self.run(py, async_op, c::all_gather(send, recv), None)
     }
     /// Reduce `send` across the group; chunk i (of `size` equal chunks) lands in the i-th member's `recv`.
     #[pyo3(signature = (send, recv, op=None, *, async_op=false))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
+        send: &Obj,
+        recv: &Obj,
+        op: Option<&Obj>,
         async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (op, s, r) = self.checked(
-            parse_op(op).and_then(|op| Ok((op, readable(send, "send")?, writable(recv, "recv")?))),
-        )?;
-        let (sr, rr) = (s.raw, r.raw);
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![s, r],
-            None,
-            Box::new(move |c| c.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op)),
-        )
+    ) -> Ret {
+        self.run(py, async_op, c::reduce_scatter(send, recv, op), None)
     }
     /// Concatenate every member's `send` into `dst`'s `recv` (pass None elsewhere).
     #[pyo3(signature = (send, recv, dst, *, async_op=false))]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        send: &Bound<'_, PyAny>,
-        recv: Option<&Bound<'_, PyAny>>,
-        dst: usize,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (s, r) = self.checked(
-            readable(send, "send").and_then(|s| Ok((s, recv.map(|r| writable(r, "recv")).transpose()?))),
-        )?;
-        let (sr, rr) = (s.raw, r.as_ref().map(|r| r.raw));
-        let arrays = std::iter::once(s).chain(r).collect();
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            arrays,
-            None,
-            Box::new(move |c| c.gather(unsafe { sr.buf() }, rr.map(|r| unsafe { r.buf_mut() }), dst)),
-        )
+    fn gather(&self, py: Python<'_>, send: &Obj, recv: Option<&Obj>, dst: usize, async_op: bool) -> Ret {
+        self.run(py, async_op, c::gather(send, recv, dst), None)
     }
     /// Split `src`'s `send` (None elsewhere) into one chunk per member's `recv`.
     #[pyo3(signature = (send, recv, src, *, async_op=false))]
-    fn scatter(
-        &self,
-        py: Python<'_>,
-        send: Option<&Bound<'_, PyAny>>,
-        recv: &Bound<'_, PyAny>,
-        src: usize,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (s, r) = self.checked(
-            send.map(|s| readable(s, "send")).transpose().and_then(|s| Ok((s, writable(recv, "recv")?))),
-        )?;
-        let (sr, rr) = (s.as_ref().map(|s| s.raw), r.raw);
-        let arrays = s.into_iter().chain(std::iter::once(r)).collect();
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            arrays,
-            None,
-            Box::new(move |c| c.scatter(sr.map(|s| unsafe { s.buf() }), unsafe { rr.buf_mut() }, src)),
-        )
+    fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize, async_op: bool) -> Ret {
+        self.run(py, async_op, c::scatter(send, recv, src), None)
     }
     /// Reduce `buf` into global rank `dst`'s `buf`; the other members' buffers are left unchanged.
     #[pyo3(signature = (buf, dst, op=None, *, async_op=false))]
-    fn reduce(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        dst: usize,
-        op: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (op, a) = self.checked(parse_op(op).and_then(|op| Ok((op, writable(buf, "buf")?))))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op)),
-        )
+    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>, async_op: bool) -> Ret {
+        self.run(py, async_op, c::reduce(buf, dst, op), None)
     }
     /// Block until every member arrives.
     #[pyo3(signature = (*, async_op=false))]
-    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
-        self.run(py, Lane::Collectives, async_op, vec![], None, Box::new(|c| c.barrier()))
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> Ret {
+        self.run(py, async_op, Ok(c::barrier()), None)
     }
     /// Send `buf` to global rank `dst`; returns once the receiver has it.
     #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]
-    fn send(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        dst: usize,
-        tag: u64,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let a = self.checked(readable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Send { peer: dst, tag },
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag)),
-        )
+    fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64, async_op: bool) -> Ret {
+        self.run(py, async_op, c::send(buf, dst, tag), None)
     }
     /// Receive into `buf` from global rank `src` (dtype and size must match the send).
     #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
-    fn recv(
-        &self,
-        py: Python<'_>,
-        buf: &Bound<'_, PyAny>,
-        src: usize,
-        tag: u64,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let a = self.checked(writable(buf, "buf"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Recv { peer: src, tag },
-            async_op,
-            vec![a],
-            None,
-            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
-        )
+    fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64, async_op: bool) -> Ret {
+        self.run(py, async_op, c::recv(buf, src, tag), None)
     }
 
     /// A new array: `t` reduced across the group.
     #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn all_reduce_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (op, out) = self.checked(parse_op(op).and_then(|op| Ok((op, Self::copy_of(t)?))))?;
-        let a = self.checked(writable(&out, "t"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![a],
-            Some(like(out.clone(), t)?),
-            Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)),
-        )
+    fn all_reduce_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
+        let (op, out) = self.checked(parse_op(op).and_then(|op| Ok((op, copy_of(t)?))))?;
+        let call = writable(&out, "t").map(|a| Prepared::all_reduce(a, op));
+        self.run(py, async_op, call, Some(like(out.clone(), t)?))
     }
     /// A new array: `src`'s `t` (default: the group's first rank).
     #[pyo3(signature = (t, src=None, *, async_op=false))]
-    fn broadcast_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        src: Option<usize>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let out = self.checked(Self::copy_of(t))?;
-        let a = self.checked(writable(&out, "t"))?;
-        let (raw, root) = (a.raw, self.root_or_first(src));
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![a],
-            Some(like(out.clone(), t)?),
-            Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)),
-        )
+    fn broadcast_tensor(&self, py: Python<'_>, t: &Obj, src: Option<usize>, async_op: bool) -> Ret {
+        let out = self.checked(copy_of(t))?;
+        let root = self.root_or_first(src);
+        let call = writable(&out, "t").map(|a| Prepared::broadcast(a, root));
+        self.run(py, async_op, call, Some(like(out.clone(), t)?))
     }
     /// A new array of shape `(size, *t.shape)`: every member's `t`, in group order.
     #[pyo3(signature = (t, *, async_op=false))]
-    fn all_gather_tensor(&self, py: Python<'_>, t: &Bound<'_, PyAny>, async_op: bool) -> PyResult<Py<PyAny>> {
+    fn all_gather_tensor(&self, py: Python<'_>, t: &Obj, async_op: bool) -> Ret {
         let s = self.checked(readable(t, "t"))?;
         let shape: Vec<usize> = std::iter::once(self.inner.size()).chain(s.shape.iter().copied()).collect();
         let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
-        let r = writable(&out, "out")?;
-        let (sr, rr) = (s.raw, r.raw);
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![s, r],
-            Some(like(out.clone(), t)?),
-            Box::new(move |c| c.all_gather(unsafe { sr.buf() }, unsafe { rr.buf_mut() })),
-        )
+        let call = Prepared::all_gather(s, writable(&out, "out")?);
+        self.run(py, async_op, Ok(call), Some(like(out.clone(), t)?))
     }
     /// A new array: this member's chunk of `t` reduced across the group (dimension 0 split in `size`).
     #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn reduce_scatter_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        op: Option<&Bound<'_, PyAny>>,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
+    fn reduce_scatter_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
         let (op, s) = self.checked(parse_op(op).and_then(|op| Ok((op, readable(t, "t")?))))?;
         let n = self.inner.size();
         let first = s.shape.first().copied().unwrap_or(0);
@@ -437,27 +243,12 @@ impl PyProcessGroup {
         }
         let shape: Vec<usize> = std::iter::once(first / n).chain(s.shape[1..].iter().copied()).collect();
         let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
-        let r = writable(&out, "out")?;
-        let (sr, rr) = (s.raw, r.raw);
-        self.run(
-            py,
-            Lane::Collectives,
-            async_op,
-            vec![s, r],
-            Some(like(out.clone(), t)?),
-            Box::new(move |c| c.reduce_scatter(unsafe { sr.buf() }, unsafe { rr.buf_mut() }, op)),
-        )
+        let call = Prepared::reduce_scatter(s, writable(&out, "out")?, op);
+        self.run(py, async_op, Ok(call), Some(like(out.clone(), t)?))
     }
     /// Send `t` to global rank `dst`.
     #[pyo3(signature = (t, dst, tag=0, *, async_op=false))]
-    fn send_tensor(
-        &self,
-        py: Python<'_>,
-        t: &Bound<'_, PyAny>,
-        dst: usize,
-        tag: u64,
-        async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
+    fn send_tensor(&self, py: Python<'_>, t: &Obj, dst: usize, tag: u64, async_op: bool) -> Ret {
         self.send(py, t, dst, tag, async_op)
     }
     /// A new array of `shape` and `dtype` received from global rank `src`.
@@ -465,23 +256,15 @@ impl PyProcessGroup {
     fn recv_tensor(
         &self,
         py: Python<'_>,
-        shape: &Bound<'_, PyAny>,
-        dtype: &Bound<'_, PyAny>,
+        shape: &Obj,
+        dtype: &Obj,
         src: usize,
         tag: u64,
         async_op: bool,
-    ) -> PyResult<Py<PyAny>> {
+    ) -> Ret {
         let out = self.checked(py.import("numpy")?.call_method1("empty", (shape, dtype)))?;
-        let a = self.checked(writable(&out, "out"))?;
-        let raw = a.raw;
-        self.run(
-            py,
-            Lane::Recv { peer: src, tag },
-            async_op,
-            vec![a],
-            Some(out.clone()),
-            Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag)),
-        )
+        let call = writable(&out, "out").map(|a| Prepared::recv(a, src, tag));
+        self.run(py, async_op, call, Some(out.clone()))
     }
     fn __repr__(&self) -> String {
         format!(
@@ -491,4 +274,18 @@ impl PyProcessGroup {
             self.inner.backend().name()
         )
     }
+}
+
+/// A C-ordered numpy copy of `t` (an array or a CPU tensor), for the `*_tensor` collectives that
+/// return new arrays.
+fn copy_of<'py>(t: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if is_tensor(t)? {
+        // torch's own copy: it keeps dtypes numpy lacks (bfloat16) and makes any layout contiguous.
+        let contiguous = t.py().import("torch")?.getattr("contiguous_format")?;
+        let kwargs = PyDict::new(t.py());
+        kwargs.set_item("memory_format", contiguous)?;
+        return t.call_method0("detach")?.call_method("clone", (), Some(&kwargs));
+    }
+    let np = t.py().import("numpy")?;
+    np.call_method1("array", (as_ndarray(t, "t")?,))?.call_method1("copy", ("C",))
 }

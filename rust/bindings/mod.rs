@@ -1,12 +1,15 @@
 //! The Python module `axonml_distributed._core`: the only place that names pyo3 or numpy.
 
+mod args;
 mod array;
 mod backend;
-mod bucket;
+mod buckets;
+mod collectives;
 mod exceptions;
 mod group;
-mod shm;
-mod store_join;
+mod op;
+mod segment;
+mod tables;
 mod work;
 mod world;
 
@@ -46,9 +49,11 @@ fn track_main_thread(py: Python<'_>) -> PyResult<()> {
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::backend::{checked_timeout, PyBackend, PyMockBackend, PyReduceOp};
+    use super::backend::{PyBackend, PyThreadBackend};
     #[pymodule_export]
-    use super::bucket::{PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer};
+    use super::buckets::{
+        set_default_group_source, PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer,
+    };
     #[pymodule_export]
     use super::exceptions::{
         CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
@@ -56,9 +61,11 @@ mod _core {
     #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]
-    use super::shm::{PyShmBackend, SegmentMemory};
+    use super::op::PyReduceOp;
     #[pymodule_export]
-    use super::store_join::PyShmSegment;
+    use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
+    #[pymodule_export]
+    use super::tables::{check_op, checked_timeout, describe_mismatch, validate_ranks};
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]
@@ -72,6 +79,9 @@ mod _core {
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
-        Ok(())
+        // The thread world's earlier name, which scripts use.
+        m.add("MockBackend", m.getattr("ThreadBackend")?)?;
+        super::op::add_members(m.py())?;
+        super::tables::add_to(m)
     }
 }

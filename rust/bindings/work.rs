@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use super::array::Array;
+use super::collectives::Prepared;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::work::{Lane, Work};
@@ -25,16 +25,11 @@ fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
     r
 }
 
-/// Run `job` on `comm` now, with the GIL released, after the work queued on `lane`. When it fails
+/// Run `call` on `comm` now, with the GIL released, after the work queued on its lane. When it fails
 /// while a peer may still touch the arrays (a stopped process), the arrays are kept alive (leaked,
 /// still marked in use) so that memory is never freed or reused under the peer.
-pub(crate) fn run_blocking(
-    py: Python<'_>,
-    comm: &Arc<dyn Backend>,
-    lane: Lane,
-    arrays: Vec<Array<'_>>,
-    job: Job,
-) -> PyResult<()> {
+pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepared<'_>) -> PyResult<()> {
+    let Prepared { lane, arrays, job } = call;
     let c = comm.clone();
     let r = py.detach(move || {
         interrupted_abort(&*c, c.lanes().flush(lane))?;
@@ -46,15 +41,15 @@ pub(crate) fn run_blocking(
     Ok(r?)
 }
 
-/// Wrap `job` for a lane: it keeps `arrays` alive until it has run, then drops them attached (or keeps
-/// them for good, as in [`run_blocking`]).
+/// `call`'s job wrapped for its lane: it keeps the arrays alive until it has run, then drops them
+/// attached (or keeps them for good, as in [`run_blocking`]).
 pub(crate) fn queued(
     comm: Arc<dyn Backend>,
-    arrays: Vec<Array<'_>>,
-    job: Job,
-) -> impl FnOnce() -> Result<()> + Send + 'static {
+    call: Prepared<'_>,
+) -> (Lane, impl FnOnce() -> Result<()> + Send + 'static) {
+    let Prepared { lane, arrays, job } = call;
     let keep: Vec<Py<PyAny>> = arrays.into_iter().map(|a| a.obj.unbind()).collect();
-    move || {
+    let run = move || {
         let r = job(&*comm);
         if r.is_err() && comm.buffers_may_be_in_use() {
             std::mem::forget(keep);
@@ -63,7 +58,8 @@ pub(crate) fn queued(
             Python::try_attach(|_| drop(keep.take()));
         }
         r
-    }
+    };
+    (lane, run)
 }
 
 /// The handle of an asynchronous collective.

@@ -17,7 +17,7 @@ pub(crate) struct PyWorld {
 
 #[pymethods]
 impl PyWorld {
-    /// The world of `backend` (the seed's `World::init`).
+    /// The world of `backend`.
     #[new]
     fn new(backend: &PyBackend) -> Self {
         PyWorld { inner: World::init(backend.inner.clone()) }
@@ -32,10 +32,6 @@ impl PyWorld {
     fn mock() -> Self {
         PyWorld { inner: World::init(Arc::new(MockBackend::single())) }
     }
-    /// The group of every rank.
-    fn default_group(&self) -> PyProcessGroup {
-        PyProcessGroup { inner: self.inner.default_group().clone() }
-    }
     /// This process's rank.
     fn rank(&self) -> usize {
         self.inner.rank()
@@ -43,6 +39,10 @@ impl PyWorld {
     /// Number of ranks.
     fn world_size(&self) -> usize {
         self.inner.world_size()
+    }
+    /// The group of every rank.
+    fn default_group(&self) -> PyProcessGroup {
+        PyProcessGroup { inner: self.inner.default_group().clone() }
     }
     /// True on rank 0.
     fn is_main(&self) -> bool {

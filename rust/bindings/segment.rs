@@ -1,18 +1,20 @@
-//! The shared-memory world for Python: `ShmBackend.connect(...)`, and numpy arrays over segment memory
-//! for `ProcessGroup.empty`.
+//! The shared-memory world for Python: `ShmBackend.connect(...)`, `ShmSegment` (joining through a
+//! key-value store the job already has: the torch backend's rendezvous, see
+//! `transport::shm::store_join`), and numpy arrays over segment memory for `ProcessGroup.empty`.
 
 use std::sync::Arc;
 
-use half::f16;
-use numpy::ndarray::{ArrayViewMut, IxDyn};
-use numpy::{PyArray, PyArrayDescr, PyArrayDescrMethods};
+use std::sync::Mutex;
+
+use numpy::PyArrayDescr;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::backend::{timeout_from, PyBackend};
+use super::args::timeout_from;
+use super::array::{dtype_of, view};
+use super::backend::PyBackend;
 use crate::backend::{Backend, SharedMem};
-use crate::dtype::DType;
-use crate::transport::shm::{JobSecret, ShmBackend, ShmOptions, DEFAULT_ARENA};
+use crate::transport::shm::{JobSecret, SegmentToken, ShmBackend, ShmOptions, DEFAULT_ARENA};
 
 /// Joins the multi-process world on this host, through a shared-memory segment.
 #[pyclass(name = "ShmBackend", module = "axonml_distributed", frozen)]
@@ -58,30 +60,57 @@ impl PyShmBackend {
     }
 }
 
+/// A segment rank 0 created, until every rank has joined it. `token` is what the others need;
+/// `close()` (or garbage collection) removes its name, which the join does anyway once everyone is in.
+#[pyclass(name = "ShmSegment", module = "axonml_distributed", frozen)]
+pub(crate) struct PyShmSegment {
+    token: String,
+    segment: Mutex<Option<SegmentToken>>,
+}
+
+#[pymethods]
+impl PyShmSegment {
+    /// Create a segment for `world_size` ranks with `arena_bytes` of segment arrays per rank.
+    #[new]
+    #[pyo3(signature = (world_size, arena_bytes=None))]
+    fn new(py: Python<'_>, world_size: usize, arena_bytes: Option<usize>) -> PyResult<Self> {
+        let seg = py.detach(|| SegmentToken::create(world_size, arena_bytes.unwrap_or(DEFAULT_ARENA)))?;
+        Ok(PyShmSegment { token: seg.token(), segment: Mutex::new(Some(seg)) })
+    }
+    /// The segment's name, session nonce and world size, for the store.
+    #[getter]
+    fn token(&self) -> String {
+        self.token.clone()
+    }
+    /// Remove the segment's name now (ranks that attached keep it).
+    fn close(&self) {
+        drop(self.segment.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+    /// Join as `rank` of `world_size` with rank 0's `token`; blocks, with the GIL released, until every
+    /// rank has joined (or `timeout` seconds, default 300, pass, or a rank that joined dies).
+    #[staticmethod]
+    #[pyo3(signature = (token, rank, world_size, timeout=None))]
+    fn join(
+        py: Python<'_>,
+        token: String,
+        rank: usize,
+        world_size: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBackend> {
+        if token.len() > 512 {
+            return Err(PyValueError::new_err("the shared-memory token is too long to be one"));
+        }
+        let timeout = timeout_from(timeout)?;
+        let b = py.detach(move || ShmBackend::join_token(&token, rank, world_size, timeout))?;
+        Ok(PyBackend { inner: Arc::new(b) })
+    }
+}
+
 /// Keeps a segment allocation (and the segment's mapping) alive: the base object of arrays from
 /// `ProcessGroup.empty`.
 #[pyclass(name = "SegmentMemory", module = "axonml_distributed", frozen)]
 pub(crate) struct SegmentMemory {
     _mem: SharedMem,
-}
-
-/// The collective dtype of a numpy dtype (numpy has no bfloat16, so never that one).
-fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> Option<DType> {
-    let py = descr.py();
-    DType::ALL.into_iter().find(|d| {
-        let want = match d {
-            DType::BF16 => return false,
-            DType::Bool => numpy::dtype::<bool>(py),
-            DType::F16 => numpy::dtype::<f16>(py),
-            DType::F32 => numpy::dtype::<f32>(py),
-            DType::F64 => numpy::dtype::<f64>(py),
-            DType::I8 => numpy::dtype::<i8>(py),
-            DType::U8 => numpy::dtype::<u8>(py),
-            DType::I32 => numpy::dtype::<i32>(py),
-            DType::I64 => numpy::dtype::<i64>(py),
-        };
-        descr.is_equiv_to(&want)
-    })
 }
 
 /// A numpy array of `shape` and `descr` in memory `backend` shares with its peers, or `None` when the
@@ -106,26 +135,8 @@ pub(crate) fn segment_array<'py>(
         return Ok(None);
     };
     let ptr = mem.as_ptr();
-    let py = descr.py();
-    let owner = Bound::new(py, SegmentMemory { _mem: mem })?.into_any();
-    macro_rules! view {
-        ($t:ty) => {{
-            // SAFETY: `ptr` holds `bytes` = product(shape) * size_of::<$t>() bytes, 64-byte aligned, owned
-            // by `owner` alone, which the array keeps as its base (so the memory outlives the array).
-            let v = unsafe { ArrayViewMut::from_shape_ptr(IxDyn(shape), ptr.cast::<$t>()) };
-            // SAFETY: as above.
-            unsafe { PyArray::<$t, IxDyn>::borrow_from_array(&v, owner) }.into_any()
-        }};
-    }
-    Ok(Some(match dtype {
-        DType::F16 => view!(f16),
-        DType::F32 => view!(f32),
-        DType::F64 => view!(f64),
-        DType::I8 => view!(i8),
-        DType::U8 => view!(u8),
-        DType::I32 => view!(i32),
-        DType::I64 => view!(i64),
-        DType::Bool => view!(bool),
-        DType::BF16 => return Ok(None),
-    }))
+    let owner = Bound::new(descr.py(), SegmentMemory { _mem: mem })?.into_any();
+    // SAFETY: `ptr` holds `bytes` = product(shape) * dtype.size() bytes, 64-byte aligned, owned by
+    // `owner` alone, which the array keeps as its base (so the memory outlives the array).
+    unsafe { view(owner, dtype, ptr, shape, true) }.map(Some)
 }

@@ -7,9 +7,12 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyList;
 
+use super::args::count;
 use super::array::{readable, view, writable};
 use super::group::PyProcessGroup;
+use super::op::PyReduceOp;
 use crate::bucket::GradientBucket;
+use crate::reduce::ReduceOp;
 use crate::synchronizer::{GradSyncStrategy, GradientSynchronizer, DEFAULT_BUCKET_SIZE};
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -22,14 +25,7 @@ fn state<'a>(py: Python<'_>, m: &'a Mutex<SyncState>) -> MutexGuard<'a, SyncStat
     m.lock_py_attached(py).unwrap_or_else(|e| e.into_inner())
 }
 
-/// The numpy views over a bucket's flat buffer.
-/// An element count from Python: a ValueError (not an OverflowError) for one no buffer could hold.
-fn count(n: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    n.extract::<usize>().map_err(|_| {
-        PyValueError::new_err(format!("{what} must be a non-negative element count below 2**64, got {n}"))
-    })
-}
-
+/// A numpy view of the used part of a bucket's flat buffer.
 fn bucket_view<'py>(
     owner: Bound<'py, PyAny>,
     b: &GradientBucket,
@@ -37,7 +33,7 @@ fn bucket_view<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let data = b.data();
     // SAFETY: the buffer is allocated once and never moves while the bucket (the view's base) lives.
-    unsafe { view(owner, data.dtype(), data.as_ptr(), data.len(), writable) }
+    unsafe { view(owner, data.dtype(), data.as_ptr(), &[data.len()], writable) }
 }
 
 /// A fixed-capacity flat buffer of gradients of one dtype; `data_mut()` is a zero-copy view of it.
@@ -151,8 +147,22 @@ fn native(pg: &Bound<'_, PyAny>) -> Option<Arc<crate::group::ProcessGroup>> {
     pg.cast::<PyProcessGroup>().ok().map(|g| g.get().inner.clone())
 }
 
+/// Where `sync_all()` without a group finds one: the Python package's `get_default_group`, handed
+/// down on import (the native module never imports the package).
+static DEFAULT_GROUP: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+
+/// Make `get_default_group` (a callable returning the calling thread's default group) what
+/// `GradientSynchronizer.sync_all()` uses when given no group. The package calls it on import.
+#[pyfunction]
+pub(crate) fn set_default_group_source(get_default_group: Py<PyAny>) {
+    *locked(&DEFAULT_GROUP) = Some(get_default_group);
+}
+
 fn default_group(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    py.import("axonml_distributed.init")?.call_method0("get_default_group")
+    let source = locked(&DEFAULT_GROUP).as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
+        PyValueError::new_err("sync_all: pass a process group (no default group source is set)")
+    })?;
+    source.into_bound(py).call0()
 }
 
 #[pymethods]
@@ -228,14 +238,14 @@ impl PyGradientSynchronizer {
             }
             None => {
                 // A group implemented in Python: reduce each bucket through its own all_reduce.
-                let op = py.import("axonml_distributed")?.getattr("ReduceOp")?.getattr("AVERAGE")?;
+                let op = Py::new(py, PyReduceOp(ReduceOp::Average))?;
                 for i in 0..st.sync.num_buckets() {
                     let bucket = st.sync.bucket(i).expect("in range").clone();
                     let b = locked(&bucket);
                     let holder = PyList::empty(py).into_any();
                     let data = b.data();
                     // SAFETY: `b` stays locked (the buffer unmoved) until the view is dropped below.
-                    let v = unsafe { view(holder, data.dtype(), data.as_ptr(), data.len(), true)? };
+                    let v = unsafe { view(holder, data.dtype(), data.as_ptr(), &[data.len()], true)? };
                     pg.call_method1("all_reduce", (&v, &op))?;
                 }
             }

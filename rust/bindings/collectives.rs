@@ -1,0 +1,127 @@
+//! Each collective's Python arguments, prepared once for `Backend` and `ProcessGroup` alike: the op
+//! parsed, the arrays validated and borrowed while attached, and the job that runs the call on them
+//! (detached, or queued on its lane).
+
+use pyo3::prelude::*;
+
+use super::array::{readable, writable, Array};
+use super::op::parse_op;
+use super::work::Job;
+use crate::reduce::ReduceOp;
+use crate::work::Lane;
+
+/// A call ready to run: its lane, the borrowed arrays (kept until the job has finished), the job.
+pub(crate) struct Prepared<'py> {
+    pub lane: Lane,
+    pub arrays: Vec<Array<'py>>,
+    pub job: Job,
+}
+
+/// A Python argument.
+pub(crate) type Obj<'py> = Bound<'py, PyAny>;
+
+// SAFETY (every `unsafe { raw.buf*() }` below): the RawArray comes from an `Array` of the same
+// `Prepared`, whose guard (run now) or object reference (queued) is kept until the job has finished,
+// and the call is its only user.
+impl<'py> Prepared<'py> {
+    fn collective(arrays: Vec<Array<'py>>, job: Job) -> Self {
+        Prepared { lane: Lane::Collectives, arrays, job }
+    }
+    pub fn all_reduce(buf: Array<'py>, op: ReduceOp) -> Self {
+        let raw = buf.raw;
+        Self::collective(vec![buf], Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)))
+    }
+    pub fn broadcast(buf: Array<'py>, root: usize) -> Self {
+        let raw = buf.raw;
+        Self::collective(vec![buf], Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)))
+    }
+    pub fn all_gather(send: Array<'py>, recv: Array<'py>) -> Self {
+        let (s, r) = (send.raw, recv.raw);
+        Self::collective(
+            vec![send, recv],
+            Box::new(move |c| c.all_gather(unsafe { s.buf() }, unsafe { r.buf_mut() })),
+        )
+    }
+    pub fn reduce_scatter(send: Array<'py>, recv: Array<'py>, op: ReduceOp) -> Self {
+        let (s, r) = (send.raw, recv.raw);
+        let job: Job = Box::new(move |c| c.reduce_scatter(unsafe { s.buf() }, unsafe { r.buf_mut() }, op));
+        Self::collective(vec![send, recv], job)
+    }
+    pub fn recv(buf: Array<'py>, src: usize, tag: u64) -> Self {
+        let raw = buf.raw;
+        let job: Job = Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag));
+        Prepared { lane: Lane::Recv { peer: src, tag }, arrays: vec![buf], job }
+    }
+}
+
+/// `all_reduce(buf, op)`.
+pub(crate) fn all_reduce<'py>(buf: &Obj<'py>, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
+    let op = parse_op(op)?;
+    Ok(Prepared::all_reduce(writable(buf, "buf")?, op))
+}
+
+/// `broadcast(buf, root)`.
+pub(crate) fn broadcast<'py>(buf: &Obj<'py>, root: usize) -> PyResult<Prepared<'py>> {
+    Ok(Prepared::broadcast(writable(buf, "buf")?, root))
+}
+
+/// `all_gather(send, recv)`.
+pub(crate) fn all_gather<'py>(send: &Obj<'py>, recv: &Obj<'py>) -> PyResult<Prepared<'py>> {
+    let send = readable(send, "send")?;
+    Ok(Prepared::all_gather(send, writable(recv, "recv")?))
+}
+
+/// `reduce_scatter(send, recv, op)`.
+pub(crate) fn reduce_scatter<'py>(
+    send: &Obj<'py>,
+    recv: &Obj<'py>,
+    op: Option<&Obj<'py>>,
+) -> PyResult<Prepared<'py>> {
+    let op = parse_op(op)?;
+    let send = readable(send, "send")?;
+    Ok(Prepared::reduce_scatter(send, writable(recv, "recv")?, op))
+}
+
+/// `gather(send, recv, dst)`: `recv` only on `dst`.
+pub(crate) fn gather<'py>(send: &Obj<'py>, recv: Option<&Obj<'py>>, dst: usize) -> PyResult<Prepared<'py>> {
+    let send = readable(send, "send")?;
+    let recv = recv.map(|r| writable(r, "recv")).transpose()?;
+    let (s, r) = (send.raw, recv.as_ref().map(|r| r.raw));
+    let job: Job = Box::new(move |c| c.gather(unsafe { s.buf() }, r.map(|r| unsafe { r.buf_mut() }), dst));
+    Ok(Prepared::collective(std::iter::once(send).chain(recv).collect(), job))
+}
+
+/// `scatter(send, recv, src)`: `send` only on `src`.
+pub(crate) fn scatter<'py>(send: Option<&Obj<'py>>, recv: &Obj<'py>, src: usize) -> PyResult<Prepared<'py>> {
+    let send = send.map(|s| readable(s, "send")).transpose()?;
+    let recv = writable(recv, "recv")?;
+    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
+    let job: Job = Box::new(move |c| c.scatter(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, src));
+    Ok(Prepared::collective(send.into_iter().chain(std::iter::once(recv)).collect(), job))
+}
+
+/// `reduce(buf, dst, op)`.
+pub(crate) fn reduce<'py>(buf: &Obj<'py>, dst: usize, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
+    let op = parse_op(op)?;
+    let buf = writable(buf, "buf")?;
+    let raw = buf.raw;
+    Ok(Prepared::collective(vec![buf], Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op))))
+}
+
+/// `barrier()`.
+pub(crate) fn barrier<'py>() -> Prepared<'py> {
+    Prepared::collective(vec![], Box::new(|c| c.barrier()))
+}
+
+/// `send(buf, dst, tag)`.
+pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepared<'py>> {
+    let buf = readable(buf, "buf")?;
+    let raw = buf.raw;
+    let job: Job = Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag));
+    Ok(Prepared { lane: Lane::Send { peer: dst, tag }, arrays: vec![buf], job })
+}
+
+/// `recv(buf, src, tag)`.
+pub(crate) fn recv<'py>(buf: &Obj<'py>, src: usize, tag: u64) -> PyResult<Prepared<'py>> {
+    Ok(Prepared::recv(writable(buf, "buf")?, src, tag))
+}
