@@ -214,8 +214,9 @@ def test_ddp_over_mpi_trains_like_one_process(n: int) -> None:
 
 
 def _forget_mpi_modules(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("axonml_distributed.mpi", "axonml_distributed.mpi_work"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    package = "axonml_distributed.mpi"
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
 
 
 def test_without_mpi4py_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
