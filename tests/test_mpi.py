@@ -265,7 +265,7 @@ def test_the_mpi_bench_prints_raw_and_ours_with_and_without_the_check() -> None:
 def test_without_mpiexec_the_bench_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench_mpi = importlib.import_module("axonml_distributed.bench_mpi")
+    bench_mpi = importlib.import_module("axonml_distributed.bench.mpi")
     monkeypatch.setattr(bench_mpi, "find_mpiexec", lambda: None)
     for variable in bench_mpi.MPI_JOB_VARIABLES:  # as if run outside any MPI job
         monkeypatch.delenv(variable, raising=False)

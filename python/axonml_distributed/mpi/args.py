@@ -182,3 +182,5 @@ def reduction_buffer(
 
     def scale(_status: MPI.Status) -> None:
         np.divide(buf, size, out=buf)
+
+    return buf, dt, scale
