@@ -29,7 +29,8 @@ pub enum CollKind {
 }
 
 impl CollKind {
-    const ALL: [CollKind; 8] = [
+    /// Every collective.
+    pub const ALL: [CollKind; 8] = [
         CollKind::AllReduce,
         CollKind::Broadcast,
         CollKind::AllGather,
@@ -161,4 +162,22 @@ pub(crate) fn describe_progress(members: &[Progress]) -> String {
         })
         .collect();
     format!("; where each rank is: {}", each.join(", "))
+}
+
+/// The mismatch error of a group whose members' calls are `calls` (in group order; `None` for a member
+/// that has not entered the call), or `None` when every member entered the same one. The worlds that
+/// publish signatures in memory compare them with [`describe_mismatch`]; a backend that exchanges them
+/// (MPI) comes here, so its users read the same message.
+pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<crate::error::Error> {
+    let entered: Vec<(usize, Signature)> =
+        members.iter().zip(calls).filter_map(|(&r, s)| Some((r, (*s)?))).collect();
+    let absent: Vec<usize> =
+        members.iter().zip(calls).filter(|(_, s)| s.is_none()).map(|(&r, _)| r).collect();
+    let details = match (describe_mismatch(&entered), &absent[..], entered.first()) {
+        (details, [], _) => details?,
+        (Some(d), _, _) => format!("{d}, and rank(s) {absent:?} entered no call"),
+        (None, _, Some((r0, s0))) => format!("rank {r0} called {s0}, but rank(s) {absent:?} entered no call"),
+        (None, _, None) => return None,
+    };
+    Some(crate::error::Error::Mismatch { group: members.to_vec(), details, calls: entered })
 }

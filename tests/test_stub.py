@@ -1,9 +1,19 @@
-"""The hand-written `_core.pyi` agrees with the compiled module."""
+"""The native module as Python sees it: the hand-written `_core.pyi` agrees with it, and the tables and
+checks it exports for the backends written in Python are the core's (each compared with what a native
+collective does)."""
 
+import os
+import struct
 import subprocess
 import sys
+import threading
+from typing import Any
 
+import numpy as np
 import pytest
+
+from axonml_distributed import _core
+from axonml_distributed._core import MockBackend, ProcessGroup, ReduceOp, ShmSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -14,3 +24,160 @@ def test_stub_matches_the_native_module() -> None:
         [sys.executable, "-m", "mypy.stubtest", "axonml_distributed._core"], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def on_threads(n: int, fn: Any) -> list[Any]:
+    """`fn(group)` on every rank of a thread world; what each returned or raised."""
+    groups = [ProcessGroup(b) for b in MockBackend.create_world(n, timeout=30)]
+    out: list[Any] = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(groups[r])
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test looks at
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_op_codes_are_the_members_codes() -> None:
+    names = [n for n in dir(ReduceOp) if n.isupper() and n != "AVG"]
+    assert sorted(_core.OP_CODES) == sorted(names)
+    for name, code in _core.OP_CODES.items():
+        member = getattr(ReduceOp, name)
+        assert int(member) == code and member == code and hash(member) == hash(code)
+        assert repr(member) == f"ReduceOp.{name}"
+    assert ReduceOp.AVG is ReduceOp.AVERAGE
+    assert len(set(_core.OP_CODES.values())) == len(_core.OP_CODES)
+    assert ReduceOp.SUM != ReduceOp.MAX
+
+
+def test_dtype_and_kind_tables_name_every_collective_and_dtype() -> None:
+    assert {"float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bfloat16", "bool"} == set(
+        _core.DTYPE_CODES
+    )
+    assert set(_core.KIND_CODES) == {
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "gather",
+        "scatter",
+        "reduce",
+        "barrier",
+    }
+    for table in (_core.DTYPE_CODES, _core.KIND_CODES):
+        assert len(set(table.values())) == len(table)
+
+
+def test_check_op_refuses_what_a_collective_refuses_with_its_message() -> None:
+    pg = ProcessGroup(MockBackend.single())
+    with pytest.raises(TypeError) as native:
+        pg.all_reduce(np.zeros(3, np.int32), ReduceOp.AVERAGE)
+    with pytest.raises(TypeError) as exported:
+        _core.check_op(ReduceOp.AVERAGE, np.dtype(np.int32))
+    assert str(exported.value) == str(native.value)
+    with pytest.raises(TypeError, match="AVERAGE"):
+        _core.check_op("avg", "int64")
+    assert _core.check_op("sum", np.int32) == int(ReduceOp.SUM)
+    assert _core.check_op(ReduceOp.AVERAGE, "bfloat16") == _core.OP_CODES["AVERAGE"]
+    with pytest.raises(ValueError) as native_name:
+        pg.all_reduce(np.zeros(3, np.float32), "median")
+    with pytest.raises(ValueError) as exported_name:
+        _core.check_op("median", "float32")
+    assert str(exported_name.value) == str(native_name.value)
+    with pytest.raises(TypeError) as native_dtype:
+        pg.all_reduce(np.zeros(3, np.int16))
+    with pytest.raises(TypeError) as exported_dtype:
+        _core.check_op("sum", np.int16)
+    assert str(exported_dtype.value).split(" has ")[1] == str(native_dtype.value).split(" has ")[1]
+
+
+@pytest.mark.parametrize("ranks", [[], [0, 3], [1, 1], [2, 0, 2]])
+def test_validate_ranks_refuses_what_a_group_refuses_with_its_message(ranks: list[int]) -> None:
+    world = MockBackend.create_world(3)
+    with pytest.raises(ValueError) as native:
+        ProcessGroup(world[0], ranks)
+    with pytest.raises(ValueError) as exported:
+        _core.validate_ranks(ranks, 3)
+    assert str(exported.value) == str(native.value)
+    assert _core.validate_ranks([2, 0], 3) == [0, 2]
+
+
+@pytest.mark.parametrize("case", ["kind", "root", "dtype", "count", "op"])
+def test_describe_mismatch_is_the_thread_worlds_message(case: str) -> None:
+    k, d, o = _core.KIND_CODES, _core.DTYPE_CODES, _core.OP_CODES
+    x = np.ones(4, np.float32)
+    calls = {
+        "kind": (
+            (lambda pg: pg.all_reduce(x.copy()), (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
+            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1)),
+        ),
+        "root": (
+            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1)),
+            (lambda pg: pg.broadcast(x.copy(), 1), (1, k["broadcast"], d["float32"], 4, 1, -1)),
+        ),
+        "dtype": (
+            (lambda pg: pg.all_reduce(x.copy()), (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
+            (lambda pg: pg.all_reduce(np.ones(4)), (1, k["all_reduce"], d["float64"], 4, -1, o["SUM"])),
+        ),
+        "count": (
+            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1)),
+            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1)),
+            (lambda pg: pg.all_reduce(x[:3].copy()), (2, k["all_reduce"], d["float32"], 3, -1, o["SUM"])),
+            (lambda pg: pg.all_reduce(x.copy()), (2, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
+        ),
+        "op": (
+            (lambda pg: pg.all_reduce(x.copy(), "max"), (1, k["all_reduce"], d["float32"], 4, -1, o["MAX"])),
+            (lambda pg: pg.all_reduce(x.copy(), "min"), (1, k["all_reduce"], d["float32"], 4, -1, o["MIN"])),
+        ),
+    }[case]
+    steps = [calls[i : i + 2] for i in range(0, len(calls), 2)]
+
+    def fn(pg: ProcessGroup) -> None:
+        for step in steps:
+            step[pg.rank()][0](pg)
+
+    errors = on_threads(2, fn)
+    assert all(isinstance(e, _core.CollectiveMismatchError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])
+    last = steps[-1]
+    assert _core.describe_mismatch([last[0][1], last[1][1]], [0, 1]) == str(errors[0])
+    assert _core.describe_mismatch([last[0][1], last[0][1]], [0, 1]) is None
+
+
+def test_describe_mismatch_names_a_member_that_entered_no_call() -> None:
+    sig = (3, _core.KIND_CODES["barrier"], -1, 0, -1, -1)
+    text = _core.describe_mismatch([sig, None, sig], [0, 2, 5])
+    assert text is not None and "group [0, 2, 5]" in text and "rank(s) [2] entered no call" in text
+    assert _core.describe_mismatch([None, None], [0, 1]) is None
+    with pytest.raises(ValueError, match="kind code"):
+        _core.describe_mismatch([(1, 99, -1, 0, -1, -1)], [0])
+    with pytest.raises(ValueError, match="one \\(or None\\) per member"):
+        _core.describe_mismatch([sig], [0, 1])
+
+
+def test_segment_facts_match_a_real_segment() -> None:
+    seg = ShmSegment(2, 0)
+    try:
+        name = seg.token.split()[0]
+        assert name.startswith(f"{_core.SEGMENT_PREFIX}{os.geteuid()}-")
+        with open("/dev/shm" + name, "rb") as f:
+            head = f.read(64)
+    finally:
+        seg.close()
+
+    def field(name: str) -> int:
+        offset, size = _core.SEGMENT_HEADER[name]
+        return int.from_bytes(head[offset : offset + size], "little")
+
+    assert field("magic") == _core.SEGMENT_MAGIC == struct.unpack("<Q", b"AXONSHM1")[0]
+    assert field("version") == _core.SEGMENT_VERSION
+    assert field("world") == 2
+    assert field("uid") == os.geteuid()
+    assert field("creator") == os.getpid()

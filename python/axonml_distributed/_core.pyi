@@ -41,9 +41,38 @@ class ReduceOp:
     MAX: ClassVar[ReduceOp]
     AVERAGE: ClassVar[ReduceOp]
     AVG: ClassVar[ReduceOp]  # torch's name for AVERAGE (the same member)
-    def __int__(self) -> int: ...
+    def __int__(self) -> int: ...  # the core's code: OP_CODES[name]
+    def __hash__(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...  # the same member, or its code
 
 _Op = ReduceOp | str | None
+
+# The core's tables, for the backends written in Python (MPI): name -> code, as in call signatures.
+DTYPE_CODES: dict[str, int]  # "float32" -> ...; also "bfloat16" and "bool"
+OP_CODES: dict[str, int]  # "SUM" -> ...; int(ReduceOp.X) == OP_CODES["X"]
+KIND_CODES: dict[str, int]  # "all_reduce" -> ...
+
+def check_op(op: ReduceOp | str, dtype: npt.DTypeLike) -> int:
+    """The code of `op` when the core allows it on `dtype` (a dtype name, "bfloat16" too, or anything
+    `numpy.dtype` takes); else the TypeError a collective raises (e.g. AVERAGE of integers)."""
+
+def validate_ranks(ranks: Sequence[int], world_size: int) -> list[int]:
+    """`ranks` sorted, when the core's member check accepts them (not empty, in range, no duplicate);
+    else the ValueError a group raises."""
+
+def describe_mismatch(
+    signatures: Sequence[tuple[int, int, int, int, int, int] | None], members: Sequence[int]
+) -> str | None:
+    """The message of the CollectiveMismatchError the native worlds raise, given each member's call as
+    `(seq, kind, dtype, count, root, op)` (codes from the tables above, -1 for a field not set; `root`
+    is a global rank) or None for a member that entered no call; None when every member agrees."""
+
+# The shared-memory segment, for the launcher and the stale-segment cleanup: names are
+# SEGMENT_PREFIX + "<uid>-<job>"; the header (little endian) starts with these fields.
+SEGMENT_PREFIX: str
+SEGMENT_MAGIC: int
+SEGMENT_VERSION: int
+SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
 
 def checked_timeout(seconds: float | None = None) -> float:
     """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
@@ -219,7 +248,14 @@ __all__ = [
     "GradSyncStrategy",
     "GradientBucket",
     "GradientSynchronizer",
+    "DTYPE_CODES",
     "INLINE_BYTES",
+    "KIND_CODES",
+    "OP_CODES",
+    "SEGMENT_HEADER",
+    "SEGMENT_MAGIC",
+    "SEGMENT_PREFIX",
+    "SEGMENT_VERSION",
     "__version__",
     "Backend",
     "CollectiveMismatchError",
@@ -234,5 +270,8 @@ __all__ = [
     "ShmSegment",
     "Work",
     "World",
+    "check_op",
     "checked_timeout",
+    "describe_mismatch",
+    "validate_ranks",
 ]

@@ -6,7 +6,7 @@
 
 use half::f16;
 use numpy::{
-    BorrowError, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    BorrowError, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
     PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -102,23 +102,24 @@ pub(crate) struct Array<'py> {
     _guard: Box<dyn Held + 'py>,
 }
 
-fn dtype_of(arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<DType> {
-    let py = arr.py();
-    let d = arr.dtype();
-    macro_rules! is {
-        ($t:ty) => {
-            d.is_equiv_to(&numpy::dtype::<$t>(py))
-        };
-    }
-    // bfloat16 only ever comes tagged (`ndarray_of`): an int16 array is not one.
-    let found =
-        DType::ALL.into_iter().filter(|dt| *dt != DType::BF16).find(|dt| with_type!(*dt, T => is!(T)));
-    found.ok_or_else(|| {
-        PyTypeError::new_err(format!(
-            "{what} has dtype {d}, which is not supported; use one of float16, float32, float64, int8, uint8, \
-             int32, int64, bool (native byte order), or a bfloat16 torch tensor"
-        ))
-    })
+/// The collective dtype of a numpy dtype (numpy has no bfloat16: an int16 array is not one, it only
+/// ever comes tagged, see `ndarray_of`).
+pub(crate) fn dtype_of(d: &Bound<'_, PyArrayDescr>) -> Option<DType> {
+    let py = d.py();
+    DType::ALL
+        .into_iter()
+        .filter(|dt| *dt != DType::BF16)
+        .find(|dt| with_type!(*dt, T => d.is_equiv_to(&numpy::dtype::<T>(py))))
+}
+
+/// The TypeError for a dtype no collective takes, naming those they do.
+pub(crate) fn unsupported(what: &str, d: &Bound<'_, PyAny>) -> PyErr {
+    let names: Vec<&str> = DType::ALL.iter().filter(|d| **d != DType::BF16).map(|d| d.name()).collect();
+    PyTypeError::new_err(format!(
+        "{what} has dtype {d}, which is not supported; use one of {} (native byte order), or a bfloat16 \
+         torch tensor",
+        names.join(", ")
+    ))
 }
 
 /// torch's objects we compare against, looked up once torch is loaded (never imported here: without
@@ -204,7 +205,10 @@ fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyU
             arr.strides()
         )));
     }
-    let dtype = if bf16 { DType::BF16 } else { dtype_of(&arr, what)? };
+    let dtype = match bf16 {
+        true => DType::BF16,
+        false => dtype_of(&arr.dtype()).ok_or_else(|| unsupported(what, arr.dtype().as_any()))?,
+    };
     Ok((arr, dtype))
 }
 

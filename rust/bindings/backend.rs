@@ -1,84 +1,19 @@
-//! `ReduceOp`, `Backend` and `MockBackend` for Python: the seed's method style, ranks global.
+//! `Backend` and `MockBackend` for Python: the seed's method style, ranks global.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 
 use super::array::{readable, writable, Array};
 use super::exceptions::abort_on_bad_arguments;
+use super::op::parse_op;
 use super::work::{run_blocking, Job};
 use crate::backend::Backend;
 use crate::config::{DEFAULT_TIMEOUT, MAX_TIMEOUT};
-use crate::reduce::ReduceOp;
 use crate::transport::thread::MockBackend;
 use crate::work::Lane;
-
-/// How values from the ranks are combined.
-#[pyclass(name = "ReduceOp", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum PyReduceOp {
-    /// Elementwise sum.
-    #[pyo3(name = "SUM")]
-    Sum,
-    /// Elementwise product.
-    #[pyo3(name = "PRODUCT")]
-    Product,
-    /// Elementwise minimum (NaN propagates).
-    #[pyo3(name = "MIN")]
-    Min,
-    /// Elementwise maximum (NaN propagates).
-    #[pyo3(name = "MAX")]
-    Max,
-    /// Sum divided by the number of ranks (floating-point dtypes only).
-    #[pyo3(name = "AVERAGE")]
-    Average,
-}
-
-#[pymethods]
-impl PyReduceOp {
-    /// torch's name for AVERAGE.
-    #[classattr]
-    #[pyo3(name = "AVG")]
-    fn avg() -> PyReduceOp {
-        PyReduceOp::Average
-    }
-}
-
-impl From<PyReduceOp> for ReduceOp {
-    fn from(op: PyReduceOp) -> ReduceOp {
-        match op {
-            PyReduceOp::Sum => ReduceOp::Sum,
-            PyReduceOp::Product => ReduceOp::Product,
-            PyReduceOp::Min => ReduceOp::Min,
-            PyReduceOp::Max => ReduceOp::Max,
-            PyReduceOp::Average => ReduceOp::Average,
-        }
-    }
-}
-
-/// A `ReduceOp`, or its name in any case ("sum", "AVERAGE", and "avg" or "mean" for AVERAGE); `None`
-/// means SUM.
-pub(crate) fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
-    let Some(op) = op else {
-        return Ok(ReduceOp::Sum);
-    };
-    if let Ok(op) = op.extract::<PyReduceOp>() {
-        return Ok(op.into());
-    }
-    if let Ok(s) = op.cast::<PyString>() {
-        let name = s.to_str()?.to_ascii_uppercase();
-        return ReduceOp::ALL
-            .into_iter()
-            .find(|o| o.name() == name || (matches!(&*name, "MEAN" | "AVG") && *o == ReduceOp::Average))
-            .ok_or_else(|| {
-                PyValueError::new_err(format!("unknown reduce op {name:?}; use a ReduceOp member"))
-            });
-    }
-    Err(PyTypeError::new_err("op must be a ReduceOp (or its name)"))
-}
 
 /// Seconds (float or None) to a timeout: positive, finite and at most `MAX_TIMEOUT` (about 31 years),
 /// so no deadline computed from it can overflow.

@@ -12,8 +12,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros, Array};
-use super::backend::{parse_op, PyBackend};
+use super::backend::PyBackend;
 use super::exceptions::abort_on_bad_arguments;
+use super::op::parse_op;
 use super::work::{queued, run_blocking, Job, PyWork};
 use crate::group::ProcessGroup;
 use crate::work::Lane;

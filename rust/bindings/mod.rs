@@ -5,8 +5,10 @@ mod backend;
 mod bucket;
 mod exceptions;
 mod group;
+mod op;
 mod shm;
 mod store_join;
+mod tables;
 mod work;
 mod world;
 
@@ -46,7 +48,7 @@ fn track_main_thread(py: Python<'_>) -> PyResult<()> {
 #[pymodule]
 mod _core {
     #[pymodule_export]
-    use super::backend::{checked_timeout, PyBackend, PyMockBackend, PyReduceOp};
+    use super::backend::{checked_timeout, PyBackend, PyMockBackend};
     #[pymodule_export]
     use super::bucket::{PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer};
     #[pymodule_export]
@@ -56,9 +58,13 @@ mod _core {
     #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]
+    use super::op::PyReduceOp;
+    #[pymodule_export]
     use super::shm::{PyShmBackend, SegmentMemory};
     #[pymodule_export]
     use super::store_join::PyShmSegment;
+    #[pymodule_export]
+    use super::tables::{check_op, describe_mismatch, validate_ranks};
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]
@@ -72,6 +78,7 @@ mod _core {
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
-        Ok(())
+        super::op::add_members(m.py())?;
+        super::tables::add_to(m)
     }
 }

@@ -25,6 +25,8 @@ use crate::transport::wait::Event;
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// Bumped whenever the layout or protocol changes.
 pub(crate) const VERSION: u32 = 3;
+/// Every segment's name starts so, then the owner's uid and '-': `/axonml-<uid>-<job or random>`.
+pub(crate) const NAME_PREFIX: &str = "/axonml-";
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member

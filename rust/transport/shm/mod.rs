@@ -59,6 +59,11 @@ use std::time::Duration;
 pub use auth::JobSecret;
 pub use backend::ShmBackend;
 pub use layout::MAX_RANKS;
+/// What the launcher and the stale-segment cleanup (Python) must know of a segment's name and header.
+pub(crate) use layout::{
+    Header as SegmentHeader, MAGIC as SEGMENT_MAGIC, NAME_PREFIX as SEGMENT_PREFIX,
+    VERSION as SEGMENT_VERSION,
+};
 pub use store_join::SegmentToken;
 
 pub use crate::config::DEFAULT_ARENA;

@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Hello, JobSecret, NONCE};
-use super::layout::{Layout, Params, MAX_RANKS};
+use super::layout::{Layout, Params, MAX_RANKS, NAME_PREFIX};
 use super::liveness::Liveness;
 use super::segment::{self, Mapping};
 use super::ShmOptions;
@@ -72,7 +72,7 @@ fn segment_name(opts: &ShmOptions) -> Result<Option<String>> {
     {
         return Err(Error::invalid(format!("job id {job:?} must be 1-64 letters, digits, '-' or '_'")));
     }
-    Ok(Some(format!("/axonml-{}-{job}", rustix::process::geteuid().as_raw())))
+    Ok(Some(format!("{NAME_PREFIX}{}-{job}", rustix::process::geteuid().as_raw())))
 }
 
 fn me() -> u32 {
@@ -513,7 +513,7 @@ fn knock(
     }
     let split = body.len().checked_sub(16).ok_or(Cut::Lost)?;
     let name = std::str::from_utf8(&body[..split]).map_err(|_| Cut::Lost)?;
-    let valid = name.starts_with("/axonml-") && !name[1..].contains('/') && name.len() < 250;
+    let valid = name.starts_with(NAME_PREFIX) && !name[1..].contains('/') && name.len() < 250;
     if !valid {
         return Err(Cut::Stop(Error::invalid("rendezvous: malformed answer from rank 0")));
     }

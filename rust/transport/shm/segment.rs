@@ -10,7 +10,7 @@ use rustix::io::Errno;
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use rustix::shm;
 
-use super::layout::{Header, Layout, Params, MAGIC, PAGE, VERSION};
+use super::layout::{Header, Layout, Params, MAGIC, NAME_PREFIX, PAGE, VERSION};
 use crate::error::{Error, Result};
 
 /// A mapping of the whole segment into this process.
@@ -133,7 +133,7 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
 /// file's mode keeps other users out).
 pub(crate) fn random_name() -> Result<String> {
     let hex: String = random::<16>()?.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!("/axonml-{}-{hex}", rustix::process::geteuid().as_raw()))
+    Ok(format!("{NAME_PREFIX}{}-{hex}", rustix::process::geteuid().as_raw()))
 }
 
 /// Remove a segment name (the mapping stays valid for everyone who has it).

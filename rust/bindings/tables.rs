@@ -1,0 +1,123 @@
+//! The core's codes, checks and segment facts, for the parts written in Python: the MPI backend
+//! signs, checks and describes its calls with these, so a mistake reads the same on every backend; the
+//! launcher and the stale-segment cleanup name and recognise segments with them.
+
+use std::mem::{offset_of, size_of};
+
+use numpy::PyArrayDescr;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+
+use super::array::{dtype_of, unsupported};
+use super::op::parse_op;
+use crate::dtype::DType;
+use crate::reduce::ReduceOp;
+use crate::signature::{mismatch, CollKind, Signature};
+use crate::transport::shm::{SegmentHeader, SEGMENT_MAGIC, SEGMENT_PREFIX, SEGMENT_VERSION};
+
+/// `(name, code)` of every entry of a core table, as a dict.
+fn codes<'py>(
+    py: Python<'py>,
+    table: impl IntoIterator<Item = (&'static str, u8)>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, code) in table {
+        d.set_item(name, code)?;
+    }
+    Ok(d)
+}
+
+/// Bytes of the field `_f` picks, for the header table below.
+fn field_size<F>(_f: fn(&SegmentHeader) -> &F) -> usize {
+    size_of::<F>()
+}
+
+/// Add the tables and constants to the module.
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("DTYPE_CODES", codes(py, DType::ALL.map(|d| (d.name(), d as u8)))?)?;
+    m.add("OP_CODES", codes(py, ReduceOp::ALL.map(|o| (o.name(), o as u8)))?)?;
+    m.add("KIND_CODES", codes(py, CollKind::ALL.map(|k| (k.name(), k as u8)))?)?;
+    m.add("SEGMENT_PREFIX", SEGMENT_PREFIX)?;
+    m.add("SEGMENT_MAGIC", SEGMENT_MAGIC)?;
+    m.add("SEGMENT_VERSION", SEGMENT_VERSION)?;
+    let header = PyDict::new(py);
+    macro_rules! field {
+        ($($f:ident),*) => {$(
+            header.set_item(stringify!($f), (offset_of!(SegmentHeader, $f), field_size(|h| &h.$f)))?;
+        )*};
+    }
+    field!(magic, version, world, uid, creator);
+    m.add("SEGMENT_HEADER", header)
+}
+
+/// The core's dtype of `dtype`: a dtype name (including "bfloat16"), or anything `numpy.dtype` takes.
+fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<DType> {
+    if let Ok(name) = dtype.cast::<PyString>() {
+        let name = name.to_str()?;
+        if let Some(d) = DType::ALL.into_iter().find(|d| d.name() == name) {
+            return Ok(d);
+        }
+    }
+    let descr = dtype.py().import("numpy")?.call_method1("dtype", (dtype,))?;
+    dtype_of(descr.cast::<PyArrayDescr>()?).ok_or_else(|| unsupported("the buffer", &descr))
+}
+
+/// The code of `op` once the core's rule allows it on `dtype`, else the TypeError a collective raises.
+#[pyfunction]
+pub(crate) fn check_op(op: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<u8> {
+    let op = parse_op(Some(op))?;
+    op.check(dtype_arg(dtype)?)?;
+    Ok(op as u8)
+}
+
+/// `ranks` sorted, once the core's member check accepts them for a world of `world_size`, else the
+/// ValueError a group raises.
+#[pyfunction]
+pub(crate) fn validate_ranks(ranks: Vec<usize>, world_size: usize) -> PyResult<Vec<usize>> {
+    Ok(crate::call::validate_ranks(&ranks, world_size)?)
+}
+
+fn code<T>(what: &str, code: i64, from: impl Fn(u8) -> Option<T>) -> PyResult<Option<T>> {
+    if code == -1 {
+        return Ok(None);
+    }
+    let found = u8::try_from(code).ok().and_then(from);
+    found.map(Some).ok_or_else(|| PyValueError::new_err(format!("{code} is not a {what} code")))
+}
+
+/// A signature as `(seq, kind, dtype, count, root, op)`, -1 for a field not set.
+type SigTuple = (u64, u8, i64, u64, i64, i64);
+
+/// The message of the mismatch error the native worlds raise for members whose calls are `signatures`
+/// (in group order; None for a member that has not entered the call), or None when they all agree.
+#[pyfunction]
+pub(crate) fn describe_mismatch(
+    signatures: Vec<Option<SigTuple>>,
+    members: Vec<usize>,
+) -> PyResult<Option<String>> {
+    if signatures.len() != members.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} signatures for {} members: give one (or None) per member",
+            signatures.len(),
+            members.len()
+        )));
+    }
+    let calls = signatures
+        .into_iter()
+        .map(|s| {
+            let Some((seq, kind, dtype, count, root, op)) = s else {
+                return Ok(None);
+            };
+            let kind = code("kind", kind.into(), CollKind::from_code)?.expect("not -1");
+            let root = match root {
+                -1 => None,
+                r => Some(u32::try_from(r).map_err(|_| PyValueError::new_err(format!("{r} is not a rank")))?),
+            };
+            let (dtype, op) = (code("dtype", dtype, DType::from_code)?, code("op", op, ReduceOp::from_code)?);
+            Ok(Some(Signature { seq, count, root, kind, dtype, op }))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(mismatch(&members, &calls).map(|e| e.to_string()))
+}
