@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from axonml_distributed import error_file, run
+from axonml_distributed import error_file, run, shm, supervise
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +157,7 @@ def test_segment_name_uses_the_effective_uid(monkeypatch: pytest.MonkeyPatch) ->
     # The backend names the segment with geteuid(); under setuid the real uid would name another file.
     monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setattr(os, "geteuid", lambda: 4242)
-    assert run.segment_name("ab12") == "/axonml-4242-ab12"
+    assert shm.segment_name("ab12") == "/axonml-4242-ab12"
 
 
 def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:
@@ -370,14 +370,14 @@ def test_the_root_cause_is_where_the_chain_of_blame_ends() -> None:
     # Rank 2 was killed (no record; its exit was noticed late); rank 0 saw it die, and rank 1 was aborted
     # by rank 0, both before the launcher noticed anything.
     records = {0: record(0, 1.0, 2), 1: record(1, 2.0, 0)}
-    assert run._root_cause({0: 5.0, 1: 5.0, 2: 5.0}, records) == 2
+    assert supervise.root_cause({0: 5.0, 1: 5.0, 2: 5.0}, records) == 2
     # Two independent failures: the earlier one; a rank blamed by nobody still counts; cycles end.
     records = {0: record(0, 3.0, None), 1: record(1, 2.0, None), 2: record(2, 4.0, 1)}
-    assert run._root_cause({0: 5.0, 2: 5.0}, records) == 1
-    assert run._root_cause({}, {0: record(0, 1.0, 1), 1: record(1, 2.0, 0)}) == 0
+    assert supervise.root_cause({0: 5.0, 2: 5.0}, records) == 1
+    assert supervise.root_cause({}, {0: record(0, 1.0, 1), 1: record(1, 2.0, 0)}) == 0
     # A PeerFailureError blaming a rank that did not fail (it exited 0 while its peers waited) stays
     # with the rank that raised it.
-    assert run._root_cause({1: 5.0}, {1: record(1, 1.0, 0)}) == 1
+    assert supervise.root_cause({1: 5.0}, {1: record(1, 1.0, 0)}) == 1
 
 
 @pytest.mark.parametrize("from_terminal", [False, True], ids=["kill", "ctrl-c"])
@@ -447,7 +447,7 @@ def test_leftover_segment_is_removed_after_sigkilled_workers(tmp_path: Path) -> 
     _finish(launcher)
     assert launcher.returncode == 1
     job_id, segment = json.loads((tmp_path / "segment.json").read_text())
-    assert segment == "/dev/shm" + run.segment_name(job_id)
+    assert segment == "/dev/shm" + shm.segment_name(job_id)
     assert not Path(segment).exists()
 
 

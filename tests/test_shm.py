@@ -651,7 +651,7 @@ def test_the_launcher_runs_init_process_group_shm_and_cleans_up(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
-    from axonml_distributed.run import segment_name
+    from axonml_distributed.shm import segment_name
 
     job = secrets.token_hex(16)
     code = (

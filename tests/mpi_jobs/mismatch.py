@@ -1,6 +1,6 @@
 """Mismatched calls (collective, count, dtype, op, root, invalid arguments on one rank, a skipped call):
-every rank raises before any data moves, naming the ranks that differ, and the group stays usable.
-Rank 1 is the odd one out. Exit code 0 = pass.
+every rank raises before any data moves, naming the ranks that differ in the native worlds' words (the
+core describes the mismatch), and the group stays usable. Rank 1 is the odd one out. Exit code 0 = pass.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def still_works(pg: MpiProcessGroup) -> None:
 def main() -> None:
     pg = init_mpi_process_group(timeout=60)
     odd = pg.rank() == ODD
-    differ = f"ranks [{ODD}] differ"
+    differ = f"rank {ODD} called"
     a = np.arange(6, dtype=np.float32)
 
     # A different collective.
@@ -46,13 +46,13 @@ def main() -> None:
     )
     # A different count on every rank (Horovod's [17 + rank] case).
     b = np.ones(1000 + pg.rank(), np.float32)
-    expect_mismatch(pg, lambda: pg.all_reduce(b), b, "count=1000", "count=1001")
+    expect_mismatch(pg, lambda: pg.all_reduce(b), b, "1000 x float32", "1001 x float32")
     # Small all_reduces whose data rides along with the check: still no buffer changes on a mismatch.
     small = np.ones(3 + pg.rank(), np.float64)
-    expect_mismatch(pg, lambda: pg.all_reduce(small), small, "count=3", "count=4")
+    expect_mismatch(pg, lambda: pg.all_reduce(small), small, "3 x float64", "4 x float64")
     # A different dtype.
     c = np.zeros(6, np.float64 if odd else np.float32)
-    expect_mismatch(pg, lambda: pg.all_reduce(c), c, differ, "dtype=float64", "dtype=float32")
+    expect_mismatch(pg, lambda: pg.all_reduce(c), c, differ, "6 x float64", "6 x float32")
     # A different reduce op.
     op = reduce_op("MAX" if odd else "SUM")
     expect_mismatch(pg, lambda: pg.all_reduce(a, op), a, differ, "op=MAX", "op=SUM")

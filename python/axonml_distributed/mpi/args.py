@@ -11,58 +11,33 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from axonml_distributed._core import ReduceOp
+from axonml_distributed._core import DTYPE_CODES, OP_CODES, ReduceOp, check_op
 from axonml_distributed._types import OpArg
 from axonml_distributed.tensors import is_tensor
 
-# numpy dtype -> (code used in call signatures, MPI datatype that carries it).
-# MPI has no portable float16 type: float16 travels as its 16-bit pattern (UINT16_T), which is exact
-# for everything that only moves bytes; reductions widen it to float32 instead (see `reduction_buffer`).
-DTYPES: dict[np.dtype, tuple[int, MPI.Datatype]] = {
-    np.dtype(np.float16): (1, MPI.UINT16_T),
-    np.dtype(np.float32): (2, MPI.FLOAT),
-    np.dtype(np.float64): (3, MPI.DOUBLE),
-    np.dtype(np.int8): (4, MPI.INT8_T),
-    np.dtype(np.uint8): (5, MPI.UINT8_T),
-    np.dtype(np.int32): (6, MPI.INT32_T),
-    np.dtype(np.int64): (7, MPI.INT64_T),
+# The MPI datatype that carries each dtype this backend supports, by the core's name for it (its code in
+# call signatures is the core's, `DTYPE_CODES`). MPI has no portable float16 type: float16 travels as its
+# 16-bit pattern (UINT16_T), which is exact for everything that only moves bytes; reductions widen it to
+# float32 instead (see `reduction_buffer`). bfloat16 and bool have no numpy buffer MPI could reduce.
+_CARRIERS = {
+    "float16": MPI.UINT16_T,
+    "float32": MPI.FLOAT,
+    "float64": MPI.DOUBLE,
+    "int8": MPI.INT8_T,
+    "uint8": MPI.UINT8_T,
+    "int32": MPI.INT32_T,
+    "int64": MPI.INT64_T,
 }
-DTYPE_NAMES = {code: dt.name for dt, (code, _) in DTYPES.items()}
+# numpy dtype -> (the core's code, the MPI datatype that carries it): looked up on every call.
+DTYPES: dict[np.dtype, tuple[int, MPI.Datatype]] = {
+    np.dtype(name): (DTYPE_CODES[name], carrier) for name, carrier in _CARRIERS.items()
+}
 # Compared with a dtype rather than with np.float16, which numpy would convert on every comparison.
 FLOAT16 = np.dtype(np.float16)
 FLOAT16_CODE = DTYPES[FLOAT16][0]
 
-# (member, MPI op); an op's code in call signatures is its position + 1. ReduceOp members are compared
-# with ==, not hashed: the native enum is not hashable. AVERAGE is MPI SUM, then a division.
-OPS: tuple[tuple[ReduceOp, MPI.Op], ...] = (
-    (ReduceOp.SUM, MPI.SUM),
-    (ReduceOp.PRODUCT, MPI.PROD),
-    (ReduceOp.MIN, MPI.MIN),
-    (ReduceOp.MAX, MPI.MAX),
-    (ReduceOp.AVERAGE, MPI.SUM),
-)
-# Names as the native enum spells its members ("ReduceOp.SUM" -> "SUM"), for messages.
-OP_NAMES = {code: repr(member).rpartition(".")[2] for code, (member, _) in enumerate(OPS, 1)}
-SUM_CODE = 1
-AVERAGE_CODE = len(OPS)
-# Names accepted in place of a member, case-insensitive, as by the native groups: the enum's own
-# attributes (AVG is torch's name for AVERAGE), and "MEAN", which only the native parser knows.
-OP_BY_NAME = {
-    **{name: getattr(ReduceOp, name) for name in dir(ReduceOp) if name.isupper()},
-    "MEAN": ReduceOp.AVERAGE,
-}
-
-KIND_NAMES = {
-    1: "all_reduce",
-    2: "broadcast",
-    3: "all_gather",
-    4: "reduce_scatter",
-    5: "gather",
-    6: "scatter",
-    7: "reduce",
-    8: "barrier",
-}
-KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
+# The MPI op that performs each of the core's reduce ops (by name); AVERAGE is MPI SUM, then a division.
+_MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX, "AVERAGE": MPI.SUM}
 
 
 def transport_dtype(arr: np.ndarray, what: str) -> tuple[int, MPI.Datatype]:
@@ -95,33 +70,33 @@ class Op:
     sums: bool
 
 
-# Built once: resolving an op is on every reduction's path.
-OP_TABLE = tuple(
-    Op(code, mpi_op, code == AVERAGE_CODE, mpi_op is MPI.SUM) for code, (_, mpi_op) in enumerate(OPS, 1)
-)
+# The core's op code -> how MPI performs it.
+OP_TABLE = {
+    OP_CODES[name]: Op(OP_CODES[name], mpi_op, name == "AVERAGE", mpi_op is MPI.SUM)
+    for name, mpi_op in _MPI_OPS.items()
+}
+# (type, op, dtype) -> Op: the core's answer for each combination a program uses, remembered because
+# resolving an op is on every reduction's path (the type keeps 1 apart from ReduceOp.SUM, equal to it).
+_RESOLVED: dict[tuple[type, object, np.dtype], Op] = {}
+_RESOLVED_MAX = 1024
 
 
-def resolve_op(op: OpArg, dtype: np.dtype, what: str) -> Op:
-    code = _op_code(op, what)
-    if code == AVERAGE_CODE and dtype.kind != "f":
-        # An integer mean would have to truncate; the native backends refuse it too.
-        raise TypeError(f"{what}: AVERAGE needs a floating dtype, got {dtype}; use SUM and divide")
-    return OP_TABLE[code - 1]
-
-
-def _op_code(op: OpArg, what: str) -> int:
-    if op is None:
-        return SUM_CODE
-    if isinstance(op, str):
-        member = OP_BY_NAME.get(op.upper())
-        if member is None:
-            raise ValueError(f'{what}: unknown reduce op "{op}"; use a ReduceOp member')
-        op = member
-    for code, (member, _) in enumerate(OPS, 1):
-        # The class attributes are singletons: `is` settles the usual case without a native __eq__.
-        if op is member or op == member:
-            return code
-    raise TypeError(f"{what}: op must be a ReduceOp, got {type(op).__name__}")
+def resolve_op(op: OpArg, dtype: np.dtype) -> Op:
+    """How MPI performs `op` (None: SUM) on `dtype`, once the core's rule allows it (`check_op`: AVERAGE
+    of integers is refused, names are read as the native groups read them); else the core's error."""
+    key = (type(op), op, dtype)
+    try:
+        return _RESOLVED[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable op, which the core refuses below
+        pass
+    code = check_op(ReduceOp.SUM if op is None else op, dtype)
+    rop = OP_TABLE.get(code)
+    if rop is None:
+        name = next(name for name, known in OP_CODES.items() if known == code)
+        raise TypeError(f"the MPI backend cannot reduce with {name}")
+    if len(_RESOLVED) < _RESOLVED_MAX:
+        _RESOLVED[key] = rop
+    return rop
 
 
 # --- arguments ---------------------------------------------------------------------------------------

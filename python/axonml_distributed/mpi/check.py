@@ -8,13 +8,15 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
+from axonml_distributed._core import describe_mismatch
 from axonml_distributed.exceptions import CollectiveMismatchError
-from axonml_distributed.mpi.args import DTYPE_NAMES, DTYPES, KIND_NAMES, OP_NAMES, Describe
+from axonml_distributed.mpi.args import DTYPES, Describe
 from axonml_distributed.mpi.queue import OpQueue, mpi_error
 
-# A call signature: valid, kind, dtype, count, root, op, seq. Unused fields are -1; a rank whose own
-# arguments were invalid sends valid = 0 and only kind and seq, so that peers fail at once instead of
-# waiting for it.
+# A call signature: valid, kind, dtype, count, root, op, seq, with the core's codes (`root` is a global
+# rank, `count` the elements of each member's part) so that the core describes a mismatch. Unset fields
+# are -1 (count 0); a rank whose own arguments were invalid sends valid = 0 and only kind and seq, so
+# that peers fail at once instead of waiting for it.
 SIGNATURE_FIELDS = 7
 # A signature without its sequence number: (valid, kind, dtype, count, root, op).
 Static = tuple[int, int, int, int, int, int]
@@ -103,7 +105,7 @@ def signature(valid: int, kind: int, dtype: int, count: int, root: int, op: int)
 
 
 def invalid_signature(kind: int) -> Static:
-    return (0, kind, -1, -1, -1, -1)
+    return (0, kind, -1, 0, -1, -1)
 
 
 def check_signatures(
@@ -162,34 +164,18 @@ def check_signatures(
     queue.wait_request(queue.comm.Iallgather([own, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
     if static[0] == 0:
         return False
-    raise CollectiveMismatchError(mismatch_message(every, ranks, describe()))
+    raise CollectiveMismatchError(mismatch_message(every, ranks))
 
 
-def mismatch_message(every: np.ndarray, ranks: list[int], what: str) -> str:
-    by_call: dict[str, list[int]] = {}
-    for rank, sig in zip(ranks, every, strict=True):
-        by_call.setdefault(describe_signature(sig.tolist()), []).append(rank)
-    # The largest camp (on a tie, the one holding the lowest rank) is the reference the others differ from.
-    camps = sorted(by_call.items(), key=lambda item: -len(item[1]))
-    calls = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {call}" for call, rs in camps)
-    odd = sorted(r for _, rs in camps[1:] for r in rs)
-    return (
-        f"{what}: the ranks made different calls, so no data was moved: {calls} "
-        f"(ranks {odd} differ from ranks {camps[0][1]})"
-    )
-
-
-def describe_signature(sig: list[int]) -> str:
-    valid, kind, dtype, count, root, op, seq = sig
-    name = KIND_NAMES.get(kind, f"kind {kind}")
-    if not valid:
-        return f"{name} with invalid arguments (seq {seq})"
-    parts = [f"dtype={DTYPE_NAMES.get(dtype, dtype)}"] if dtype >= 0 else []
-    if count >= 0:
-        parts.append(f"count={count}")
-    if root >= 0:
-        parts.append(f"root={root}")
-    if op >= 0:
-        parts.append(f"op={OP_NAMES.get(op, op)}")
-    parts.append(f"seq={seq}")
-    return f"{name}({', '.join(parts)})"
+def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
+    """The core's description of the members' calls (`every`: one gathered signature per member), worded
+    as the native worlds word their CollectiveMismatchError; members whose own arguments were invalid,
+    which the core's worlds never publish, are named after it."""
+    signatures = every.tolist()
+    calls = [(seq, kind, dtype, count, root, op) for _, kind, dtype, count, root, op, seq in signatures]
+    message = describe_mismatch(calls, ranks)
+    assert message is not None  # the check failed, so two signatures differ
+    invalid = [rank for rank, sig in zip(ranks, signatures, strict=True) if not sig[0]]
+    if invalid:
+        message += f"; rank(s) {invalid} passed invalid arguments and raised their own error"
+    return message

@@ -12,13 +12,12 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from axonml_distributed._core import checked_timeout
+from axonml_distributed._core import KIND_CODES, checked_timeout, validate_ranks
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi import plans
 from axonml_distributed.mpi.args import (
     FLOAT16_CODE,
-    KIND_CODES,
     Op,
     Result,
     is_int,
@@ -120,10 +119,8 @@ class MpiProcessGroup:
         group, a member or not, it makes the same group. Collective over the members only
         (MPI_Comm_create_group on the job's communicator); a non-member gets a group it can query but
         not use. A member that does not arrive within the group's timeout makes the others abort the job
-        naming it."""
-        members = sorted(ranks)
-        if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
-            raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
+        naming it. A bad list of ranks is refused with the native groups' error (the core's check)."""
+        members = validate_ranks(ranks, self.world_size())
         world = self._world
         indices = [world.group_rank(r) for r in members]
         comm = None
@@ -136,7 +133,7 @@ class MpiProcessGroup:
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check, world)
+        return MpiProcessGroup(comm, members, self._rank, self._timeout, self._check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""
@@ -319,7 +316,8 @@ class MpiProcessGroup:
                 check_signatures(queue, invalid_signature(code), seq, self._ranks, describe)
             raise
         if self._check:
-            mine = signature(1, code, call.dtype, call.count, call.root, call.op)
+            root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
+            mine = signature(1, code, call.dtype, call.count, root, call.op)
             check_signatures(queue, mine, seq, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 
@@ -382,7 +380,7 @@ def _direct_all_reduce(buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, O
     taking part in the signature check."""
     try:
         code, dt = writable(buf, "all_reduce")
-        rop = resolve_op(op, buf.dtype, "all_reduce")
+        rop = resolve_op(op, buf.dtype)
     except (TypeError, ValueError):
         return None
     return None if code == FLOAT16_CODE else (code, dt, rop)

@@ -33,22 +33,23 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Call:
     """A validated collective, ready to issue: the MPI call (its partial holds every buffer of the
-    operation), its post-processing and result, and its signature (`root` is a group index). Not frozen:
-    this is built on every call, and a frozen dataclass's __init__ costs a microsecond."""
+    operation), its post-processing and result, and its signature: `root` is a group index (-1: none),
+    `count` the elements of each member's part, as in the core's signatures. Not frozen: this is built
+    on every call, and a frozen dataclass's __init__ costs a microsecond."""
 
     start: Callable[[], MPI.Request]
     nbytes: int
     finish: Finish = None
     result: Result = None
     dtype: int = -1
-    count: int = -1
+    count: int = 0
     root: int = -1
     op: int = -1
 
 
 def all_reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> Call:
     code, dt = writable(buf, "all_reduce")
-    rop = resolve_op(op, buf.dtype, "all_reduce")
+    rop = resolve_op(op, buf.dtype)
     data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=True)
     start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
     return Call(start, buf.nbytes, finish, result, code, buf.size, -1, rop.code)
@@ -77,11 +78,11 @@ def reduce_scatter(
 ) -> Call:
     code, dt = writable(recv, "reduce_scatter recv")
     companion(recv, send, g.size() * recv.size, "reduce_scatter send", write=False)
-    rop = resolve_op(op, recv.dtype, "reduce_scatter")
+    rop = resolve_op(op, recv.dtype)
     data, dt, finish = reduction_buffer(recv, dt, rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
     start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
-    return Call(start, send.nbytes, finish, result, code, send.size, -1, rop.code)
+    return Call(start, send.nbytes, finish, result, code, recv.size, -1, rop.code)
 
 
 def gather(
@@ -113,7 +114,7 @@ def scatter(
 def reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, dst: int, op: OpArg) -> Call:
     code, dt = writable(buf, "reduce")
     root = g._member_index(dst, "reduce", "dst")
-    rop = resolve_op(op, buf.dtype, "reduce")
+    rop = resolve_op(op, buf.dtype)
     # MPI leaves non-root buffers untouched, and so do we.
     is_root = g.rank() == dst
     data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=is_root)
