@@ -1,0 +1,28 @@
+"""One check of the conformance suite (tests/conformance.py) on the MPI group: ``run_check.py CHECK``.
+Every rank's digests are compared through mpi4py's own pickle path, not through the group under test.
+Exit code 0 = pass."""
+
+from __future__ import annotations
+
+import sys
+
+from mpi4py import MPI
+
+from axonml_distributed.mpi import init_mpi_process_group
+from conformance import CHECKS
+
+
+def main() -> None:
+    name = sys.argv[1]
+    pg = init_mpi_process_group(timeout=120)
+    digests = CHECKS[name](pg)
+    every = MPI.COMM_WORLD.allgather(digests)
+    if any(d != every[0] for d in every):
+        raise AssertionError(f"{name}: results differ between ranks: {every}")
+    pg.barrier()
+    if pg.rank() == 0:
+        print(f"conformance {name} OK on {pg.size()} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main()
