@@ -12,7 +12,7 @@ import pytest
 import axonml_distributed as ad
 from conformance import CHECKS
 from mpi_run import needs_mpi, passes, remove_segments_of_aborted_jobs
-from shm_jobs import connect, ok, run_world, segments_unchanged
+from shm_run import connect, ok, run_world, segments_unchanged
 
 # No segment of ours, nor of an aborted MPI job, is left in /dev/shm.
 no_leak = pytest.fixture(autouse=True)(segments_unchanged)

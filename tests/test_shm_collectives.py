@@ -13,7 +13,7 @@ from axonml_distributed import (
     ProcessGroup,
 )
 from reference import NUMBERS, OP_NAMES, digest, reduce_ref, same_bits, wide_values
-from shm_jobs import (
+from shm_run import (
     connect,
     ok,
     run_world,

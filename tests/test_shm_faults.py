@@ -21,7 +21,7 @@ from axonml_distributed import (
 )
 from interrupts import sigint_once_in
 from reference import same_bits
-from shm_jobs import (
+from shm_run import (
     PREFIX,
     SHM,
     connect,

@@ -21,7 +21,7 @@ from axonml_distributed import (
     CollectiveTimeoutError,
 )
 from axonml_distributed._core import ShmBackend
-from shm_jobs import (
+from shm_run import (
     connect,
     free_port,
     hello,

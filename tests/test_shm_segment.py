@@ -23,7 +23,7 @@ from axonml_distributed import (
     ReduceOp,
 )
 from axonml_distributed._core import ShmBackend
-from shm_jobs import (
+from shm_run import (
     PREFIX,
     SHM,
     connect,
