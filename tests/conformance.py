@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed import ReduceOp
+from axonml_distributed import CollectiveMismatchError, ReduceOp
 from reference import DTYPES, FLOATS, NUMBERS, OP_NAMES, all_inputs, digest, expect_same, reduce_ref
 
 
@@ -181,10 +181,21 @@ def check_offset_views(pg: Any) -> list[str]:
     return []
 
 
+def check_mismatch_message(pg: Any) -> list[str]:
+    """Calls that differ (here the count, on every rank) fail every rank, before any byte moves, with the
+    core's description: the same message on every rank and, tests/test_conformance.py checks, in every
+    world."""
+    buf = np.ones(1000 + pg.group_rank(pg.rank()), np.float32)
+    message = raises(CollectiveMismatchError, pg.all_reduce, buf)
+    expect_same(buf, np.ones_like(buf), "the buffer of a mismatched call")
+    return [message]
+
+
 CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "reductions": check_reductions,
     "movers": check_movers,
     "tensor_variants": check_tensor_variants,
     "random_floats": check_random_floats,
     "offset_views": check_offset_views,
+    "mismatch_message": check_mismatch_message,
 }

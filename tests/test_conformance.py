@@ -4,6 +4,7 @@ world (`spawn`), the shared-memory world (processes under `ShmBackend`) and MPI 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +34,10 @@ def on_shm(name: str, n: int) -> list[list[str]]:
 
 
 def on_mpi(name: str, n: int) -> list[list[str]]:
-    # The job compares every rank's digests itself, through mpi4py's own channel.
-    assert f"conformance {name} OK on {n} ranks" in passes(n, "run_check.py", name)
-    return []
+    # The job compares every rank's digests itself, through mpi4py's own channel; rank 0 prints them.
+    out = passes(n, "run_check.py", name)
+    assert f"conformance {name} OK on {n} ranks" in out
+    return [json.loads(out.partition("digests: ")[2].partition("\n")[0])]
 
 
 WORLDS: dict[str, Callable[[str, int], list[list[str]]]] = {
@@ -52,3 +54,10 @@ WORLDS: dict[str, Callable[[str, int], list[list[str]]]] = {
 def test_every_world_conforms(check: str, world: str, n: int) -> None:
     digests = WORLDS[world](check, n)
     assert all(d == digests[0] for d in digests), f"{check} on {world}: results differ between ranks"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [pytest.param("shm"), pytest.param("mpi", marks=needs_mpi)])
+def test_a_mismatch_reads_the_same_in_every_world(world: str) -> None:
+    # Three ranks, so the message names two that differ from the first.
+    assert WORLDS[world]("mismatch_message", 3)[0] == on_threads("mismatch_message", 3)[0]

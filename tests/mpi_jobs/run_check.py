@@ -1,9 +1,10 @@
 """One check of the conformance suite (tests/conformance.py) on the MPI group: ``run_check.py CHECK``.
-Every rank's digests are compared through mpi4py's own pickle path, not through the group under test.
-Exit code 0 = pass."""
+Every rank's digests are compared through mpi4py's own pickle path, not through the group under test;
+rank 0 prints them. Exit code 0 = pass."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from mpi4py import MPI
@@ -21,6 +22,7 @@ def main() -> None:
         raise AssertionError(f"{name}: results differ between ranks: {every}")
     pg.barrier()
     if pg.rank() == 0:
+        print(f"digests: {json.dumps(digests)}", flush=True)
         print(f"conformance {name} OK on {pg.size()} ranks", flush=True)
 
 
