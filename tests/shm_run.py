@@ -153,4 +153,5 @@ def segments_unchanged() -> Iterator[None]:
     each shm test module makes this its autouse fixture."""
     before = ours()
     yield
-    assert ours() - before == set()
+    left = ours() - before
+    assert not left, f"segments left in {SHM}: {sorted(left)}"
