@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from axonml_distributed import ProcessGroup
-from axonml_distributed._core import ShmBackend
+from axonml_distributed._core import SEGMENT_HEADER, ShmBackend
 
 SHM = "/dev/shm"
 
@@ -149,9 +149,35 @@ def recv_exact(conn: socket.socket, k: int) -> bytes:
 
 
 def segments_unchanged() -> Iterator[None]:
-    """Nothing of ours may be left in /dev/shm by a test (other jobs' segments are not our business):
-    each shm test module makes this its autouse fixture."""
+    """Nothing of ours may be left in /dev/shm by a test: each shm test module makes this its autouse
+    fixture. Other jobs' segments are not our business: one of this user's jobs starting up meanwhile
+    (another test run) names a segment too, so a new name counts only once its creator is not a live
+    process outside this one's tree, and only if it is still there a moment later."""
     before = ours()
     yield
-    left = ours() - before
+    deadline = time.monotonic() + 5
+    while (left := {name for name in ours() - before if not _foreign(name)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not left, f"segments left in {SHM}: {sorted(left)}"
+
+
+def _foreign(name: str) -> bool:
+    """Whether segment `name` is another program's: its creator (in the header) is alive and not this
+    process nor a descendant of it."""
+    offset, size = SEGMENT_HEADER["creator"]
+    try:
+        with open(os.path.join(SHM, name), "rb") as f:
+            head = f.read(offset + size)
+    except OSError:
+        return True  # gone: not left behind
+    creator = int.from_bytes(head[offset : offset + size], "little") if len(head) == offset + size else 0
+    pid = creator
+    while pid > 1:
+        if pid == os.getpid():
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])  # the parent's pid
+        except (OSError, ValueError, IndexError):
+            return False  # dead (or never written): ours to answer for
+    return creator > 1
