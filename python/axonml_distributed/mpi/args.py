@@ -75,21 +75,24 @@ OP_TABLE = {
     OP_CODES[name]: Op(OP_CODES[name], mpi_op, name == "AVERAGE", mpi_op is MPI.SUM)
     for name, mpi_op in _MPI_OPS.items()
 }
-# (type, op, dtype) -> Op: the core's answer for each combination a program uses, remembered because
+# The core's name of each dtype code, for asking the core about a dtype by its code.
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+# (type, op, dtype code) -> Op: the core's answer for each combination a program uses, remembered because
 # resolving an op is on every reduction's path (the type keeps 1 apart from ReduceOp.SUM, equal to it).
-_RESOLVED: dict[tuple[type, object, np.dtype], Op] = {}
+_RESOLVED: dict[tuple[type, object, int], Op] = {}
 _RESOLVED_MAX = 1024
 
 
-def resolve_op(op: OpArg, dtype: np.dtype) -> Op:
-    """How MPI performs `op` (None: SUM) on `dtype`, once the core's rule allows it (`check_op`: AVERAGE
-    of integers is refused, names are read as the native groups read them); else the core's error."""
+def resolve_op(op: OpArg, dtype: int) -> Op:
+    """How MPI performs `op` (None: SUM) on the dtype of code `dtype`, once the core's rule allows it
+    (`check_op`: AVERAGE of integers is refused, names are read as the native groups read them); else the
+    core's error."""
     key = (type(op), op, dtype)
     try:
         return _RESOLVED[key]
     except (KeyError, TypeError):  # TypeError: an unhashable op, which the core refuses below
         pass
-    code = check_op(ReduceOp.SUM if op is None else op, dtype)
+    code = check_op(ReduceOp.SUM if op is None else op, _DTYPE_NAMES[dtype])
     rop = OP_TABLE.get(code)
     if rop is None:
         name = next(name for name, known in OP_CODES.items() if known == code)

@@ -380,7 +380,7 @@ def _direct_all_reduce(buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, O
     taking part in the signature check."""
     try:
         code, dt = writable(buf, "all_reduce")
-        rop = resolve_op(op, buf.dtype)
+        rop = resolve_op(op, code)
     except (TypeError, ValueError):
         return None
     return None if code == FLOAT16_CODE else (code, dt, rop)

@@ -49,7 +49,7 @@ class Call:
 
 def all_reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> Call:
     code, dt = writable(buf, "all_reduce")
-    rop = resolve_op(op, buf.dtype)
+    rop = resolve_op(op, code)
     data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=True)
     start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
     return Call(start, buf.nbytes, finish, result, code, buf.size, -1, rop.code)
@@ -78,7 +78,7 @@ def reduce_scatter(
 ) -> Call:
     code, dt = writable(recv, "reduce_scatter recv")
     companion(recv, send, g.size() * recv.size, "reduce_scatter send", write=False)
-    rop = resolve_op(op, recv.dtype)
+    rop = resolve_op(op, code)
     data, dt, finish = reduction_buffer(recv, dt, rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
     start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
@@ -114,7 +114,7 @@ def scatter(
 def reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, dst: int, op: OpArg) -> Call:
     code, dt = writable(buf, "reduce")
     root = g._member_index(dst, "reduce", "dst")
-    rop = resolve_op(op, buf.dtype)
+    rop = resolve_op(op, code)
     # MPI leaves non-root buffers untouched, and so do we.
     is_root = g.rank() == dst
     data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=is_root)
