@@ -1,7 +1,12 @@
-"""Independent numpy references for the collectives: reduce in rank order with numpy's own ufuncs."""
+"""Independent numpy references for the collectives: reduce in rank order with numpy's own ufuncs, and
+the deterministic inputs every rank can build for every other (so each computes the whole reference
+itself). The one reference of the suite: the in-process, shared-memory and MPI tests all use it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import zlib
 from typing import Any
 
 import numpy as np
@@ -10,7 +15,10 @@ import axonml_distributed as ad
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_]
 FLOATS = [np.float16, np.float32, np.float64]
-OPS = [ad.ReduceOp.SUM, ad.ReduceOp.PRODUCT, ad.ReduceOp.MIN, ad.ReduceOp.MAX, ad.ReduceOp.AVERAGE]
+# The dtypes every world carries (MPI has no bool).
+NUMBERS = [d for d in DTYPES if d is not np.bool_]
+OP_NAMES = ["SUM", "PRODUCT", "MIN", "MAX", "AVERAGE"]
+OPS = [getattr(ad.ReduceOp, name) for name in OP_NAMES]
 
 _UFUNC = {
     ad.ReduceOp.SUM: np.add,
@@ -26,9 +34,13 @@ def valid(op: Any, dtype: Any) -> bool:
     return op != ad.ReduceOp.AVERAGE or np.issubdtype(dtype, np.floating)
 
 
-def reduce_ref(arrays: list[np.ndarray], op: Any) -> np.ndarray:
-    """Reduce in rank order; float16 accumulates in float32 and rounds once (as documented). numpy's
-    ufuncs on bool are the documented bool ops: add and maximum are OR, multiply and minimum AND."""
+def reduce_ref(arrays: Any, op: Any) -> np.ndarray:
+    """Reduce `arrays` (one per rank, or stacked on axis 0) in rank order with `op` (a ReduceOp or its
+    name); float16 accumulates in float32 and rounds once (as documented). numpy's ufuncs on bool are the
+    documented bool ops: add and maximum are OR, multiply and minimum AND."""
+    if isinstance(op, str):
+        op = getattr(ad.ReduceOp, op)
+    arrays = list(arrays)
     dtype = arrays[0].dtype
     work = [a.astype(np.float32) for a in arrays] if dtype == np.float16 else arrays
     acc = work[0].copy()
@@ -51,6 +63,52 @@ def data(rank: int, n: int, dtype: Any, seed: int = 0) -> np.ndarray:
     return rng.integers(max(info.min, -100), min(info.max, 100), n, endpoint=True).astype(dtype)
 
 
+def wide_values(rank: int, case: int, size: int, dtype: Any, op: str = "SUM") -> np.ndarray:
+    """Inputs across each dtype's whole range (integer sums wrap), for worlds that reduce in rank order:
+    normal floats, or near 1 for PRODUCT so products stay finite."""
+    rng = np.random.default_rng(rank * 1_000_003 + case)
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        x = rng.uniform(0.5, 1.5, size) if op == "PRODUCT" else rng.standard_normal(size) * 10
+        return x.astype(dt)
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, size, dtype=dt, endpoint=True)
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality (NaNs included)."""
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def small_values(rank: int, case: str, shape: tuple[int, ...], dtype: Any, op: str = "SUM") -> np.ndarray:
+    """Integer-valued inputs small enough that every op is exact in every dtype and any order of
+    reduction: results can be compared bit for bit on backends that reduce in another order (MPI).
+    PRODUCT draws from {1, 2} (and -1 when signed)."""
+    rng = np.random.default_rng([zlib.crc32(case.encode()), rank])
+    if op == "PRODUCT":
+        choices = [1, 2] if np.dtype(dtype).kind in "ub" else [-1, 1, 2]
+        return rng.choice(choices, size=shape).astype(dtype)
+    low = 0 if np.dtype(dtype).kind in "ub" else -8
+    return rng.integers(low, 9, size=shape).astype(dtype)
+
+
+def all_inputs(size: int, case: str, shape: tuple[int, ...], dtype: Any, op: str = "SUM") -> np.ndarray:
+    """Every rank's `small_values`, stacked in rank order."""
+    return np.stack([small_values(r, case, shape, dtype, op) for r in range(size)])
+
+
+def digest(arr: Any) -> str:
+    """A short fingerprint of an array's bytes, for comparing results across processes."""
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()[:16]
+
+
+def expect_same(actual: Any, expected: Any, what: str) -> None:
+    """`same_bits`, or an AssertionError saying what differs."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(
+            f"{what}: got {actual.dtype}{actual.shape}, expected {expected.dtype}{expected.shape}"
+        )
+    if not same_bits(actual, expected):
+        got, want = actual.ravel()[:16], expected.ravel()[:16]
+        raise AssertionError(f"{what}: values differ\n got      {got}\n expected {want}")

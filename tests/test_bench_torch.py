@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from axonml_distributed import bench, bench_torch
+from axonml_distributed import bench
+from axonml_distributed.bench import torch_ddp as bench_torch
 
 RESULTS = {
     "gloo/toy": 4e-3,

@@ -47,7 +47,7 @@ def test_bucket_overflow_dtype_mixing_and_views() -> None:
         ro[0] = 1
 
 
-def test_seed_readme_bucket_flow_averages_in_place() -> None:
+def test_the_readme_bucket_flow_averages_in_place() -> None:
     def fn(pg: ad.ProcessGroup) -> Any:
         b = GradientBucket(1000)
         b.add(data(pg.rank(), 2, np.float32))

@@ -1,4 +1,4 @@
-"""The seed's comm helpers on the default group (spawn makes each rank's group its default)."""
+"""The comm helpers on the default group (spawn makes each rank's group its default)."""
 
 from __future__ import annotations
 

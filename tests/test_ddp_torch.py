@@ -15,7 +15,7 @@ import torch
 
 from axonml_distributed import DDP, DistributedDataParallel, ProcessGroup, ReduceOp, spawn
 from axonml_distributed.ddp_torch import TorchDistributedDataParallel
-from test_ddp import D_IN, D_OUT, HIDDEN, LR, STEPS, TINY_MB, batches, check_training
+from ddp_models import D_IN, D_OUT, HIDDEN, LR, STEPS, TINY_MB, batches, check_training
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from axonml_distributed.demo import CHECK_TOLERANCE
-from axonml_distributed.mlp import MLP, SGD, Parameter, cross_entropy
+from axonml_distributed.demo.mlp import MLP, SGD, Parameter, cross_entropy
 
 pytest.importorskip("sklearn")
 

@@ -17,7 +17,7 @@ import torch
 
 import axonml_distributed as ad
 from interrupts import sigint_once_in
-from test_errors import outcomes
+from threads_run import outcomes
 
 
 def _world(n: int, timeout: float = 30) -> list[Any]:

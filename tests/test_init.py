@@ -123,7 +123,7 @@ def test_unsupported_init_methods_are_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="init_method 'tcp://127.0.0.1:1234' is not supported"):
         ad.init_process_group("shm", init_method="tcp://127.0.0.1:1234")
     with pytest.raises(TypeError, match="second argument is init_method.*rank= and world_size="):
-        ad.init_process_group("shm", 0, 2)  # the seed's (backend, rank, world_size) order
+        ad.init_process_group("shm", 0, 2)  # an older (backend, rank, world_size) order
     assert not ad.is_initialized()
 
 

@@ -17,7 +17,7 @@ def blocks() -> list[str]:
 
 def test_quick_start_blocks_run_in_order() -> None:
     namespace: dict[str, object] = {}
-    for index in (0, 1):  # the quick start, then the seed's examples (which reuse its imports)
+    for index in (0, 1):  # the quick start, then the first examples (which reuse its imports)
         exec(compile(blocks()[index], f"README.md python block {index}", "exec"), namespace)
     grads = namespace["grads"]
     assert len(grads) == 2  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ def test_shm_world() -> None:
 
 @pytest.mark.timeout(120)
 def test_mpi() -> None:
-    from test_mpi import MPIEXEC, run_job
+    from mpi_run import MPIEXEC, run_job
 
     if MPIEXEC is None:
         pytest.fail("mpiexec is missing: the test extra installs mpi4py and mpich")

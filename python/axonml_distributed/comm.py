@@ -1,4 +1,4 @@
-"""The seed's communication helpers, on numpy arrays or CPU torch tensors (in place and zero-copy when
+"""Communication helpers, on numpy arrays or CPU torch tensors (in place and zero-copy when
 contiguous; helpers that return a new tensor return the caller's type). The group comes second and may be
 omitted: None means the default group (`init_process_group`, or the rank's group under `spawn`). Ranks
 are global. In-place helpers return None, or a `Work` with ``async_op=True``.
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed._core import ReduceOp
+from axonml_distributed._types import ProcessGroupLike
 from axonml_distributed.init import get_default_group
 from axonml_distributed.tensors import as_numpy
 
@@ -25,7 +26,7 @@ def _is_op(value: object) -> bool:
     return isinstance(value, ReduceOp | str) or type(value).__name__ in ("ReduceOp", "RedOpType")
 
 
-def _group(pg: Any, call: str) -> Any:
+def _group(pg: Any, call: str) -> ProcessGroupLike:
     """`pg`, or the default group when None; a TypeError naming `call` (our signature) for anything that
     is not a group, with the fix for the torch-order argument it most likely is."""
     if pg is None:
@@ -47,36 +48,38 @@ def _group(pg: Any, call: str) -> Any:
     )
 
 
-def _all_reduce(t: Any, pg: Any, op: ReduceOp, name: str, async_op: bool) -> Any:
+def _all_reduce(t: Any, pg: ProcessGroupLike | None, op: ReduceOp, name: str, async_op: bool) -> Any:
     return _group(pg, f"{name}(t, pg)").all_reduce(t, op, async_op=async_op)
 
 
-def all_reduce_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_sum(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Sum `t` across the group, in place."""
     return _all_reduce(t, pg, ReduceOp.SUM, "all_reduce_sum", async_op)
 
 
-def all_reduce_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_mean(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Average `t` across the group, in place (floating-point dtypes)."""
     return _all_reduce(t, pg, ReduceOp.AVERAGE, "all_reduce_mean", async_op)
 
 
-def all_reduce_min(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_min(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Elementwise minimum of `t` across the group, in place (NaN propagates)."""
     return _all_reduce(t, pg, ReduceOp.MIN, "all_reduce_min", async_op)
 
 
-def all_reduce_max(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_max(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Elementwise maximum of `t` across the group, in place (NaN propagates)."""
     return _all_reduce(t, pg, ReduceOp.MAX, "all_reduce_max", async_op)
 
 
-def all_reduce_product(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_reduce_product(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Elementwise product of `t` across the group, in place."""
     return _all_reduce(t, pg, ReduceOp.PRODUCT, "all_reduce_product", async_op)
 
 
-def broadcast(t: Any, pg: Any = None, *, async_op: bool = False, src: int | None = None) -> Any:
+def broadcast(
+    t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False, src: int | None = None
+) -> Any:
     """Overwrite `t` with the group's first rank's `t` (`src` exists only to name `broadcast_from`)."""
     if src is not None or isinstance(pg, int):
         root = pg if src is None else src
@@ -87,12 +90,12 @@ def broadcast(t: Any, pg: Any = None, *, async_op: bool = False, src: int | None
     return _group(pg, "broadcast(t, pg)").broadcast(t, None, async_op=async_op)
 
 
-def broadcast_from(t: Any, src: int, pg: Any = None, *, async_op: bool = False) -> Any:
+def broadcast_from(t: Any, src: int, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Overwrite `t` with global rank `src`'s `t`."""
     return _group(pg, "broadcast_from(t, src, pg)").broadcast(t, src, async_op=async_op)
 
 
-def all_gather(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def all_gather(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Every member's `t`, stacked in group order: shape ``(group size, *t.shape)``."""
     if isinstance(t, list | tuple):
         raise TypeError(
@@ -106,7 +109,7 @@ def all_gather(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
     return result if async_op else like(result)
 
 
-def _reduce_scatter(t: Any, pg: Any, op: ReduceOp, name: str, async_op: bool) -> Any:
+def _reduce_scatter(t: Any, pg: ProcessGroupLike | None, op: ReduceOp, name: str, async_op: bool) -> Any:
     if isinstance(t, list | tuple) or isinstance(pg, list | tuple):
         raise TypeError(
             f"{name}(t, pg) returns this member's chunk of the reduced t (dimension 0 split in group-size "
@@ -119,12 +122,12 @@ def _reduce_scatter(t: Any, pg: Any, op: ReduceOp, name: str, async_op: bool) ->
     return result if async_op else like(result)
 
 
-def reduce_scatter_sum(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def reduce_scatter_sum(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """This member's chunk (dimension 0 split in group-size parts, which must divide) of the sum of `t`."""
     return _reduce_scatter(t, pg, ReduceOp.SUM, "reduce_scatter_sum", async_op)
 
 
-def reduce_scatter_mean(t: Any, pg: Any = None, *, async_op: bool = False) -> Any:
+def reduce_scatter_mean(t: Any, pg: ProcessGroupLike | None = None, *, async_op: bool = False) -> Any:
     """Like `reduce_scatter_sum`, averaged."""
     return _reduce_scatter(t, pg, ReduceOp.AVERAGE, "reduce_scatter_mean", async_op)
 
@@ -147,7 +150,7 @@ def _split_len(t: np.ndarray, dim: int, parts: int) -> tuple[int, int]:
     return dim, t.shape[dim] // parts
 
 
-def scatter_tensor(t: Any, dim: int, pg: Any = None) -> Any:
+def scatter_tensor(t: Any, dim: int, pg: ProcessGroupLike | None = None) -> Any:
     """This member's chunk of `t` split in group-size equal parts along `dim` (a copy; no communication:
     every member already holds `t`)."""
     _check_dim(dim, "scatter_tensor")
@@ -158,7 +161,7 @@ def scatter_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     return like(np.take(array, np.arange(i * part, (i + 1) * part), axis=dim))
 
 
-def gather_tensor(t: Any, dim: int, pg: Any = None) -> Any:
+def gather_tensor(t: Any, dim: int, pg: ProcessGroupLike | None = None) -> Any:
     """Every member's `t` concatenated along `dim`, in group order (the inverse of `scatter_tensor`)."""
     _check_dim(dim, "gather_tensor")
     g = _group(pg, "gather_tensor(t, dim, pg)")
@@ -169,22 +172,22 @@ def gather_tensor(t: Any, dim: int, pg: Any = None) -> Any:
     return like(np.concatenate(list(stacked), axis=dim))
 
 
-def barrier(pg: Any = None) -> None:
+def barrier(pg: ProcessGroupLike | None = None) -> None:
     """Block until every member arrives."""
     _group(pg, "barrier(pg)").barrier()
 
 
-def rank(pg: Any = None) -> int:
+def rank(pg: ProcessGroupLike | None = None) -> int:
     """This process's global rank."""
     return int(_group(pg, "rank(pg)").rank())
 
 
-def world_size(pg: Any = None) -> int:
+def world_size(pg: ProcessGroupLike | None = None) -> int:
     """Number of ranks in the group."""
     return int(_group(pg, "world_size(pg)").size())
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: ProcessGroupLike | None = None) -> int:
     """As torch.distributed's: this process's rank within `group` (the default group when None), -1 when
     it is not a member."""
     g = _group(group, "get_rank(group)")
@@ -192,23 +195,23 @@ def get_rank(group: Any = None) -> int:
     return int(g.group_rank(me)) if g.contains(me) else -1
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: ProcessGroupLike | None = None) -> int:
     """As torch.distributed's: the number of ranks in `group` (the default group when None)."""
     return int(_group(group, "get_world_size(group)").size())
 
 
-def is_main_process(pg: Any = None) -> bool:
+def is_main_process(pg: ProcessGroupLike | None = None) -> bool:
     """True on the group's first rank."""
     g = _group(pg, "is_main_process(pg)")
     return bool(g.rank() == g.ranks()[0])
 
 
-def sync_gradient(g: Any, pg: Any = None) -> None:
+def sync_gradient(g: Any, pg: ProcessGroupLike | None = None) -> None:
     """Average one gradient across the group, in place."""
     _group(pg, "sync_gradient(g, pg)").all_reduce(g, ReduceOp.AVERAGE)
 
 
-def sync_gradients(gradients: Sequence[Any], pg: Any = None) -> None:
+def sync_gradients(gradients: Sequence[Any], pg: ProcessGroupLike | None = None) -> None:
     """Average many gradients across the group, in place, with one all-reduce per dtype (flattened
     together, so small gradients do not each pay a collective's latency)."""
     group = _group(pg, "sync_gradients(gradients, pg)")
@@ -224,7 +227,7 @@ def sync_gradients(gradients: Sequence[Any], pg: Any = None) -> None:
             offset += grad.size
 
 
-def new_group(ranks: Sequence[int], group: Any = None) -> Any:
+def new_group(ranks: Sequence[int], group: ProcessGroupLike | None = None) -> ProcessGroupLike:
     """A subgroup over `ranks` (global ranks, members of `group`; None: the default group), the same call
     on every backend (threads, shm, MPI): ``group.new_group(ranks)``. Call it on every rank of `group`, in
     the same order; a rank outside `ranks` gets a group it can query (``contains``, ``ranks``) but not

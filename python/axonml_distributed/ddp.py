@@ -10,37 +10,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import sys
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from axonml_distributed._core import ReduceOp
+from axonml_distributed._types import ProcessGroupLike, WorkLike
+from axonml_distributed.buckets import assign_buckets, broadcast_arrays, bucket_bytes, raw_bytes
 from axonml_distributed.init import get_default_group
-
-_MIB = 1024 * 1024
-# Parameters and buffers travel in broadcasts of at most this many bytes (torch uses 250 MiB).
-_BROADCAST_CAP = 256 * _MIB
-
-
-class _Work(Protocol):
-    def wait(self) -> Any: ...
-
-
-class _Group(Protocol):
-    """The part of the ProcessGroup API that DDP uses (any duck-typed group with these methods works)."""
-
-    def ranks(self) -> list[int]: ...
-
-    def rank(self) -> int: ...
-
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray: ...
-
-    def all_reduce(self, buf: np.ndarray, op: Any = ..., *, async_op: bool = ...) -> Any: ...
-
-    def broadcast(self, buf: np.ndarray, src: int | None = ..., *, async_op: bool = ...) -> Any: ...
 
 
 class _NumpyParam:
@@ -86,36 +65,6 @@ def _is_view(grad: np.ndarray, slot: _Slot) -> bool:
     )
 
 
-def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets, in the order the buckets are reduced.
-
-    Parameters are taken in reverse order (backward produces gradients roughly last layer first), one open
-    bucket per dtype (any hashable key: numpy or torch dtypes); a bucket is closed before it would pass
-    ``cap_bytes``, so only a single parameter larger than the cap makes a bucket exceed it. Unlike torch
-    there is no smaller first bucket, nor a rebuild in the order the first backward produced gradients.
-    """
-    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
-    closed: list[list[int]] = []
-    for i in reversed(range(len(nbytes))):
-        members, size = open_buckets.get(dtypes[i], ([], 0))
-        if members and size + nbytes[i] > cap_bytes:
-            closed.append(members)
-            members, size = [], 0
-        members.append(i)
-        open_buckets[dtypes[i]] = (members, size + nbytes[i])
-    closed.extend(members for members, _ in open_buckets.values())
-    # Reduce first the bucket whose first parameter comes latest, i.e. whose gradients are ready first.
-    closed.sort(key=lambda members: -members[0])
-    return closed
-
-
-def bucket_bytes(bucket_cap_mb: float) -> int:
-    """The bucket cap in bytes, checked."""
-    if not (bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    return int(bucket_cap_mb * _MIB)
-
-
 def check_group(process_group: Any) -> Any:
     """The group DDP runs on: ``process_group``, or the default group when it is None."""
     if process_group is None:
@@ -127,41 +76,6 @@ def check_group(process_group: Any) -> Any:
             f"{type(process_group).__name__} {process_group!r}; pass device_ids= (None on CPU) by keyword"
         )
     return process_group
-
-
-def broadcast_arrays(pg: _Group, arrays: Sequence[np.ndarray], root: int | None = None) -> None:
-    """Overwrite every array in place with global rank `root`'s (None: the group's first rank), moving raw
-    bytes (so any dtype: bool masks, int16 counters...) in as few broadcasts as fit `_BROADCAST_CAP` each."""
-    root = pg.ranks()[0] if root is None else root
-    is_root = pg.rank() == root
-    i = 0
-    while i < len(arrays):
-        batch = [arrays[i]]
-        total = arrays[i].nbytes
-        i += 1
-        while i < len(arrays) and total + arrays[i].nbytes <= _BROADCAST_CAP:
-            total += arrays[i].nbytes
-            batch.append(arrays[i])
-            i += 1
-        staging = pg.empty((total,), np.uint8)
-        offset = 0
-        for array in batch:
-            if is_root:
-                staging[offset : offset + array.nbytes] = _raw(array)
-            offset += array.nbytes
-        pg.broadcast(staging, root)
-        if not is_root:
-            offset = 0
-            for array in batch:
-                chunk = staging[offset : offset + array.nbytes]
-                np.copyto(array, chunk.view(array.dtype).reshape(array.shape))
-                offset += array.nbytes
-
-
-def _raw(array: np.ndarray) -> np.ndarray:
-    """The array's bytes, flat (a copy only when it is not contiguous)."""
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
 
 class _Snapshot:
     """Checksums of the gradients (None for no gradient) and, when needed, of the parameters."""
@@ -182,7 +96,7 @@ class _Snapshot:
 def _checksum(array: np.ndarray) -> int:
     """The wrapping sum of the array's bytes read as 64-bit words (the tail as bytes): one cheap pass, about
     6 ms per 100 MB, that new gradients or new weights change."""
-    raw = _raw(array)
+    raw = raw_bytes(array)
     whole = raw.size - raw.size % 8
     return int(raw[:whole].view(np.uint64).sum(dtype=np.uint64)) + int(raw[whole:].sum())
 
@@ -213,7 +127,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
     def __init__(
         self,
         module: Any,
-        process_group: _Group | None = None,
+        process_group: ProcessGroupLike | None = None,
         *,
         bucket_cap_mb: float = 25,
         broadcast_buffers: bool = True,
@@ -222,7 +136,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
     ) -> None:
         cap = bucket_bytes(bucket_cap_mb)
         self.module = module
-        self._pg: _Group = check_group(process_group)
+        self._pg: ProcessGroupLike = check_group(process_group)
         self._broadcast_buffers = broadcast_buffers
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self._require_grad_sync = True
@@ -239,7 +153,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         if init_sync:
             self.sync_parameters()
 
-    # -- builders (the seed's chainable API) --------------------------------------------------------------
+    # -- builders (chainable) --------------------------------------------------------------
 
     def broadcast_buffers(self, flag: bool) -> DistributedDataParallel:
         """Whether ``sync_parameters()`` and training forwards also broadcast the module's buffers."""
@@ -258,7 +172,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
 
     # -- accessors ----------------------------------------------------------------------------------------
 
-    def process_group(self) -> _Group:
+    def process_group(self) -> ProcessGroupLike:
         return self._pg
 
     def parameters(self) -> Iterator[Any]:
@@ -336,9 +250,12 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         # so a one-bucket model pays no hand-off at all. AVERAGE rather than SUM and a divide here: the core
         # scales within the pass that reduces, sparing a second sweep over the gradients.
         *queued, (last, _) = self._buckets
-        works: list[_Work] = [self._pg.all_reduce(f, ReduceOp.AVERAGE, async_op=True) for f, _ in queued]
+        works: list[WorkLike | None] = [
+            self._pg.all_reduce(f, ReduceOp.AVERAGE, async_op=True) for f, _ in queued
+        ]
         self._pg.all_reduce(last, ReduceOp.AVERAGE)
         for work in works:
+            assert work is not None  # async_op=True always returns a handle
             work.wait()
         for slot, grad in zip(self._slots, grads, strict=True):
             if self._has_grad[slot.flag]:

@@ -18,12 +18,8 @@ from typing import Any
 
 import torch
 
-from axonml_distributed.ddp import (
-    DistributedDataParallel,
-    broadcast_arrays,
-    bucket_bytes,
-    check_group,
-)
+from axonml_distributed.buckets import broadcast_arrays, bucket_bytes
+from axonml_distributed.ddp import DistributedDataParallel, check_group
 from axonml_distributed.grad_reducer import GradReducer, Slot
 from axonml_distributed.tensors import raw_memory
 

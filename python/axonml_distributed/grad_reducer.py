@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from axonml_distributed._core import ReduceOp
-from axonml_distributed.ddp import assign_buckets
+from axonml_distributed.buckets import assign_buckets
 
 
 class Slot:

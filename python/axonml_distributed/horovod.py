@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed.ddp import broadcast_arrays, bucket_bytes, check_group
+from axonml_distributed.buckets import broadcast_arrays, bucket_bytes
+from axonml_distributed.ddp import check_group
 from axonml_distributed.tensors import is_tensor, raw_memory
 
 

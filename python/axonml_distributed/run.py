@@ -1,7 +1,7 @@
 """Single-host launcher: ``python -m axonml_distributed.run --nproc-per-node N script.py [args...]``.
 
 Starts N worker processes with torchrun's environment and runs them as a gang: the first worker that
-fails, or a signal to the launcher, ends all of them. Standard library only.
+fails, or a signal to the launcher, ends all of them (see `supervise`).
 """
 
 from __future__ import annotations
@@ -18,21 +18,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
 from axonml_distributed import error_file
-
-_Worker = subprocess.Popen[bytes]
+from axonml_distributed.shm import segment_name
+from axonml_distributed.supervise import Worker, signal_running, supervise
 
 # Every worker runs in its own process group (see `_spawn`), so the signals a terminal sends to its
 # foreground group (Ctrl-C, Ctrl-\, hangup) reach the workers only through the launcher: forward them all.
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-# A worker's exit is noticed within this long. Polling is simpler than waiting on child exits and signals
-# at once, and 20 wake-ups a second cost nothing measurable.
-_POLL_INTERVAL = 0.05
 # How long to drain a finished worker's output: a descendant that outlived it may keep the pipe open.
 _DRAIN_TIMEOUT = 1.0
 # One lock for all output pumps, so that lines of different ranks never interleave mid-line.
@@ -75,11 +71,6 @@ exit status:
 """
 
 
-def segment_name(job_id: str) -> str:
-    """The ``shm_open`` name of job ``job_id``'s shared-memory segment, for the launcher and backend."""
-    return f"/axonml-{os.geteuid()}-{job_id}"
-
-
 def launch(argv: Sequence[str] | None = None) -> int:
     """Run the job described by the command line ``argv`` (default: ``sys.argv[1:]``).
 
@@ -95,7 +86,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _FORWARDED}
     errors = Path(tempfile.mkdtemp(prefix="axonml-run-"))  # mode 0700: the error files are the job's own
-    workers: list[_Worker] = []
+    workers: list[Worker] = []
     pumps: list[threading.Thread] = []
     try:
         # Every worker is started before any pump thread: the child runs Python code between fork and
@@ -105,10 +96,10 @@ def launch(argv: Sequence[str] | None = None) -> int:
         if args.prefix_output:
             for rank, worker in enumerate(workers):
                 pumps += _start_pumps(worker, rank)
-        return _supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
+        return supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
     finally:
         # The normal paths have reaped every worker; this only matters if the launcher itself failed.
-        _signal_running(workers, signal.SIGKILL, range(len(workers)))
+        signal_running(workers, signal.SIGKILL, range(len(workers)))
         for worker in workers:
             worker.wait()
         for pump in pumps:
@@ -232,7 +223,7 @@ def _job_env(nproc: int, port: int, job_id: str, *, prefix_output: bool) -> dict
 
 def _spawn(
     command: list[str], env: dict[str, str], rank: int, errors: Path, *, prefix_output: bool
-) -> _Worker:
+) -> Worker:
     # Own session, so own process group (`start_new_session`: `process_group=0` needs Python 3.11): a
     # terminal's Ctrl-C then reaches the launcher alone, and each worker gets exactly one forwarded SIGINT.
     # In the launcher's group (torchrun's way) it would get the terminal's SIGINT and the forwarded one,
@@ -268,7 +259,7 @@ def _die_with_launcher(launcher: int) -> Callable[[], None] | None:
     return arm
 
 
-def _start_pumps(worker: _Worker, rank: int) -> list[threading.Thread]:
+def _start_pumps(worker: Worker, rank: int) -> list[threading.Thread]:
     prefix = f"[rank {rank}] ".encode()
     pumps = []
     for source, sink in ((worker.stdout, sys.stdout.buffer), (worker.stderr, sys.stderr.buffer)):
@@ -289,170 +280,6 @@ def _pump(source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
             with _OUTPUT_LOCK, contextlib.suppress(OSError):
                 sink.write(text)
                 sink.flush()
-
-
-def _supervise(
-    workers: list[_Worker], received: list[int], grace: float, failure_grace: float, errors: Path
-) -> int:
-    """Wait until every worker exits 0 (returns 0), one fails (1), or a signal arrives (128 + signal)."""
-    failed_at: dict[int, float] = {}  # rank -> time.time() when its failure was noticed
-    while True:
-        if received:
-            return _forward(workers, received[0], grace)
-        codes = _note_failures(workers, failed_at)
-        if failed_at:
-            return _end_after_failure(workers, received, grace, failure_grace, errors, failed_at)
-        if all(code == 0 for code in codes):
-            return 0
-        time.sleep(_POLL_INTERVAL)
-
-
-def _note_failures(workers: list[_Worker], failed_at: dict[int, float]) -> list[int | None]:
-    """Poll every worker; note when a failure (non-zero exit) is first seen. Returns the exit codes."""
-    codes = [worker.poll() for worker in workers]
-    now = time.time()
-    for rank, code in enumerate(codes):
-        if code and rank not in failed_at:
-            failed_at[rank] = now
-    return codes
-
-
-def _forward(workers: list[_Worker], signum: int, grace: float) -> int:
-    sig = signal.Signals(signum)
-    ranks = _signal_running(workers, sig, range(len(workers)))
-    _say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
-    _reap(workers, ranks, sig, grace)
-    return 128 + sig
-
-
-def _end_after_failure(
-    workers: list[_Worker],
-    received: list[int],
-    grace: float,
-    failure_grace: float,
-    errors: Path,
-    failed_at: dict[int, float],
-) -> int:
-    """A worker failed: give the others `failure_grace` seconds to exit on their own (an aborted world
-    makes them fail within moments), terminate the rest, then report the root cause first."""
-    everyone = range(len(workers))
-    deadline = time.monotonic() + failure_grace
-    while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
-        if received:
-            return _forward(workers, received[0], grace)
-        time.sleep(_POLL_INTERVAL)
-        _note_failures(workers, failed_at)
-    records = _read_records(errors, len(workers))
-    root = _root_cause(failed_at, records)
-    record = records.get(root)
-    # The root cause's report is the one that matters most: a rank still printing it gets no SIGTERM,
-    # only --grace-period seconds more to finish and exit on its own.
-    reporting = record is not None and not record.reported and workers[root].poll() is None
-    spared = (root,) if reporting else ()
-    terminated = _signal_running(workers, signal.SIGTERM, [rank for rank in everyone if rank not in spared])
-    _reap(workers, terminated, signal.SIGTERM, grace, spared)
-    _summarize(workers, root, terminated, failed_at, _read_records(errors, len(workers)))
-    return 1
-
-
-def _read_records(errors: Path, nproc: int) -> dict[int, error_file.Record]:
-    found = {rank: error_file.read(errors / f"rank-{rank}.json") for rank in range(nproc)}
-    return {rank: record for rank, record in found.items() if record is not None}
-
-
-def _root_cause(failed_at: dict[int, float], records: dict[int, error_file.Record]) -> int:
-    """The rank whose failure came first. A rank whose record blames another failed rank (its world was
-    aborted by it, or it saw it die) failed because of that one; of the ranks the chains lead to, the one
-    that failed earliest (by its record's time, else by when its exit was noticed) is the root cause."""
-    when = {**failed_at, **{rank: record.time for rank, record in records.items()}}
-
-    def origin(rank: int) -> int:
-        seen = {rank}
-        while True:
-            record = records.get(rank)
-            blamed = None if record is None else record.blames
-            if blamed is None or blamed not in when or blamed in seen:
-                return rank
-            rank = blamed
-            seen.add(rank)
-
-    return min({origin(rank) for rank in when}, key=lambda rank: (when[rank], rank))
-
-
-def _summarize(
-    workers: list[_Worker],
-    root: int,
-    terminated: list[int],
-    failed_at: dict[int, float],
-    records: dict[int, error_file.Record],
-) -> None:
-    """Name the root cause with its traceback, then the secondary failures, grouped by how they failed."""
-    codes = [worker.wait() for worker in workers]
-    _say(
-        f"rank {root} failed ({_describe(codes[root])})"
-        + (f"; terminated {_ranks(sorted(terminated))}" if terminated else "")
-    )
-    record = records.get(root)
-    if record is not None:
-        _say(f"traceback of rank {root}, the first to fail:\n{record.traceback.rstrip()}")
-    # Secondary: every other rank that failed on its own, before the launcher signalled it.
-    groups: dict[str, list[int]] = {}
-    for rank in sorted((set(failed_at) | set(records)) - {root}):
-        other = records.get(rank)
-        how = f"({_describe(codes[rank])})" + (f": {other.type}: {other.message}" if other else "")
-        groups.setdefault(how, []).append(rank)
-    for how, ranks in groups.items():
-        _say(f"secondary: {_ranks(ranks)} failed {how}")
-
-
-def _reap(
-    workers: list[_Worker], ranks: list[int], sent: signal.Signals, grace: float, spared: Sequence[int] = ()
-) -> None:
-    """Give `ranks`, just sent `sent`, and the `spared` ranks (not signalled) `grace` seconds to exit,
-    then SIGKILL them."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(workers[rank].poll() is None for rank in [*ranks, *spared]):
-        time.sleep(_POLL_INTERVAL)
-    stubborn = _signal_running(workers, signal.SIGKILL, ranks)
-    if stubborn:
-        _say(f"{_ranks(stubborn)} still running {grace:g} s after {sent.name}; sent SIGKILL")
-    stubborn = _signal_running(workers, signal.SIGKILL, spared)
-    if stubborn:
-        _say(f"{_ranks(stubborn)} (spared {sent.name}) still running {grace:g} s later; sent SIGKILL")
-    for rank in [*ranks, *spared]:
-        workers[rank].wait()
-
-
-def _signal_running(workers: list[_Worker], sig: int, ranks: Sequence[int]) -> list[int]:
-    """Send `sig` to the process group of each of `ranks` still running; return those ranks."""
-    running = [rank for rank in ranks if workers[rank].poll() is None]
-    for rank in running:
-        # Only groups of unreaped workers are signalled: their pid, which names the group, cannot have
-        # been reused by an unrelated process.
-        try:
-            os.killpg(workers[rank].pid, sig)
-        except ProcessLookupError:  # the worker moved to another group; reach it at least
-            workers[rank].send_signal(sig)
-    return running
-
-
-def _describe(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:  # a real-time signal has no name
-        return f"killed by signal {-code}"
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _say(message: str) -> None:
-    # After SIGHUP, stderr may be a terminal that is gone; the teardown must go on regardless.
-    with contextlib.suppress(OSError):
-        print(f"axonml-run: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

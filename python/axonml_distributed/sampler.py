@@ -5,19 +5,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterator, Sized
-from typing import Protocol, SupportsIndex
+from typing import SupportsIndex
 
 import numpy as np
 
+from axonml_distributed._types import ProcessGroupLike
 from axonml_distributed.init import get_default_group
-
-
-class _Group(Protocol):
-    """The part of a process group the sampler reads (any duck-typed group works)."""
-
-    def rank(self) -> int: ...
-    def size(self) -> int: ...
-    def group_rank(self, global_rank: int) -> int: ...
 
 
 class DistributedSampler:
@@ -41,7 +34,7 @@ class DistributedSampler:
         seed: int = 0,
         drop_last: bool = False,
         *,
-        process_group: _Group | None = None,
+        process_group: ProcessGroupLike | None = None,
     ) -> None:
         if num_replicas is None or rank is None:
             # As torch's: what is not given comes from the group (the default group when None).

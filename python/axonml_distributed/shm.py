@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import stat
-import struct
 import time
 
-from axonml_distributed._core import ProcessGroup, ShmBackend
+from axonml_distributed._core import SEGMENT_HEADER, SEGMENT_MAGIC, SEGMENT_PREFIX, ProcessGroup, ShmBackend
 
 _SHM_DIR = "/dev/shm"
-# The segment header starts with magic (u64), format version, world size, owner uid and creator pid
-# (u32 each): see rust/transport/shm/segment.rs.
-_HEADER = struct.Struct("<8sIIII")
-_MAGIC = b"AXONSHM1"
+# The header fields the cleanup reads come first in every segment: the core names where each lies.
+_HEADER_BYTES = max(offset + size for offset, size in SEGMENT_HEADER.values())
+
+
+def segment_name(job_id: str) -> str:
+    """The ``shm_open`` name of job ``job_id``'s shared-memory segment, as the backend names it."""
+    return f"{SEGMENT_PREFIX}{os.geteuid()}-{job_id}"
 
 
 def init_shm_process_group(rank: int, world_size: int, timeout: float | None = None) -> ProcessGroup:
@@ -74,7 +76,7 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
     a live job's segment, nor anything of other users or programs.
     """
     removed = []
-    prefix = f"axonml-{os.geteuid()}-"
+    prefix = segment_name("").lstrip("/")
     for name in sorted(os.listdir(_SHM_DIR)):
         if not name.startswith(prefix):
             continue
@@ -88,13 +90,12 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 continue
-            head = os.read(fd, _HEADER.size)
+            head = os.read(fd, _HEADER_BYTES)
         finally:
             os.close(fd)
-        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age or len(head) < _HEADER.size:
+        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age or len(head) < _HEADER_BYTES:
             continue
-        magic, _version, _world, _uid, creator = _HEADER.unpack(head)
-        if magic != _MAGIC or _alive(creator):
+        if _field(head, "magic") != SEGMENT_MAGIC or _alive(_field(head, "creator")):
             continue
         try:
             os.unlink(path)
@@ -102,6 +103,11 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
             continue
         removed.append("/" + name)
     return removed
+
+
+def _field(head: bytes, name: str) -> int:
+    offset, size = SEGMENT_HEADER[name]
+    return int.from_bytes(head[offset : offset + size], "little")
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""Failure paths: mismatches, timeouts, aborts, bad input, interrupts, oversubscription."""
+"""Faults in the thread world: mismatches, timeouts, aborts, bad input, interrupts, oversubscription."""
 
 from __future__ import annotations
 
@@ -13,20 +13,9 @@ import pytest
 import axonml_distributed as ad
 from interrupts import sigint_once_in
 from reference import data, same_bits
+from threads_run import outcomes
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def outcomes(world: int, fn: Callable[[ad.ProcessGroup], Any], timeout: float = 30) -> list[Any]:
-    """Run `fn` on every rank and return each rank's result or the exception it raised."""
-
-    def wrapped(pg: ad.ProcessGroup) -> Any:
-        try:
-            return fn(pg)
-        except Exception as e:  # noqa: BLE001 - the test inspects every rank's exception
-            return e
-
-    return ad.spawn(wrapped, world, timeout=timeout)
 
 
 MISMATCHES: dict[str, Callable[[ad.ProcessGroup, np.ndarray], Any]] = {

@@ -1,9 +1,4 @@
-"""Benchmarks with their baselines measured in the same run.
-
-    python -m axonml_distributed.bench                        # in-process world: all_reduce sweep + DDP
-    python -m axonml_distributed.bench --ranks 2 --sizes 8,67108864
-    python -m axonml_distributed.bench --backend shm          # processes (see bench_procs)
-    python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench_torch)
+"""The in-process world's benchmark: all_reduce over threads against the memory-traffic bound, and DDP.
 
 For each message size S (bytes per rank) and N ranks it prints the median time per all_reduce (the
 slowest rank's), algbw = S/t and busbw = algbw * 2(N-1)/N as nccl-tests define them, and the fraction of
@@ -16,10 +11,9 @@ parameters against one flat all_reduce of the same bytes.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,10 +22,9 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.bench.common import human
 from axonml_distributed.ddp import DistributedDataParallel
 from axonml_distributed.spawn import spawn
-
-DEFAULT_SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def copy_traffic_rate(nbytes: int = 64 << 20) -> float:
@@ -78,7 +71,7 @@ def sweep(ranks: int, sizes: list[int], timeout: float) -> list[dict[str, float]
         out = []
         for nbytes in sizes:
             x = np.ones(max(nbytes // 4, 1), np.float32)
-            out.append(time_op(pg, lambda x=x: pg.all_reduce(x, ReduceOp.SUM), iterations(nbytes)))
+            out.append(time_op(pg, functools.partial(pg.all_reduce, x, ReduceOp.SUM), iterations(nbytes)))
         return out
 
     per_rank = spawn(rank_fn, ranks, timeout=timeout)
@@ -118,13 +111,6 @@ def ddp_vs_flat(ranks: int, params: int, iters: int, timeout: float) -> dict[str
     return {"ranks": ranks, "params": params, "sync_gradients_s": t_ddp, "flat_all_reduce_s": t_flat}
 
 
-def human(nbytes: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
-
-
 def run_threads(args: argparse.Namespace) -> dict[str, Any]:
     traffic = copy_traffic_rate()
     print(f"numpy copy traffic rate (read + write, {os.cpu_count()} threads): {traffic / 1e9:.1f} GB/s")
@@ -153,38 +139,3 @@ def run_threads(args: argparse.Namespace) -> dict[str, Any]:
                 f"{r['flat_all_reduce_s'] * 1e3:.1f} ms, ratio {ratio:.2f}x"
             )
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m axonml_distributed.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--backend", choices=["threads", "shm", "mpi"], default="threads")
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
-    p.add_argument("--ddp-params", type=int, default=25_000_000, help="0 skips the DDP comparison")
-    p.add_argument("--ddp-iters", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
-    p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's (bench_torch)")
-    args, rest = p.parse_known_args(argv)
-    if args.torch:
-        from axonml_distributed import bench_torch
-
-        return bench_torch.main(argv)
-    if args.backend != "threads":
-        module = "bench_procs" if args.backend == "shm" else "bench_mpi"
-        try:
-            other = __import__(f"axonml_distributed.{module}", fromlist=["main"])
-        except ImportError as e:
-            print(f"the {args.backend} benchmark is unavailable: {e}", file=sys.stderr)
-            return 2
-        return int(other.main(argv))
-    if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
-    report = run_threads(args)
-    if args.json:
-        print(json.dumps(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

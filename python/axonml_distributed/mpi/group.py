@@ -1,90 +1,44 @@
-"""MPI process group: the package's ProcessGroup methods, carried by MPI through mpi4py.
-
-For jobs that span hosts (or already live under `mpiexec`). Launch with
-`mpiexec -n N python -m mpi4py train.py`: `-m mpi4py` turns an unhandled exception on any rank into
-MPI_Abort, so the job ends instead of hanging in a collective.
-
-- Only mpi4py's buffer API with `MPI.IN_PLACE`; nothing is pickled. Buffers are numpy arrays or CPU torch
-  tensors, used in place through their memory (``t.detach().numpy()``, zero-copy); the *_tensor
-  operations return a tensor when given one.
-- AVERAGE (also ReduceOp.AVG, "avg", "mean") is MPI SUM followed by a division by the group size
-  (floating dtypes only).
-- float16: MPI has no float16 arithmetic, so reductions widen to float32, reduce, and round to float16
-  once; operations that only move bytes send the 16-bit patterns unchanged.
-- Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
-  cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
-  operation and calls MPI_Abort: the whole job dies. Creating a communicator (`init_mpi_process_group`,
-  `new_group`) has no such form: the ranks first wait, with the deadline, until every member has
-  arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
-  therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
-- Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
-  sequence number) with one small float64 SUM-allreduce, the same MPI call on every rank (a persistent
-  one with MPI 4; see `check_signatures` in mpi_work); on disagreement every rank
-  raises CollectiveMismatchError naming the ranks that differ, no data moves, and the group stays usable.
-  A rank whose arguments are invalid takes part with an "invalid" signature and raises its
-  TypeError/ValueError, so its peers fail at once instead of timing out. Without the check, mismatched
-  calls are undefined behaviour in MPI. A blocking SUM/AVERAGE all_reduce of at most 8 float32/float64
-  elements rides along with the check when every rank's does: one MPI call in all (float32 is summed in
-  float64 and rounded once). Its cost: `python -m axonml_distributed.bench --backend mpi`.
-- Small messages: Python overhead is most of the time of an 8-byte all_reduce, so a blocking all_reduce
-  with nothing pending takes a short path (`_all_reduce_now`) and waits start with a tight Test spin.
-"""
+"""The MPI process group: the package's ProcessGroup methods, carried by MPI (see the package docstring)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from mpi4py import MPI
 
-try:
-    from mpi4py import MPI
-except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI library to load
-    raise ImportError(
-        'the MPI backend needs mpi4py and an MPI library: pip install "axonml-distributed[mpi]"',
-        name="mpi4py",
-    ) from exc
-
-from axonml_distributed._core import checked_timeout
+from axonml_distributed._core import KIND_CODES, checked_timeout, validate_ranks
+from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
-from axonml_distributed.mpi_work import (
+from axonml_distributed.mpi import plans
+from axonml_distributed.mpi.args import (
     FLOAT16_CODE,
-    FUSABLE_DTYPES,
-    FUSE_SLOTS,
-    KIND_CODES,
-    Finish,
-    MpiWork,
     Op,
-    OpArg,
-    OpQueue,
     Result,
-    abort_job,
-    await_peers,
-    check_signatures,
-    companion,
-    invalid_signature,
     is_int,
     readable,
-    reduction_buffer,
     resolve_op,
-    signature,
-    tag_ub,
     transport_dtype,
-    wait_until,
     writable,
 )
+from axonml_distributed.mpi.check import (
+    FUSABLE_DTYPES,
+    FUSE_SLOTS,
+    SignatureCheck,
+    check_signatures,
+    invalid_signature,
+    signature,
+)
+from axonml_distributed.mpi.plans import Call
+from axonml_distributed.mpi.queue import MpiWork, OpQueue, abort_job, await_peers, tag_ub, wait_until
 from axonml_distributed.tensors import like, numpy_view
 
-__all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
-
 ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
-# A buffer as every group takes it: a numpy array, or a CPU torch tensor (used through its memory).
-Buf = Any
 
 
 def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
@@ -100,22 +54,6 @@ def init_mpi_process_group(timeout: float | None = None, check_signatures: bool 
     if not wait_until(request, time.monotonic() + timeout, 0):  # everyone is there: it completes at once
         raise abort_job(world, CollectiveTimeoutError(f"{describe} did not complete within {timeout:g} s"))
     return MpiProcessGroup(comm, ranks, me, timeout, check_signatures)
-
-
-@dataclass(slots=True)
-class _Call:
-    """A validated collective, ready to issue: the MPI call (its partial holds every buffer of the
-    operation), its post-processing and result, and its signature. Not frozen: this is built on every
-    call, and a frozen dataclass's __init__ costs a microsecond."""
-
-    start: Callable[[], MPI.Request]
-    nbytes: int
-    finish: Finish = None
-    result: Result = None
-    dtype: int = -1
-    count: int = -1
-    root: int = -1
-    op: int = -1
 
 
 class MpiProcessGroup:
@@ -137,7 +75,9 @@ class MpiProcessGroup:
         self._rank = rank
         self._timeout = timeout
         self._check = check
-        self._queue = None if comm is None else OpQueue(comm, timeout, check)
+        self._queue = None
+        if comm is not None:
+            self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None)
 
     def __repr__(self) -> str:
         return f"MpiProcessGroup(rank={self._rank}, ranks={self._ranks})"
@@ -179,10 +119,8 @@ class MpiProcessGroup:
         group, a member or not, it makes the same group. Collective over the members only
         (MPI_Comm_create_group on the job's communicator); a non-member gets a group it can query but
         not use. A member that does not arrive within the group's timeout makes the others abort the job
-        naming it."""
-        members = sorted(ranks)
-        if not members or len(set(members)) != len(members) or not all(is_int(r) for r in members):
-            raise ValueError(f"new_group: ranks must be distinct integers, at least one, got {list(ranks)}")
+        naming it. A bad list of ranks is refused with the native groups' error (the core's check)."""
+        members = validate_ranks(ranks, self.world_size())
         world = self._world
         indices = [world.group_rank(r) for r in members]
         comm = None
@@ -195,7 +133,7 @@ class MpiProcessGroup:
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, [int(r) for r in members], self._rank, self._timeout, self._check, world)
+        return MpiProcessGroup(comm, members, self._rank, self._timeout, self._check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""
@@ -214,81 +152,55 @@ class MpiProcessGroup:
                     self._all_reduce_now(queue, buf, *direct)
                     return None
 
-            def plan(comm: MPI.Intracomm) -> _Call:
-                return self._all_reduce(comm, buf, op, None)
+            def plan(comm: MPI.Intracomm) -> Call:
+                return plans.all_reduce(self, comm, buf, op, None)
 
             return _inplace(self._issue(queue, "all_reduce", plan, async_op))
 
     def broadcast(self, buf: Buf, src: int | None = None, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
         return _inplace(
-            self._collective("broadcast", lambda comm: self._broadcast(comm, buf, src, None), async_op)
+            self._collective("broadcast", lambda comm: plans.broadcast(self, comm, buf, src, None), async_op)
         )
 
     def all_gather(self, send: Buf, recv: Buf, *, async_op: bool = False) -> MpiWork | None:
         send, recv = numpy_view(send), numpy_view(recv)
-        return _inplace(
-            self._collective("all_gather", lambda comm: self._all_gather(comm, send, recv, None), async_op)
-        )
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.all_gather(self, comm, send, recv, None)
+
+        return _inplace(self._collective("all_gather", plan, async_op))
 
     def reduce_scatter(
         self, send: Buf, recv: Buf, op: OpArg = None, *, async_op: bool = False
     ) -> MpiWork | None:
         send, recv = numpy_view(send), numpy_view(recv)
 
-        def plan(comm: MPI.Intracomm) -> _Call:
-            return self._reduce_scatter(comm, send, recv, op, None)
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.reduce_scatter(self, comm, send, recv, op, None)
 
         return _inplace(self._collective("reduce_scatter", plan, async_op))
 
     def gather(self, send: Buf, recv: Buf | None, dst: int, *, async_op: bool = False) -> MpiWork | None:
         send, recv = numpy_view(send), numpy_view(recv)
-
-        def plan(comm: MPI.Intracomm) -> _Call:
-            code, dt = readable(send, "gather send")
-            root = self._member_index(dst, "gather", "dst")
-            recv_spec = None
-            if self._rank == dst:
-                companion(send, recv, self.size() * send.size, "gather recv", write=True)
-                recv_spec = [recv, dt]
-            start = partial(comm.Igather, [send, dt], recv_spec, root)
-            return _Call(start, send.nbytes * self.size(), dtype=code, count=send.size, root=root)
-
-        return _inplace(self._collective("gather", plan, async_op))
+        return _inplace(
+            self._collective("gather", lambda comm: plans.gather(self, comm, send, recv, dst), async_op)
+        )
 
     def scatter(self, send: Buf | None, recv: Buf, src: int, *, async_op: bool = False) -> MpiWork | None:
         send, recv = numpy_view(send), numpy_view(recv)
-
-        def plan(comm: MPI.Intracomm) -> _Call:
-            code, dt = writable(recv, "scatter recv")
-            root = self._member_index(src, "scatter", "src")
-            send_spec = None
-            if self._rank == src:
-                companion(recv, send, self.size() * recv.size, "scatter send", write=False)
-                send_spec = [send, dt]
-            start = partial(comm.Iscatter, send_spec, [recv, dt], root)
-            return _Call(start, recv.nbytes * self.size(), dtype=code, count=recv.size, root=root)
-
-        return _inplace(self._collective("scatter", plan, async_op))
+        return _inplace(
+            self._collective("scatter", lambda comm: plans.scatter(self, comm, send, recv, src), async_op)
+        )
 
     def reduce(self, buf: Buf, dst: int, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
-
-        def plan(comm: MPI.Intracomm) -> _Call:
-            code, dt = writable(buf, "reduce")
-            root = self._member_index(dst, "reduce", "dst")
-            rop = resolve_op(op, buf.dtype, "reduce")
-            # MPI leaves non-root buffers untouched, and so do we.
-            is_root = self._rank == dst
-            data, dt, finish = reduction_buffer(buf, dt, rop, self.size(), copy_in=True, write_back=is_root)
-            send_spec, recv_spec = (MPI.IN_PLACE, [data, dt]) if is_root else ([data, dt], None)
-            start = partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root)
-            return _Call(start, buf.nbytes, finish, None, code, buf.size, root, rop.code)
-
-        return _inplace(self._collective("reduce", plan, async_op))
+        return _inplace(
+            self._collective("reduce", lambda comm: plans.reduce(self, comm, buf, dst, op), async_op)
+        )
 
     def barrier(self, *, async_op: bool = False) -> MpiWork | None:
-        return _inplace(self._collective("barrier", lambda comm: _Call(comm.Ibarrier, 0), async_op))
+        return _inplace(self._collective("barrier", plans.barrier, async_op))
 
     def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
@@ -310,32 +222,32 @@ class MpiProcessGroup:
     # in the signature check and peers fail at once) ---------------------------------------------------
 
     def all_reduce_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
-        def plan(comm: MPI.Intracomm) -> _Call:
+        def plan(comm: MPI.Intracomm) -> Call:
             out = np.array(numpy_view(t), order="C")
-            return self._all_reduce(comm, out, op, like(t)(out))
+            return plans.all_reduce(self, comm, out, op, like(t)(out))
 
         return self._collective("all_reduce", plan, async_op)
 
     def broadcast_tensor(self, t: Buf, src: int | None = None, *, async_op: bool = False) -> Any:
-        def plan(comm: MPI.Intracomm) -> _Call:
+        def plan(comm: MPI.Intracomm) -> Call:
             arr = np.asarray(numpy_view(t))
             is_src = self._rank == (self._ranks[0] if src is None else src)
             # Off the source only shape and dtype matter: skip copying contents about to be overwritten.
             out = np.array(arr, order="C") if is_src else np.empty(arr.shape, arr.dtype)
-            return self._broadcast(comm, out, src, like(t)(out))
+            return plans.broadcast(self, comm, out, src, like(t)(out))
 
         return self._collective("broadcast", plan, async_op)
 
     def all_gather_tensor(self, t: Buf, *, async_op: bool = False) -> Any:
-        def plan(comm: MPI.Intracomm) -> _Call:
+        def plan(comm: MPI.Intracomm) -> Call:
             send = np.ascontiguousarray(numpy_view(t))
             out = np.empty((self.size(), *send.shape), send.dtype)
-            return self._all_gather(comm, send, out, like(t)(out))
+            return plans.all_gather(self, comm, send, out, like(t)(out))
 
         return self._collective("all_gather", plan, async_op)
 
     def reduce_scatter_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
-        def plan(comm: MPI.Intracomm) -> _Call:
+        def plan(comm: MPI.Intracomm) -> Call:
             send = np.ascontiguousarray(numpy_view(t))
             if send.ndim == 0 or send.shape[0] % self.size():
                 raise ValueError(
@@ -343,7 +255,7 @@ class MpiProcessGroup:
                     f"{self.size()}"
                 )
             out = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
-            return self._reduce_scatter(comm, send, out, op, like(t)(out))
+            return plans.reduce_scatter(self, comm, send, out, op, like(t)(out))
 
         return self._collective("reduce_scatter", plan, async_op)
 
@@ -361,38 +273,6 @@ class MpiProcessGroup:
     ) -> Any:
         out = np.empty(shape, dtype)
         return self._recv(out, src, tag, out, async_op)
-
-    # --- plans: validate, then describe the MPI call -------------------------------------------------
-
-    def _all_reduce(self, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> _Call:
-        code, dt = writable(buf, "all_reduce")
-        rop = resolve_op(op, buf.dtype, "all_reduce")
-        data, dt, finish = reduction_buffer(buf, dt, rop, len(self._ranks), copy_in=True, write_back=True)
-        start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
-        return _Call(start, buf.nbytes, finish, result, code, buf.size, -1, rop.code)
-
-    def _broadcast(self, comm: MPI.Intracomm, buf: np.ndarray, src: int | None, result: Result) -> _Call:
-        code, dt = writable(buf, "broadcast")
-        root = 0 if src is None else self._member_index(src, "broadcast", "src")
-        start = partial(comm.Ibcast, [buf, dt], root)
-        return _Call(start, buf.nbytes, None, result, code, buf.size, root)
-
-    def _all_gather(self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, result: Result) -> _Call:
-        code, dt = readable(send, "all_gather send")
-        companion(send, recv, self.size() * send.size, "all_gather recv", write=True)
-        start = partial(comm.Iallgather, [send, dt], [recv, dt])
-        return _Call(start, recv.nbytes, None, result, code, send.size)
-
-    def _reduce_scatter(
-        self, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
-    ) -> _Call:
-        code, dt = writable(recv, "reduce_scatter recv")
-        companion(recv, send, self.size() * recv.size, "reduce_scatter send", write=False)
-        rop = resolve_op(op, recv.dtype, "reduce_scatter")
-        data, dt, finish = reduction_buffer(recv, dt, rop, self.size(), copy_in=False, write_back=True)
-        source = send.astype(np.float32) if data is not recv else send
-        start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
-        return _Call(start, send.nbytes, finish, result, code, send.size, -1, rop.code)
 
     def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result, async_op: bool) -> MpiWork | Result:
         queue = self._member_queue("recv")
@@ -413,7 +293,7 @@ class MpiProcessGroup:
             return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op)
 
     def _collective(
-        self, kind: str, plan: Callable[[MPI.Intracomm], _Call], async_op: bool
+        self, kind: str, plan: Callable[[MPI.Intracomm], Call], async_op: bool
     ) -> MpiWork | Result:
         """Validate and issue a collective, after the signature check when it is on: its handle with
         `async_op`, else its result once complete."""
@@ -422,7 +302,7 @@ class MpiProcessGroup:
             return self._issue(queue, kind, plan, async_op)
 
     def _issue(
-        self, queue: OpQueue, kind: str, plan: Callable[[MPI.Intracomm], _Call], async_op: bool
+        self, queue: OpQueue, kind: str, plan: Callable[[MPI.Intracomm], Call], async_op: bool
     ) -> MpiWork | Result:
         """`_collective` with the queue's lock held."""
         code = KIND_CODES[kind]
@@ -436,7 +316,8 @@ class MpiProcessGroup:
                 check_signatures(queue, invalid_signature(code), seq, self._ranks, describe)
             raise
         if self._check:
-            mine = signature(1, code, call.dtype, call.count, call.root, call.op)
+            root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
+            mine = signature(1, code, call.dtype, call.count, root, call.op)
             check_signatures(queue, mine, seq, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 
@@ -453,7 +334,7 @@ class MpiProcessGroup:
             mine = (1, ALL_REDUCE_CODE, code, count, -1, rop.code)  # signature(...), spelled out
             if rop.sums and count <= FUSE_SLOTS and code in FUSABLE_DTYPES:
                 # Small enough to ride along with the check: one MPI call instead of two, when every
-                # rank's data rode along (see FUSE_SLOTS in mpi_work).
+                # rank's data rode along (see FUSE_SLOTS in mpi.check).
                 flat = buf if buf.ndim == 1 else buf.reshape(-1)
                 if check_signatures(queue, mine, queue.seq, self._ranks, describe, flat):
                     if rop.average:
@@ -499,7 +380,7 @@ def _direct_all_reduce(buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, O
     taking part in the signature check."""
     try:
         code, dt = writable(buf, "all_reduce")
-        rop = resolve_op(op, buf.dtype, "all_reduce")
+        rop = resolve_op(op, code)
     except (TypeError, ValueError):
         return None
     return None if code == FLOAT16_CODE else (code, dt, rop)

@@ -198,7 +198,7 @@ def _worker_torch(steps: int, backend: str) -> None:
 def _launch(n: int, worker: str, steps: int) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(n)]
-    cmd += ["-m", "axonml_distributed.bench_torch", "--worker", worker, "--steps", str(steps)]
+    cmd += ["-m", "axonml_distributed.bench.torch_ddp", "--worker", worker, "--steps", str(steps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith(_RESULT):

@@ -1,7 +1,7 @@
 """all_reduce over MPI: MpiProcessGroup against raw mpi4py on the same buffers, in the same run.
 
     python -m axonml_distributed.bench --backend mpi [--ranks 2,4] [--sizes 8,67108864] [--json]
-    mpiexec -n 2 python -m mpi4py -m axonml_distributed.bench_mpi [--sizes ...]   # inside your own job
+    mpiexec -n 2 python -m mpi4py -m axonml_distributed.bench.mpi [--sizes ...]   # inside your own job
 
 Outside an MPI job this launches `mpiexec -n N` for each N in --ranks (the mpiexec beside the Python
 interpreter first, as the `mpich` wheel installs it, then the one on PATH). Inside one, for each message
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed.bench import DEFAULT_SIZES, human
+from axonml_distributed.bench.common import DEFAULT_SIZES, human
 
 # Launchers set these in every rank's environment: MPICH's hydra (PMI_*), Open MPI and PMIx-based ones.
 MPI_JOB_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -100,7 +100,7 @@ def launch_jobs(args: argparse.Namespace) -> int:
         for n in args.ranks:
             report = Path(tmp) / f"ranks{n}.json"
             # `-m mpi4py` turns an exception on any rank into MPI_Abort, so a failing job ends at once.
-            python = [sys.executable, "-m", "mpi4py", "-m", "axonml_distributed.bench_mpi"]
+            python = [sys.executable, "-m", "mpi4py", "-m", "axonml_distributed.bench.mpi"]
             job_args = ["--sizes", ",".join(map(str, args.sizes)), "--timeout", str(args.timeout)]
             code = run_job([mpiexec, *flags, "-n", str(n), *python, *job_args, "--report", str(report)], args)
             if code != 0:

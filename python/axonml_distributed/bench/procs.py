@@ -1,6 +1,6 @@
 """Multi-process all_reduce benchmark: our shm backend against mpi4py (MPI shared memory) and torch gloo.
 
-``python -m axonml_distributed.bench_procs [--ranks 2,4] [--max-mib 64]`` (also reached as
+``python -m axonml_distributed.bench.procs [--ranks 2,4] [--max-mib 64]`` (also reached as
 ``python -m axonml_distributed.bench --backend shm``) runs float32 all_reduce (SUM, in place) from 8 B to
 64 MiB per rank through: our "shm" backend on ordinary numpy arrays and on arrays from ``pg.empty`` (in
 the segment), mpi4py ``Allreduce(IN_PLACE)`` under mpiexec when mpi4py and an MPI are installed, and
@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from axonml_distributed.bench.common import human
 
 _RESULT = "BENCH-RESULT "
 
@@ -148,13 +150,6 @@ def _have(module: str) -> bool:
     return True
 
 
-def _fmt_size(s: int) -> str:
-    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if s >= div:
-            return f"{s // div} {unit}"
-    return f"{s} B"
-
-
 def _fmt_time(t: float) -> str:
     return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
@@ -189,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {"shm": _worker_shm, "mpi": _worker_mpi, "gloo": _worker_gloo}[args.worker](sizes)
         return 0
     if rest:
-        print(f"[bench_procs] ignoring options that do not apply here: {' '.join(rest)}", file=sys.stderr)
+        print(f"[bench.procs] ignoring options that do not apply here: {' '.join(rest)}", file=sys.stderr)
     report = {n: _compare(n, sizes, args) for n in args.ranks}
     if args.json:
         print(json.dumps({"sizes": sizes, "results": report}))
@@ -198,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _compare(n: int, sizes: list[int], args: argparse.Namespace) -> dict[str, list[float]]:
     """Run every peer on `n` ranks, `args.repeat` times in turn, print the table; returns the medians."""
-    me = ["-m", "axonml_distributed.bench_procs", "--sizes", ",".join(map(str, sizes)), "--worker"]
+    me = ["-m", "axonml_distributed.bench.procs", "--sizes", ",".join(map(str, sizes)), "--worker"]
     arena_mib = 2 * (max(sizes) >> 20) + 16
     env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(arena_mib), GLOO_SOCKET_IFNAME="lo")
     run = [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(n)]
@@ -238,7 +233,7 @@ def _compare(n: int, sizes: list[int], args: argparse.Namespace) -> dict[str, li
             t = results[k][i]
             cells.append(f"{_fmt_time(t):>10} {s / t * 2 * (n - 1) / n / 1e9:>7.2f} GB/s")
         ratios = [f"{results[o][i] / results[k][i]:>29.2f}x" for k in ours for o in others]
-        print(f"{_fmt_size(s):>8} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios))
+        print(f"{human(s):>8} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios))
     return results
 
 

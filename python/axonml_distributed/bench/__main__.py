@@ -1,0 +1,5 @@
+import sys
+
+from axonml_distributed.bench import main
+
+sys.exit(main())

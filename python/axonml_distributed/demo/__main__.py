@@ -1,0 +1,5 @@
+import sys
+
+from axonml_distributed.demo import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+"""MPI process group: the package's ProcessGroup methods, carried by MPI through mpi4py.
+
+For jobs that span hosts (or already live under `mpiexec`). Launch with
+`mpiexec -n N python -m mpi4py train.py`: `-m mpi4py` turns an unhandled exception on any rank into
+MPI_Abort, so the job ends instead of hanging in a collective.
+
+- Only mpi4py's buffer API with `MPI.IN_PLACE`; nothing is pickled. Buffers are numpy arrays or CPU torch
+  tensors, used in place through their memory (``t.detach().numpy()``, zero-copy); the *_tensor
+  operations return a tensor when given one.
+- AVERAGE (also ReduceOp.AVG, "avg", "mean") is MPI SUM followed by a division by the group size
+  (floating dtypes only).
+- float16: MPI has no float16 arithmetic, so reductions widen to float32, reduce, and round to float16
+  once; operations that only move bytes send the 16-bit patterns unchanged.
+- Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
+  cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
+  operation and calls MPI_Abort: the whole job dies. Creating a communicator (`init_mpi_process_group`,
+  `new_group`) has no such form: the ranks first wait, with the deadline, until every member has
+  arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
+  therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
+- Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
+  sequence number) with one small float64 SUM-allreduce, the same MPI call on every rank (a persistent
+  one with MPI 4; see `check_signatures` in mpi.check); on disagreement every rank
+  raises CollectiveMismatchError naming the ranks that differ, no data moves, and the group stays usable.
+  A rank whose arguments are invalid takes part with an "invalid" signature and raises its
+  TypeError/ValueError, so its peers fail at once instead of timing out. Without the check, mismatched
+  calls are undefined behaviour in MPI. A blocking SUM/AVERAGE all_reduce of at most 8 float32/float64
+  elements rides along with the check when every rank's does: one MPI call in all (float32 is summed in
+  float64 and rounded once). Its cost: `python -m axonml_distributed.bench --backend mpi`.
+- Small messages: Python overhead is most of the time of an 8-byte all_reduce, so a blocking all_reduce
+  with nothing pending takes a short path (`_all_reduce_now`) and waits start with a tight Test spin.
+"""
+
+from __future__ import annotations
+
+try:
+    from mpi4py import MPI  # noqa: F401 - imported first, for the error below
+except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI library to load
+    raise ImportError(
+        'the MPI backend needs mpi4py and an MPI library: pip install "axonml-distributed[mpi]"',
+        name="mpi4py",
+    ) from exc
+
+from axonml_distributed.mpi.group import MpiProcessGroup, init_mpi_process_group
+from axonml_distributed.mpi.queue import MpiWork
+
+__all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]

@@ -1,0 +1,201 @@
+"""The conformance suite: what every world's process group must do alike (threads, shm, MPI), written once
+against the group API. Each check runs on every rank of a world and returns digests of the results that
+must be bitwise identical on every rank; the runner (tests/test_conformance.py) compares them across
+ranks through its own channel, never through the group under test. Inputs are `small_values`, exact in
+any order of reduction, so the MPI world (whose reduction order is MPI's) meets the same bitwise bar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from axonml_distributed import CollectiveMismatchError, ReduceOp
+from reference import DTYPES, FLOATS, NUMBERS, OP_NAMES, all_inputs, digest, expect_same, reduce_ref
+
+
+def dtypes(pg: Any) -> list[type]:
+    """The dtypes the group's world carries: all of the core's, but bool over MPI."""
+    return NUMBERS if pg.backend().name() == "mpi" else DTYPES
+
+
+def sizes(n: int) -> list[int]:
+    return [0, 1, 7, 1023, n * 4096 + 3]
+
+
+def raises(exc_type: type[BaseException], fn: Callable[..., object], *args: object, match: str = "") -> str:
+    """Run fn and require exc_type whose message contains `match`; return the message."""
+    try:
+        fn(*args)
+    except exc_type as exc:
+        if match not in str(exc):
+            raise AssertionError(f"{exc_type.__name__} without {match!r}: {exc}") from exc
+        return str(exc)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__}")
+
+
+def started(work: Any) -> Any:
+    """The work of an operation issued with async_op=True."""
+    assert work is not None
+    return work
+
+
+def check_reductions(pg: Any) -> list[str]:
+    """all_reduce, reduce to every destination and reduce_scatter: every dtype, op and odd size."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for dtype in dtypes(pg):
+        for op in OP_NAMES:
+            if op == "AVERAGE" and dtype not in FLOATS:
+                continue
+            for count in sizes(n):
+                case = f"{np.dtype(dtype).name}-{op}-{count}"
+                inputs = all_inputs(n, case, (count,), dtype, op)
+                expected = reduce_ref(inputs, op)
+
+                buf = inputs[me].copy()
+                pg.all_reduce(buf, getattr(ReduceOp, op))
+                expect_same(buf, expected, f"all_reduce {case}")
+
+                for dst in pg.ranks():
+                    buf = inputs[me].copy()
+                    pg.reduce(buf, dst, getattr(ReduceOp, op))
+                    # Off the destination the buffer is left as it was.
+                    want = expected if pg.rank() == dst else inputs[me]
+                    expect_same(buf, want, f"reduce {case} dst {dst}")
+
+                chunks = all_inputs(n, case + "-rs", (n, count), dtype, op)
+                recv = np.empty(count, dtype)
+                pg.reduce_scatter(chunks[me], recv, getattr(ReduceOp, op))
+                expect_same(recv, reduce_ref(chunks, op)[me], f"reduce_scatter {case}")
+    return []
+
+
+def check_movers(pg: Any) -> list[str]:
+    """broadcast from every source, all_gather, gather to and scatter from every root, and a ring of
+    send/recv: every dtype and odd size, float16 bit patterns (NaN payloads, signed zeros) kept."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for dtype in dtypes(pg):
+        for count in sizes(n):
+            case = f"{np.dtype(dtype).name}-{count}"
+            inputs = all_inputs(n, case, (count,), dtype)
+            if dtype == np.float16:
+                rng = np.random.default_rng([count, 7])
+                inputs = rng.integers(0, 1 << 16, size=(n, count), dtype=np.uint16).view(np.float16)
+            for src in pg.ranks():
+                buf = inputs[me].copy()
+                pg.broadcast(buf, src)
+                expect_same(buf, inputs[pg.group_rank(src)], f"broadcast {case} src {src}")
+            buf = inputs[me].copy()
+            pg.broadcast(buf)  # src None = first rank of the group
+            expect_same(buf, inputs[0], f"broadcast {case} default src")
+
+            recv = np.empty((n, count), dtype)
+            pg.all_gather(inputs[me], recv)
+            expect_same(recv, inputs, f"all_gather {case}")
+
+            for dst in pg.ranks():
+                into = np.empty((n, count), dtype) if pg.rank() == dst else None
+                pg.gather(inputs[me], into, dst)
+                if into is not None:
+                    expect_same(into, inputs, f"gather {case} dst {dst}")
+            for src in pg.ranks():
+                out = np.empty(count, dtype)
+                pg.scatter(inputs if pg.rank() == src else None, out, src)
+                expect_same(out, inputs[me], f"scatter {case} src {src}")
+
+            # A ring: each rank sends to the next and receives from the previous, tag per case.
+            ring = pg.ranks()
+            nxt, prev = ring[(me + 1) % n], ring[(me - 1) % n]
+            if n > 1:
+                tag = 100 + count % 1000
+                sent = started(pg.send(inputs[me], nxt, tag, async_op=True))
+                got = np.empty(count, dtype)
+                pg.recv(got, prev, tag)
+                sent.wait()
+                expect_same(got, inputs[(me - 1) % n], f"send/recv {case}")
+    pg.barrier()
+    return []
+
+
+def check_tensor_variants(pg: Any) -> list[str]:
+    """The returning variants: new arrays, inputs untouched, op names read as ReduceOp members."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for dtype in (np.float16, np.float32, np.int32):
+        inputs = all_inputs(n, "tensor", (2 * n, 3), dtype)
+        mine = inputs[me]
+        before = mine.copy()
+        expect_same(pg.all_reduce_tensor(mine), reduce_ref(inputs, "SUM"), "all_reduce_tensor")
+        # op None is SUM, and names work case-insensitively ("mean" = AVERAGE).
+        for op, ref in ((None, "SUM"), ("max", "MAX"), ("Min", "MIN"), ("mean", "AVERAGE")):
+            if ref != "AVERAGE" or dtype in FLOATS:
+                got = pg.all_reduce_tensor(mine, op)
+                expect_same(got, reduce_ref(inputs, ref), f"all_reduce_tensor op {op!r}")
+        expect_same(mine, before, "all_reduce_tensor leaves its input alone")
+        expect_same(pg.broadcast_tensor(mine, pg.ranks()[-1]), inputs[-1], "broadcast_tensor")
+        expect_same(pg.all_gather_tensor(mine), inputs, "all_gather_tensor")
+        expected = reduce_ref(inputs, "MAX").reshape(n, 2, 3)[me]
+        expect_same(pg.reduce_scatter_tensor(mine, ReduceOp.MAX), expected, "reduce_scatter_tensor")
+        # Non-contiguous input is fine for the returning variants: they copy.
+        strided = pg.all_reduce_tensor(mine[:, ::2])
+        expect_same(strided, reduce_ref(inputs, "SUM")[:, ::2], "strided all_reduce_tensor")
+        if n > 1:
+            ring = pg.ranks()
+            # Contiguous: the native worlds refuse a strided send_tensor, MPI copies it (mpi_jobs test that).
+            work = started(pg.send_tensor(mine.T.copy(), ring[(me + 1) % n], 5, async_op=True))
+            got = pg.recv_tensor((3, 2 * n), dtype, ring[(me - 1) % n], 5)
+            work.wait()
+            expect_same(got, inputs[(me - 1) % n].T, "send_tensor/recv_tensor")
+    expect_same(np.asarray(pg.empty((2, 3), np.float32).shape), np.asarray((2, 3)), "empty")
+    return []
+
+
+def check_random_floats(pg: Any) -> list[str]:
+    """Arbitrary floats: close to numpy's sum, and bitwise identical on every rank (the digests)."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    digests = []
+    for dtype, rtol in ((np.float16, 2e-3), (np.float32, 1e-5), (np.float64, 1e-12)):
+        for op in ("SUM", "AVERAGE"):
+            rng = [np.random.default_rng([r, 99]) for r in range(n)]
+            inputs = np.stack([g.standard_normal(100_003).astype(dtype) for g in rng])
+            buf = inputs[me].copy()
+            pg.all_reduce(buf, getattr(ReduceOp, op))
+            ref = inputs.astype(np.float64).sum(axis=0) / (n if op == "AVERAGE" else 1)
+            np.testing.assert_allclose(buf.astype(np.float64), ref, rtol=rtol, atol=rtol * n)
+            digests.append(f"all_reduce {op} {np.dtype(dtype).name} {digest(buf)}")
+    return digests
+
+
+def check_offset_views(pg: Any) -> list[str]:
+    """A view that starts inside its array (one element in); bytes outside it untouched. (Buffers that
+    are not aligned for their dtype only MPI takes: the native worlds refuse them, see mpi_jobs.)"""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    count = 1023
+    inputs = all_inputs(n, "offset", (count + 1,), np.float64)
+    base = inputs[me].copy()
+    view = base[1:]
+    pg.all_reduce(view)
+    expect_same(view, reduce_ref(inputs[:, 1:], "SUM"), "offset view all_reduce")
+    expect_same(base[:1], inputs[me][:1], "the byte before the view")
+    return []
+
+
+def check_mismatch_message(pg: Any) -> list[str]:
+    """Calls that differ (here the count, on every rank) fail every rank, before any byte moves, with the
+    core's description: the same message on every rank and, tests/test_conformance.py checks, in every
+    world."""
+    buf = np.ones(1000 + pg.group_rank(pg.rank()), np.float32)
+    message = raises(CollectiveMismatchError, pg.all_reduce, buf)
+    expect_same(buf, np.ones_like(buf), "the buffer of a mismatched call")
+    return [message]
+
+
+CHECKS: dict[str, Callable[[Any], list[str]]] = {
+    "reductions": check_reductions,
+    "movers": check_movers,
+    "tensor_variants": check_tensor_variants,
+    "random_floats": check_random_floats,
+    "offset_views": check_offset_views,
+    "mismatch_message": check_mismatch_message,
+}

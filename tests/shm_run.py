@@ -1,0 +1,183 @@
+"""Running a world of processes over shared memory, for the shm tests: workers are started with the
+multiprocessing "spawn" method, as a user would, with nothing but the rendezvous arguments, and report
+back through a queue. Also a stranger's view of the rendezvous protocol (its hello and HMAC), to speak it
+from outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from axonml_distributed import ProcessGroup
+from axonml_distributed._core import SEGMENT_HEADER, ShmBackend
+
+SHM = "/dev/shm"
+
+
+PREFIX = f"axonml-{os.getuid()}-"
+
+
+def ours() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The job secret of the job a worker process belongs to (set by `_worker`; None: no secret).
+_SECRET: bytes | None = None
+
+
+def connect(rank: int, n: int, port: int, timeout: float, job_id: str | None = None) -> ProcessGroup:
+    b = ShmBackend.connect(
+        rank, n, "127.0.0.1", port, timeout=timeout, job_id=job_id, arena_bytes=40 << 20, secret=_SECRET
+    )
+    return ProcessGroup(b)
+
+
+def _worker(
+    rank: int,
+    n: int,
+    ports: list[int],
+    job: str | None,
+    fn: Callable[..., Any],
+    args: tuple,
+    q: Any,
+    timeout: float,
+    secret: bytes | None,
+):
+    global _SECRET
+    _SECRET = secret
+    try:
+        res = fn(rank, n, ports, job, timeout, q, *args)
+        q.put((rank, "ok", res, time.time()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+        q.put((rank, type(e).__name__, str(e), time.time()))
+
+
+def run_world(
+    n: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 20.0,
+    worlds: int = 1,
+    job: str | None = None,
+    on_started: Any = None,
+    limit: float = 60.0,
+    secret: bytes | None | str = "fresh",
+    ports: list[int] | None = None,
+) -> dict[int, tuple]:
+    """Run `fn(rank, n, ports, ...)` (a module-level function) in `n` spawned processes; returns
+    {rank: (status, value, time)}. Every job has a fresh secret unless `secret` is given (None: a job
+    without one)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = ports or [free_port() for _ in range(worlds)]
+    key = secrets.token_bytes(32) if secret == "fresh" else secret
+    procs = [
+        ctx.Process(target=_worker, args=(r, n, ports, job, fn, args, q, timeout, key), daemon=True)
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    deadline = time.time() + limit
+    try:
+        started = 0
+        while len(results) < n and time.time() < deadline:
+            try:
+                msg = q.get(timeout=0.1)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if any(p.exitcode not in (None, 0) for i, p in enumerate(procs) if i not in results):
+                    # A killed worker never reports: count it as reported once its exit is known.
+                    for i, p in enumerate(procs):
+                        if i not in results and p.exitcode is not None and p.exitcode < 0:
+                            results[i] = ("killed", p.exitcode, time.time())
+                continue
+            if msg[1] == "started":
+                started += 1
+                if started == n and on_started:
+                    on_started(procs)
+                continue
+            results[msg[0]] = msg[1:]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert len(results) == n, f"workers did not finish in {limit} s: {results}"
+    return results
+
+
+def ok(results: dict[int, tuple]) -> list[Any]:
+    bad = {r: v for r, v in results.items() if v[0] != "ok"}
+    assert not bad, bad
+    return [results[r][1] for r in sorted(results)]
+
+
+def mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """The rendezvous' HMAC-SHA256 over length-prefixed parts (rust/transport/shm/auth.rs)."""
+    msg = label + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def hello(rank: int, world: int, with_secret: bool) -> bytes:
+    return struct.pack("<8sIII", b"AXONRDV2", int(with_secret), rank, world) + os.urandom(32)
+
+
+def recv_exact(conn: socket.socket, k: int) -> bytes:
+    out = b""
+    while len(out) < k:
+        got = conn.recv(k - len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def segments_unchanged() -> Iterator[None]:
+    """Nothing of ours may be left in /dev/shm by a test: each shm test module makes this its autouse
+    fixture. Other jobs' segments are not our business: one of this user's jobs starting up meanwhile
+    (another test run) names a segment too, so a new name counts only once its creator is not a live
+    process outside this one's tree, and only if it is still there a moment later."""
+    before = ours()
+    yield
+    deadline = time.monotonic() + 5
+    while (left := {name for name in ours() - before if not _foreign(name)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"segments left in {SHM}: {sorted(left)}"
+
+
+def _foreign(name: str) -> bool:
+    """Whether segment `name` is another program's: its creator (in the header) is alive and not this
+    process nor a descendant of it."""
+    offset, size = SEGMENT_HEADER["creator"]
+    try:
+        with open(os.path.join(SHM, name), "rb") as f:
+            head = f.read(offset + size)
+    except OSError:
+        return True  # gone: not left behind
+    creator = int.from_bytes(head[offset : offset + size], "little") if len(head) == offset + size else 0
+    pid = creator
+    while pid > 1:
+        if pid == os.getpid():
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])  # the parent's pid
+        except (OSError, ValueError, IndexError):
+            return False  # dead (or never written): ours to answer for
+    return creator > 1

@@ -1,0 +1,63 @@
+"""The conformance suite on every world: each check of tests/conformance.py (every collective, op, dtype
+and odd size against the numpy reference; results bitwise identical on every rank) runs on the thread
+world (`spawn`), the shared-memory world (processes under `ShmBackend`) and MPI (an `mpiexec` job)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import axonml_distributed as ad
+from conformance import CHECKS
+from mpi_run import needs_mpi, passes, remove_segments_of_aborted_jobs
+from shm_run import connect, ok, run_world, segments_unchanged
+
+# No segment of ours, nor of an aborted MPI job, is left in /dev/shm.
+no_leak = pytest.fixture(autouse=True)(segments_unchanged)
+no_mpich_leftovers = pytest.fixture(autouse=True)(remove_segments_of_aborted_jobs)
+
+
+def shm_check(rank: int, n: int, ports: list[int], job: str | None, timeout: float, q: Any, name: str) -> Any:
+    """A worker of the shared-memory world: join it, run the check."""
+    return CHECKS[name](connect(rank, n, ports[0], timeout))
+
+
+def on_threads(name: str, n: int) -> list[list[str]]:
+    return ad.spawn(CHECKS[name], n, timeout=120)
+
+
+def on_shm(name: str, n: int) -> list[list[str]]:
+    return ok(run_world(n, shm_check, name, timeout=120, limit=240))
+
+
+def on_mpi(name: str, n: int) -> list[list[str]]:
+    # The job compares every rank's digests itself, through mpi4py's own channel; rank 0 prints them.
+    out = passes(n, "run_check.py", name)
+    assert f"conformance {name} OK on {n} ranks" in out
+    return [json.loads(out.partition("digests: ")[2].partition("\n")[0])]
+
+
+WORLDS: dict[str, Callable[[str, int], list[list[str]]]] = {
+    "threads": on_threads,
+    "shm": on_shm,
+    "mpi": on_mpi,
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=needs_mpi if w == "mpi" else ()) for w in WORLDS])
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_every_world_conforms(check: str, world: str, n: int) -> None:
+    digests = WORLDS[world](check, n)
+    assert all(d == digests[0] for d in digests), f"{check} on {world}: results differ between ranks"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [pytest.param("shm"), pytest.param("mpi", marks=needs_mpi)])
+def test_a_mismatch_reads_the_same_in_every_world(world: str) -> None:
+    # Three ranks, so the message names two that differ from the first.
+    assert WORLDS[world]("mismatch_message", 3)[0] == on_threads("mismatch_message", 3)[0]

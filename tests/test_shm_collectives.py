@@ -1,0 +1,236 @@
+"""The shared-memory world's collectives across real processes: every collective, dtype and op against the
+numpy reference in rank order (bitwise, on private and on segment arrays, small and pipelined sizes), two
+groups over one backend, point-to-point above the eager limit, subgroups. Each worker computes its
+references independently; no test leaves a segment of ours in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from axonml_distributed import (
+    ProcessGroup,
+)
+from reference import NUMBERS, OP_NAMES, digest, reduce_ref, same_bits, wide_values
+from shm_run import (
+    connect,
+    ok,
+    run_world,
+    segments_unchanged,
+)
+
+no_leak = pytest.fixture(autouse=True)(segments_unchanged)
+
+
+def w_collectives(rank, n, ports, job, timeout, q):
+    """Every collective x dtype (x op) x size on private arrays, then on segment arrays."""
+    pg = connect(rank, n, ports[0], timeout)
+    fails: list[str] = []
+    digests: list[str] = []
+    case = 0
+
+    def check(name: str, got: np.ndarray, want: np.ndarray, everywhere: bool = True) -> None:
+        """`everywhere`: the result is the same on every rank, so its digest is compared across ranks."""
+        if everywhere:
+            digests.append(f"{name}={digest(got)}")
+        if not same_bits(got, want):
+            fails.append(f"{name}: got {got.ravel()[:4]} want {want.ravel()[:4]}")
+
+    sizes = [0, 1, 7, 1023, 3 * 4096 + 3, 40_003]
+    for dt in NUMBERS:
+        for op in OP_NAMES:
+            if op == "AVERAGE" and np.dtype(dt).kind != "f":
+                continue
+            for size in sizes:
+                case += 1
+                xs = [wide_values(r, case, size, dt, op) for r in range(n)]
+                x = xs[rank].copy()
+                pg.all_reduce(x, op)
+                check(f"all_reduce {dt.__name__} {op} {size}", x, reduce_ref(xs, op))
+                x = xs[rank].copy()
+                pg.reduce(x, n - 1, op)
+                want = reduce_ref(xs, op) if rank == n - 1 else xs[rank]
+                check(f"reduce {dt.__name__} {op} {size}", x, want, everywhere=False)
+                big = [wide_values(r, case, n * size, dt, op) for r in range(n)]
+                out = np.empty(size, dt)
+                pg.reduce_scatter(big[rank], out, op)
+                want = reduce_ref(big, op)[rank * size : (rank + 1) * size]
+                check(f"reduce_scatter {dt.__name__} {op} {size}", out, want, everywhere=False)
+        for size in sizes:
+            case += 1
+            xs = [wide_values(r, case, size, dt) for r in range(n)]
+            root = case % n
+            x = xs[rank].copy()
+            pg.broadcast(x, root)
+            check(f"broadcast {dt.__name__} {size}", x, xs[root])
+            out = np.empty((n, size), dt)
+            pg.all_gather(xs[rank], out)
+            check(f"all_gather {dt.__name__} {size}", out, np.stack(xs))
+            g = np.empty((n, size), dt) if rank == root else None
+            pg.gather(xs[rank], g, root)
+            if rank == root:
+                check(f"gather {dt.__name__} {size}", g, np.stack(xs), everywhere=False)
+            full = [wide_values(r, case + 7, n * size, dt) for r in range(n)]
+            out = np.empty(size, dt)
+            pg.scatter(full[rank] if rank == root else None, out, root)
+            want = full[root][rank * size : (rank + 1) * size]
+            check(f"scatter {dt.__name__} {size}", out, want, everywhere=False)
+    # Large messages cross many pipeline rounds (1 MiB buffers): >= 8 MiB per rank.
+    large = [(np.float32, 2 * 1024 * 1024 + 3), (np.float16, 4 * 1024 * 1024 + 1), (np.int8, 8 << 20)]
+    for dt, size in large:
+        case += 1
+        xs = [wide_values(r, case, size, dt) for r in range(n)]
+        x = xs[rank].copy()
+        pg.all_reduce(x)
+        check(f"all_reduce large {dt.__name__}", x, reduce_ref(xs, "SUM"))
+    case += 1
+    xs = [wide_values(r, case, 2 * 1024 * 1024 + 5, np.float32) for r in range(n)]
+    x = xs[rank].copy()
+    pg.broadcast(x, 1)
+    check("broadcast large", x, xs[1])
+    out = np.empty((n, xs[0].size), np.float32)
+    pg.all_gather(xs[rank], out)
+    check("all_gather large", out, np.stack(xs))
+    pg.barrier()
+    # Segment arrays: collectives run straight on them (zero copy), results identical.
+    for dt in NUMBERS:
+        for size in [1, 1023, 40_003, 3 * 4096 + 3]:
+            case += 1
+            xs = [wide_values(r, case, size, dt) for r in range(n)]
+            a = pg.empty(size, dt)
+            assert isinstance(a.base, object) and a.flags.c_contiguous and a.flags.writeable
+            a[:] = xs[rank]
+            pg.all_reduce(a, "MAX")
+            check(f"segment all_reduce {dt.__name__} {size}", a, reduce_ref(xs, "MAX"))
+            a[:] = xs[rank]
+            pg.broadcast(a, 0)
+            check(f"segment broadcast {dt.__name__} {size}", a, xs[0])
+            out = pg.empty((n, size), dt)
+            pg.all_gather(xs[rank], out)  # private send, segment recv: staged, still right
+            check(f"mixed all_gather {dt.__name__} {size}", out, np.stack(xs))
+            s = pg.empty(n * size, dt)
+            s[:] = wide_values(rank, case + 9, n * size, dt)
+            full = [wide_values(r, case + 9, n * size, dt) for r in range(n)]
+            r = pg.empty(size, dt)
+            pg.reduce_scatter(s, r)
+            want = reduce_ref(full, "SUM")[rank * size :][:size]
+            check(f"segment reduce_scatter {dt.__name__} {size}", r, want, everywhere=False)
+    case += 1
+    size = 2 * 1024 * 1024 + 3
+    xs = [wide_values(r, case, size, np.float32) for r in range(n)]
+    a = pg.empty(size, np.float32)
+    a[:] = xs[rank]
+    pg.all_reduce(a)
+    check("segment all_reduce large", a, reduce_ref(xs, "SUM"))
+    # Point to point: a ring, two tags, in order.
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    for tag, size in [(3, 5), (4, 300_001)]:
+        msg = wide_values(rank, tag, size, np.int64)
+        if rank % 2 == 0:
+            pg.send(msg, nxt, tag)
+            got = np.empty(size, np.int64)
+            pg.recv(got, prv, tag)
+        else:
+            got = np.empty(size, np.int64)
+            pg.recv(got, prv, tag)
+            pg.send(msg, nxt, tag)
+        check(f"send/recv tag {tag}", got, wide_values(prv, tag, size, np.int64), everywhere=False)
+    # Subgroups: evens and odds reduce concurrently.
+    from axonml_distributed import World
+
+    world = World(pg.backend())
+    evens, odds = world.new_group(list(range(0, n, 2))), world.new_group(list(range(1, n, 2)))
+    mine = evens if rank % 2 == 0 else odds
+    x = np.full(70_000, rank + 1, np.int64)
+    mine.all_reduce(x)
+    want = np.full(70_000, sum(r + 1 for r in mine.ranks()), np.int64)
+    check("subgroup all_reduce", x, want, everywhere=False)
+    return fails, digests
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_collective_dtype_and_op_matches_numpy_bitwise_on_every_rank(n):
+    results = ok(run_world(n, w_collectives, limit=110))
+    for rank, (fails, _) in enumerate(results):
+        assert not fails, f"rank {rank}: {fails[:5]}"
+    for rank, (_, digests) in enumerate(results):
+        assert digests == results[0][1], f"rank {rank} differs from rank 0"
+
+
+def w_two_groups(rank, n, ports, job, timeout, q):
+    """Two groups over one backend, async on one and blocking on the other, in the same program order."""
+    pg = connect(rank, n, ports[0], timeout)
+    g2 = ProcessGroup(pg.backend())
+    seen = []
+    for i in range(100):
+        a = np.full(4, 10.0 * (rank + 1) + i, np.float64)
+        c = np.full(4, 1.0 * (rank + 1), np.float64)
+        w = pg.all_reduce(a, async_op=True)
+        g2.all_reduce(c)
+        w.wait()
+        seen.append((float(a[0]), float(c[0])))
+    return seen == [(30.0 + 2 * i, 3.0) for i in range(100)]
+
+
+@pytest.mark.timeout(90)
+def test_two_groups_over_one_shm_backend_match_calls_in_program_order():
+    assert ok(run_world(2, w_two_groups, timeout=30)) == [True, True]
+
+
+def w_exchange(rank, n, ports, job, timeout, q, size):
+    """isend then a blocking recv on both ranks, above the eager limit."""
+    pg = connect(rank, n, ports[0], timeout)
+    peer = 1 - rank
+    x = np.arange(size, dtype=np.float32) + 1000 * rank
+    y = np.zeros(size, np.float32)
+    w = pg.send(x, peer, async_op=True)
+    pg.recv(y, peer)
+    w.wait()
+    return bool(np.array_equal(y, np.arange(size, dtype=np.float32) + 1000 * peer))
+
+
+@pytest.mark.timeout(90)
+def test_the_isend_recv_exchange_completes_above_the_eager_limit():
+    assert ok(run_world(2, w_exchange, 1 << 20, timeout=30)) == [True, True]
+
+
+def w_two_tags(rank, n, ports, job, timeout, q):
+    """Two isends above the eager limit with two tags, received in the other order."""
+    pg = connect(rank, n, ports[0], timeout)
+    size = 1 << 18
+    if rank == 0:
+        works = [pg.send(np.full(size, float(tag), np.float32), 1, tag, async_op=True) for tag in (1, 2)]
+    else:
+        bufs = {tag: np.zeros(size, np.float32) for tag in (2, 1)}
+        works = [pg.recv(bufs[tag], 0, tag, async_op=True) for tag in (2, 1)]
+    for w in works:
+        w.wait()
+    return rank == 0 or all(bool((bufs[t] == t).all()) for t in (1, 2))
+
+
+@pytest.mark.timeout(90)
+def test_isends_with_two_tags_received_in_the_other_order_complete_in_the_shm_world():
+    assert ok(run_world(2, w_two_tags, timeout=30)) == [True, True]
+
+
+def w_groups(rank, n, ports, job, timeout, q):
+    """Create, use and drop a subgroup of every rank many times."""
+    from axonml_distributed import World
+
+    world = World(connect(rank, n, ports[0], timeout).backend())
+    got = []
+    for i in range(100):
+        g = world.new_group([0, 1])
+        x = np.full(70_000, rank + i, np.float32)  # past the one-shot size: the group's staging is used
+        g.all_reduce(x)
+        got.append(float(x[-1]))
+        del g
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_creating_and_dropping_a_subgroup_100_times_works():
+    res = ok(run_world(2, w_groups, timeout=20, limit=110))
+    assert res[0] == res[1] == [float(2 * i + 1) for i in range(100)]
