@@ -95,6 +95,19 @@ def test_synchronizer_writes_averages_back_in_place(strategy: GradSyncStrategy, 
             assert all(same_bits(res[r][step][i], want) for r in range(3)), (step, i)
 
 
+def test_sync_all_without_a_group_averages_over_the_default_group() -> None:
+    def fn(pg: ad.ProcessGroup) -> np.ndarray:
+        sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 10)
+        g = data(pg.rank(), 7, np.float32)
+        sync.prepare(1)
+        sync.add_gradient(0, g)
+        sync.sync_all()
+        return g
+
+    want = reduce_ref([data(r, 7, np.float32) for r in range(2)], ad.ReduceOp.AVERAGE)
+    assert all(same_bits(g, want) for g in ad.spawn(fn, 2))
+
+
 def test_no_sync_leaves_gradients_alone() -> None:
     def fn(pg: ad.ProcessGroup) -> np.ndarray:
         sync = GradientSynchronizer(GradSyncStrategy.NO_SYNC, 10)

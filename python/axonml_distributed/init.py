@@ -15,6 +15,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from axonml_distributed import _core
+
 _default: Any = None
 _local = threading.local()
 # The sys.excepthook that `init_process_group("shm")` installed and the one it replaced, which
@@ -107,6 +109,11 @@ def get_default_group() -> Any:
     if pg is None:
         raise RuntimeError("no default process group: call init_process_group() first, or run under spawn()")
     return pg
+
+
+# The native GradientSynchronizer.sync_all() without a group asks this (the native module never imports
+# the package).
+_core.set_default_group_source(get_default_group)
 
 
 def destroy_process_group() -> None:
