@@ -47,11 +47,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use auth::JobSecret;
-pub use layout::{MAGIC, MAX_RANKS, VERSION};
-pub use segment::PREFIX;
 /// What the launcher and the stale-segment cleanup (Python) must know of a segment's header.
 #[cfg(feature = "python")]
 pub(crate) use layout::Header as SegmentHeader;
+pub use layout::{MAGIC, MAX_RANKS, VERSION};
+pub use segment::PREFIX;
 pub use store_join::SegmentToken;
 
 use crate::config::MAX_TIMEOUT;
