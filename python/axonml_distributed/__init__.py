@@ -1,7 +1,7 @@
 """axonml-distributed: data-parallel training on CPUs.
 
 Real collectives (every rank waits for every other, results bitwise identical on all ranks) over an
-in-process world of threads (`spawn`, `MockBackend`), a shared-memory world of processes on one host
+in-process world of threads (`spawn`, `ThreadBackend`), a shared-memory world of processes on one host
 (`init_process_group("shm")` under `axonml-run`), or MPI (`init_process_group("mpi")` under mpiexec);
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules; Horovod's
 `broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts.
@@ -13,6 +13,7 @@ from axonml_distributed._core import (
     GradientSynchronizer,
     GradSyncStrategy,
     MockBackend,
+    ThreadBackend,
     ProcessGroup,
     ReduceOp,
     Work,
@@ -77,6 +78,7 @@ __all__ = [
     "GradientBucket",
     "GradientSynchronizer",
     "MockBackend",
+    "ThreadBackend",
     "PeerFailureError",
     "ProcessGroup",
     "ReduceOp",

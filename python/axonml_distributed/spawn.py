@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from axonml_distributed._core import MockBackend, ProcessGroup
+from axonml_distributed._core import ProcessGroup, ThreadBackend
 from axonml_distributed.exceptions import DistributedError, SpawnError
 from axonml_distributed.init import _set_default_group
 
@@ -23,7 +23,7 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
     it. ``timeout`` bounds every wait inside the world (seconds, default 300). Inside ``fn`` the rank's
     group is also the default group, so comm functions and DDP called without a group use it.
     """
-    backends = MockBackend.create_world(world_size, timeout=timeout)
+    backends = ThreadBackend.create_world(world_size, timeout=timeout)
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
     lock = threading.Lock()
