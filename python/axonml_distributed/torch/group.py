@@ -3,6 +3,13 @@
 Blocking calls from torch's Python API (``asyncOp=False``: ``dist.all_reduce(t)`` and the like) run on
 the calling thread and return no Work (torch then knows the backend has synchronised), so they pay for
 no Work, future or thread hand-off. Every other call returns a `Work` (see `work`).
+
+An asynchronous all-reduce of at most `INLINE_IN_BACKWARD` bytes issued from inside an autograd
+backward pass (DDP's reducer issues its buckets there; the first bucket is 1 MiB by default, and small
+models have no other) runs on the calling thread too and returns a finished Work: the backward pass
+waits for every bucket before it ends anyway, and handing a small bucket to the lane's thread and its
+future back costs several thread wake-ups per step, more than the reduction. Larger buckets still
+overlap with the rest of the backward pass.
 """
 
 # The overrides follow the signatures torch's C++ trampolines call, not every overload of its stubs.
@@ -39,6 +46,7 @@ _OPS = {
     dist.ReduceOp.AVG: ReduceOp.AVERAGE,
 }
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+INLINE_IN_BACKWARD = 1 << 20
 
 
 def _async(opts: Any) -> bool:
@@ -169,8 +177,18 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     # -- collectives ----------------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
-        detached = _async(opts)
         op = (opts or dist.AllreduceOptions()).reduceOp
+        if not _async(opts):
+            return self._allreduce(tensors, op, detached=False)
+        if torch._C._current_graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
+            return self._allreduce(tensors, op, detached=True)
+        try:  # inside a backward pass (see the module docs): here, and its error goes to the Work
+            self._allreduce(tensors, op, detached=False)
+        except Exception as e:
+            return Work.done(tensors, e, self._completer("coll"))
+        return Work.done(tensors, None, self._completer("coll"))
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
         natives, finishes = [], []
         for t in tensors:
             ours, factor = _op(op, t.dtype)

@@ -49,6 +49,13 @@ class Work(dist.Work):
         self._source: torch.futures.Future[Any] | None = None
         self._future: torch.futures.Future[Any] | None = None
 
+    @classmethod
+    def done(cls, result: Any, error: Exception | None, completer: Callable[[], Completer]) -> Work:
+        """A work that ran on the calling thread already, with its error if it failed."""
+        work = cls([], result, None, completer)
+        work._finished, work._error = True, error
+        return work
+
     def _run(self) -> torch.futures.Future[Any] | None:
         """Wait for the native works and copy results back, unless done already (another thread
         doing it first: wait for it). Returns the future for this thread to settle, if any."""
