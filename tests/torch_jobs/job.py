@@ -154,8 +154,13 @@ def ddp(rank: int, world: int) -> dict[str, Any]:
     """torch DDP over "axonml" and over a gloo group of the same ranks, from the same start: batch
     norm (buffers broadcast before each forward), small buckets, and no_sync() accumulation."""
     gloo = dist.new_group(list(range(world)), backend="gloo")
+    from axonml_distributed.torch import group as ours
+
+    inline = ours.INLINE_IN_BACKWARD
     result = {}
-    for name, group in [("axonml", None), ("gloo", gloo)]:
+    for name, group in [("axonml", None), ("axonml async", None), ("gloo", gloo)]:
+        # "axonml async": every bucket through the lane and its future, as buckets over 1 MiB go.
+        ours.INLINE_IN_BACKWARD = -1 if name == "axonml async" else inline
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
