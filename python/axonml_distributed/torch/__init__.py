@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from axonml_distributed._core import Backend, DistributedError, MockBackend, ProcessGroup
+from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ThreadBackend
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
 from axonml_distributed.torch.rendezvous import join_world
@@ -67,7 +67,7 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
         )
     elif len(ranks) == 1:
         # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
-        native = ProcessGroup(MockBackend.single(opts.timeout.total_seconds()))
+        native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
     else:
         native = ProcessGroup(_world, ranks)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
