@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -73,3 +75,22 @@ def test_comm_helpers_take_async_op() -> None:
         return x.tolist()
 
     assert ad.spawn(fn, 2) == [[0.5] * 3] * 2
+
+
+def test_work_completes_while_the_caller_holds_the_gil() -> None:
+    # The lane's thread must not need the GIL to finish a work: a caller polling is_completed() in a
+    # Python loop holds it (here for good: no switch interval), and must see the work complete.
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
+    x = data(0, 5, np.float32)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e6)
+    try:
+        for _ in range(20):
+            work = pg.all_reduce(x, ad.ReduceOp.SUM, async_op=True)
+            deadline = time.monotonic() + 10.0
+            while not work.is_completed() and time.monotonic() < deadline:
+                pass
+            assert work.is_completed(), "the work waited for the GIL its caller held"
+    finally:
+        sys.setswitchinterval(interval)
+    assert same_bits(x, data(0, 5, np.float32))

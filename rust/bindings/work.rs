@@ -41,8 +41,9 @@ pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepar
     Ok(r?)
 }
 
-/// `call`'s job wrapped for its lane: it keeps the arrays alive until it has run, then drops them
-/// attached (or keeps them for good, as in [`run_blocking`]).
+/// `call`'s job wrapped for its lane: it keeps the arrays alive until it has run, then lets them go
+/// (or keeps them for good, as in [`run_blocking`]). They go without taking the GIL: pyo3 defers the
+/// release to the next thread that holds it, so the work completes without waiting for the GIL.
 pub(crate) fn queued(
     comm: Arc<dyn Backend>,
     call: Prepared<'_>,
@@ -54,8 +55,7 @@ pub(crate) fn queued(
         if r.is_err() && comm.buffers_may_be_in_use() {
             std::mem::forget(keep);
         } else {
-            let mut keep = Some(keep);
-            Python::try_attach(|_| drop(keep.take()));
+            drop(keep);
         }
         r
     };
