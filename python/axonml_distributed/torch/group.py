@@ -47,6 +47,9 @@ _OPS = {
 }
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 INLINE_IN_BACKWARD = 1 << 20
+# torch's id of the backward pass running on this thread, -1 outside one (a private API: without it,
+# every asynchronous all-reduce goes to the lane).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _async(opts: Any) -> bool:
@@ -180,7 +183,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         op = (opts or dist.AllreduceOptions()).reduceOp
         if not _async(opts):
             return self._allreduce(tensors, op, detached=False)
-        if torch._C._current_graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
+        if _graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
             return self._allreduce(tensors, op, detached=True)
         try:  # inside a backward pass (see the module docs): here, and its error goes to the Work
             self._allreduce(tensors, op, detached=False)
