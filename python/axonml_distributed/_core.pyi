@@ -68,11 +68,16 @@ def describe_mismatch(
     is a global rank) or None for a member that entered no call; None when every member agrees."""
 
 # The shared-memory segment, for the launcher and the stale-segment cleanup: names are
-# SEGMENT_PREFIX + "<uid>-<job>"; the header (little endian) starts with these fields.
+# SEGMENT_PREFIX + "<uid>-<job>", files SEGMENT_DIR + name; the header (little endian) starts with these
+# fields.
 SEGMENT_PREFIX: str
+SEGMENT_DIR: str
 SEGMENT_MAGIC: int
 SEGMENT_VERSION: int
 SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
+
+def segment_name(job_id: str) -> str:
+    """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
 def checked_timeout(seconds: float | None = None) -> float:
     """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
@@ -258,6 +263,7 @@ __all__ = [
     "INLINE_BYTES",
     "KIND_CODES",
     "OP_CODES",
+    "SEGMENT_DIR",
     "SEGMENT_HEADER",
     "SEGMENT_MAGIC",
     "SEGMENT_PREFIX",
@@ -280,6 +286,7 @@ __all__ = [
     "check_op",
     "checked_timeout",
     "describe_mismatch",
+    "segment_name",
     "set_default_group_source",
     "validate_ranks",
 ]
