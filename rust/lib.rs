@@ -46,6 +46,7 @@ pub mod error;
 pub mod group;
 pub mod reduce;
 pub mod signature;
+mod sync;
 pub mod synchronizer;
 pub mod transport;
 pub mod work;

@@ -7,13 +7,14 @@
 //! worker thread, while the caller keeps computing; `sync_all` launches what is left and waits. The
 //! averaged values are then read back per gradient (`averaged`), in the order gradients were added.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::bucket::{Entry, GradientBucket};
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
+use crate::sync::lock;
 use crate::work::{Lane, Work};
 
 /// The default bucket size: 25M elements (~100 MB of f32).
@@ -37,10 +38,6 @@ struct BucketState {
     closed: bool,
     /// Its background all-reduce, once launched.
     work: Option<Work>,
-}
-
-fn lock(b: &Mutex<GradientBucket>) -> MutexGuard<'_, GradientBucket> {
-    b.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Buckets gradients and averages them across a group.

@@ -14,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::config::SLICE;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::transport::wait::interrupted;
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -34,7 +35,7 @@ impl Work {
     /// Block until the job has run; returns its result (every call returns the same). Fails with
     /// [`Error::Interrupted`] when the interrupt hook fires (Ctrl-C) first; the job goes on.
     pub fn wait(&self) -> Result<()> {
-        let mut r = self.state.result.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.state.result);
         while r.is_none() {
             r = self.state.finished.wait_timeout(r, SLICE).unwrap_or_else(|e| e.into_inner()).0;
             if r.is_none() && interrupted() {
@@ -46,11 +47,11 @@ impl Work {
 
     /// True once the job has run.
     pub fn is_completed(&self) -> bool {
-        self.state.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        lock(&self.state.result).is_some()
     }
 
     fn finish(&self, result: Result<()>) {
-        *self.state.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        *lock(&self.state.result) = Some(result);
         self.state.finished.notify_all();
     }
 }
@@ -105,7 +106,7 @@ impl Lanes {
         let work = Work::default();
         let handle = work.clone();
         let task: Job = Box::new(move || handle.finish(job()));
-        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queues = lock(&self.queues);
         let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
         if let Err(unsent) = q.tx.send(task) {
             // Only if the worker thread died: start another one for the job.
@@ -119,7 +120,7 @@ impl Lanes {
     /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
     /// `Work`; this fails only when interrupted.
     pub fn flush(&self, lane: Lane) -> Result<()> {
-        let last = self.queues.lock().unwrap_or_else(|e| e.into_inner()).get(&lane).map(|q| q.last.clone());
+        let last = lock(&self.queues).get(&lane).map(|q| q.last.clone());
         match last.map(|w| w.wait()) {
             Some(Err(e @ Error::Interrupted { .. })) => Err(e),
             _ => Ok(()),
@@ -128,8 +129,7 @@ impl Lanes {
 
     /// Wait for every lane.
     pub fn flush_all(&self) -> Result<()> {
-        let lanes: Vec<Lane> =
-            self.queues.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        let lanes: Vec<Lane> = lock(&self.queues).keys().copied().collect();
         lanes.into_iter().try_for_each(|lane| self.flush(lane))
     }
 }

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +148,10 @@ def test_every_collective_and_dtype_under_torchrun(tmp_path: Path) -> None:
         assert same(got["non_contiguous"].contiguous(), nc_want.contiguous())
         assert same(got["future"], reduce_ref([data(j, 7, torch.float64) for j in range(WORLD)], "SUM"))
         assert got["work_completed"]
+        for key in ("non_contiguous_future", "non_contiguous_async"):
+            assert same(got[key].contiguous(), nc_want.contiguous()), key
+        assert "BAND" in got["band"] and "collectives issue" in got["band"]
+        assert "src=" in got["recv_anysource"] and "any source" in got["recv_anysource"]
         assert got["all_gather_object"] == [{"rank": j, "name": f"r{j}"} for j in range(WORLD)]
         assert got["broadcast_object_list"] == ["from 1", 1]
         assert same(got["batch_isend_irecv"], data((r - 1) % WORLD, 5, torch.float32))
@@ -171,9 +177,10 @@ def test_torch_ddp_over_axonml_matches_gloo_bitwise(tmp_path: Path, launch: str)
     res = by_hand("ddp", tmp_path) if launch == "by_hand" else axonml_run("ddp", tmp_path)
     assert all("error" not in r for r in res), res
     for r in range(WORLD):
-        for key in ("", " buffers"):
-            pairs = zip(res[r]["axonml" + key], res[r]["gloo" + key], strict=True)
-            assert all(same(a, b) for a, b in pairs), (r, key)
+        for name in ("axonml", "axonml async"):  # small buckets inside backward run inline, or not
+            for key in ("", " buffers"):
+                pairs = zip(res[r][name + key], res[r]["gloo" + key], strict=True)
+                assert all(same(a, b) for a, b in pairs), (r, name, key)
         assert all(same(a, b) for a, b in zip(res[r]["axonml"], res[0]["axonml"], strict=True))
 
 
@@ -298,3 +305,70 @@ def test_registration_without_and_with_our_import() -> None:
     )
     for code in [alone, unchanged]:
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=_env())
+
+
+class _Native:
+    """A native work that finishes when told, with `error` if given."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.done = threading.Event()
+        self.error = error
+
+    def wait(self) -> None:
+        assert self.done.wait(60)
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+def _completers() -> int:
+    return sum(t.name == "axonml-completer" for t in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("queued_first", [False, True])
+def test_a_future_callback_may_wait_for_a_later_work_of_its_lane(queued_first: bool) -> None:
+    """Futures complete on their lane's completer thread, callbacks and all. A callback that waits for a
+    later work's future (torch's PowerSGD hook does) gets another thread to complete that one, whether
+    the work was queued before the callback ran or from inside it; the extra thread ends after."""
+    from axonml_distributed.torch.work import Completer, Work
+
+    before = _completers()
+    completer = Completer()
+    n1, n2 = _Native(), _Native()
+    w1, w2 = (Work([n], [i], None, lambda: completer) for i, n in enumerate([n1, n2]))
+    f2 = w2.get_future() if queued_first else None
+    got = w1.get_future().then(lambda _: (f2 or w2.get_future()).wait())
+    n2.done.set()
+    n1.done.set()
+    assert got.wait() == [1]
+    deadline = time.monotonic() + 30
+    while _completers() > before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _completers() == before + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_work_finishes_when_polled_waited_or_asked_for_its_future() -> None:
+    """is_completed() finishes a work whose native works are done (its copy-back runs first); an
+    error reaches wait() and the future (as an error in torch's C++ too: the future is errored)."""
+    from axonml_distributed.torch.work import Completer, Work
+
+    completer = Completer()
+    n, copied = _Native(), []
+    w = Work([n], ["result"], lambda: copied.append(True), lambda: completer)
+    assert not w.is_completed() and not copied
+    n.done.set()
+    assert w.is_completed() and copied == [True] and w.is_success()
+    assert w.get_future().wait() == ["result"]
+    bad = _Native(RuntimeError("peer rank 1 died"))
+    w = Work([bad], ["result"], None, lambda: completer)
+    fut = w.get_future()
+    bad.done.set()
+    with pytest.raises(RuntimeError, match="peer rank 1 died"):
+        fut.wait()
+    with pytest.raises(RuntimeError, match="peer rank 1 died"):
+        w.wait()
+    assert w.is_completed() and not w.is_success()

@@ -156,8 +156,8 @@ impl<S: Store> Engine<S> {
         Err(self.with_progress(self.fail(e)))
     }
 
-    /// Wait until every other member (or only those of `busy`, indices) has stored `done >= k`, or is
-    /// gone (a dead peer touches nothing). Aborts do not end it: peers past their arrival wait never
+    /// Wait until every other member (or only those of `busy`, indices) has stored `done >= k`, or has
+    /// vanished (a dead peer touches nothing). Aborts do not end it: peers past their arrival wait never
     /// block before storing `done`. A stopped peer (SIGSTOP) would hold it forever, so it is bounded
     /// by the timeout and by Ctrl-C; when it gives up, the handle is marked so the bindings keep the
     /// buffers alive for good, and the error names the peers that never finished.
@@ -173,7 +173,7 @@ impl<S: Store> Engine<S> {
         };
         let slow = || {
             for j in pending() {
-                if s.check_alive(&[s.members()[j]], op).is_err() {
+                if s.vanished(s.members()[j], op) {
                     gone.borrow_mut().push(j);
                 }
             }

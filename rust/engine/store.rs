@@ -13,6 +13,7 @@ use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
+use crate::sync::lock;
 use crate::transport::wait::Wait;
 
 /// One member's control block in a communicator. Counters are monotonic over the communicator's life
@@ -80,7 +81,7 @@ pub(crate) struct Splits(Mutex<HashMap<Vec<usize>, u32>>);
 impl Splits {
     /// Count one more split of `members`; returns its occurrence (1 for the first).
     pub(crate) fn next(&self, members: &[usize]) -> u32 {
-        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = lock(&self.0);
         let c = counts.entry(members.to_vec()).or_insert(0);
         *c += 1;
         *c
@@ -131,6 +132,10 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn abort(&self, reason: &str, cause: Cause<'_>);
     /// Fails when one of the global `ranks` is gone for good (and will never arrive), naming it.
     fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()>;
+    /// True when global `rank` can never again touch a buffer of the current call: its process died
+    /// (the shm world also aborts then). The drain stops waiting only for such a member; a rank that
+    /// merely left (`leave`) may still be running its queued work, so the thread world says false.
+    fn vanished(&self, rank: usize, op: &str) -> bool;
 
     /// Send `buf` to global rank `dst` (already checked); `op` names the call in errors.
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()>;

@@ -92,6 +92,20 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     work = dist.all_reduce(fut_t, async_op=True)
     out["future"] = work.get_future().wait()[0]
     out["work_completed"] = work.is_completed()
+    # An async reduction of a non-contiguous view: copied back before its future completes.
+    nca = data(rank, 12, torch.float32).reshape(3, 4).t()
+    out["non_contiguous_future"] = dist.all_reduce(nca, async_op=True).get_future().wait()[0].clone()
+    out["non_contiguous_async"] = nca
+    # Bitwise ops come with the collectives issue: the same clear error on every rank.
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
+    except ValueError as err:
+        out["band"] = str(err)
+    # A recv from any source is not supported: a clear error, and nothing is received.
+    try:
+        dist.recv(torch.zeros(1))
+    except NotImplementedError as err:
+        out["recv_anysource"] = str(err)
     # Objects, through torch's own code.
     objs: list[Any] = [None] * world
     dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"})
@@ -140,8 +154,13 @@ def ddp(rank: int, world: int) -> dict[str, Any]:
     """torch DDP over "axonml" and over a gloo group of the same ranks, from the same start: batch
     norm (buffers broadcast before each forward), small buckets, and no_sync() accumulation."""
     gloo = dist.new_group(list(range(world)), backend="gloo")
+    from axonml_distributed.torch import group as ours
+
+    inline = ours.INLINE_IN_BACKWARD
     result = {}
-    for name, group in [("axonml", None), ("gloo", gloo)]:
+    for name, group in [("axonml", None), ("axonml async", None), ("gloo", gloo)]:
+        # "axonml async": every bucket through the lane and its future, as buckets over 1 MiB go.
+        ours.INLINE_IN_BACKWARD = -1 if name == "axonml async" else inline
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 2)

@@ -6,8 +6,9 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::shared::{lock, Shared};
+use super::shared::Shared;
 use crate::backend::SharedMem;
+use crate::sync::lock;
 
 impl Shared {
     /// Byte range of `rank`'s arena in the segment.

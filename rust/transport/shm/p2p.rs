@@ -19,11 +19,12 @@
 use std::sync::atomic::Ordering::*;
 
 use super::layout::ChanHead;
-use super::shared::{lock, ChanState, Shared};
+use super::shared::{ChanState, Shared};
 use crate::call;
 use crate::config::{EAGER, EARLY_MAX};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;

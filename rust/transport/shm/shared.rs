@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::arena::FreeList;
@@ -42,11 +42,6 @@ pub(crate) struct Shared {
     /// Per peer: this rank's send side and receive side of the channels with it.
     pub sends: Vec<Mutex<ChanState>>,
     pub recvs: Vec<Mutex<ChanState>>,
-}
-
-/// Lock ignoring poisoning: the guarded counters stay consistent across a panic in a copy.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Shared {

@@ -163,6 +163,9 @@ impl Store for ShmStore {
     fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()> {
         self.world.check_alive(ranks, op)
     }
+    fn vanished(&self, rank: usize, op: &str) -> bool {
+        self.world.check_alive(&[rank], op).is_err()
+    }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
         super::p2p::send(&self.world, buf, dst, tag, op)

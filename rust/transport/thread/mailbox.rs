@@ -17,6 +17,7 @@ use crate::call;
 use crate::config::{EAGER, SLICE};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::transport::wait::interrupted;
 
 const QUEUED: u8 = 0;
@@ -54,7 +55,7 @@ pub(crate) struct Mailbox {
 
 impl Mailbox {
     fn lock(&self) -> Guard<'_> {
-        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.queues)
     }
 
     pub(crate) fn wake_all(&self) {

@@ -4,7 +4,7 @@
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::mailbox::Mailbox;
@@ -14,6 +14,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Splits, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
+use crate::sync::lock;
 use crate::transport::wait::{may_spin, Event, Wait};
 
 /// Two one-shot buffers of a member (call k uses `k % 2`).
@@ -49,10 +50,6 @@ type CommKey = (Vec<usize>, u32);
 
 /// Who aborted the world, why, and the ranks that never arrived when the cause was a timeout.
 type Reason = (usize, String, Vec<usize>);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The state of one in-process world, shared by every rank's handles.
 pub(crate) struct Shared {
@@ -226,6 +223,10 @@ impl Store for ThreadStore {
     }
     fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()> {
         ranks.iter().try_for_each(|&r| self.shared.check_present(r, op))
+    }
+    fn vanished(&self, _rank: usize, _op: &str) -> bool {
+        // A rank thread cannot die without the process; one that left may still run queued work.
+        false
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {

@@ -1,0 +1,83 @@
+"""A torch.distributed backend, "axonml": unchanged PyTorch scripts on the shared-memory world.
+
+torch finds it through this package's ``torch.distributed.backends`` entry point the first time a
+script names it (torch 2.15 reads that group), so scripts need no import of ours; ``import
+axonml_distributed.torch`` registers it explicitly (for a torch that does not). Importing
+``axonml_distributed`` alone registers nothing and never loads torch. Then
+``torch.distributed.init_process_group("axonml")`` (or ``"cpu:axonml"``) joins the shared-memory world
+of this host with any init method (``env://`` under torchrun or axonml-run, ``tcp://``, ``file://``),
+and torch's DDP, object collectives and the rest of ``torch.distributed`` run on our core.
+
+Rendezvous goes through the Store torch hands the backend, never through a socket of ours: every rank
+publishes its host identity; rank 0 refuses a job spread over several hosts, creates the segment and
+puts its token (name, session nonce, world size) in the store; every rank joins with it. The Store is
+the trust boundary: torch's TCPStore is unauthenticated, so whoever reaches it learns the segment's
+name, but the segment is a 0600 file of this user (checked on attach) and the nonce ties it to this
+job. Under axonml-run the token also carries an HMAC with the job secret (AXONML_JOB_SECRET), which
+every rank checks: a token another job or user wrote into the store is refused.
+
+Tensors: CPU tensors of float32, float64, float16, bfloat16, int8, uint8, int32, int64 and bool are
+handed to the core in place (zero copy). Non-contiguous tensors work (gloo refuses them): they go
+through a contiguous copy that is copied back before the Work completes. List forms (``all_gather``
+into a list, ``reduce_scatter`` from a list, ``gather``, ``scatter``) stage through one contiguous
+buffer. Subgroups (``new_group``, ``new_subgroups``) are native subgroups of the same world.
+
+Errors: a mismatch, timeout or dead peer raises our CollectiveMismatchError, CollectiveTimeoutError or
+PeerFailureError (subclasses of RuntimeError) from ``Work.wait()`` and so from every blocking
+``torch.distributed`` call; torch's C++ (DDP's reducer waiting on a bucket's future) re-raises them as a
+plain RuntimeError with our message.
+
+Speed: a blocking call from torch's Python API (``dist.all_reduce(t)`` and every other collective
+without ``async_op=True``) runs on the calling thread and returns no Work, so it costs torch's own
+wrapper, one native call and little else. An asynchronous call returns a Work that the thread in
+``wait()`` finishes itself; a future (torch DDP asks for one per bucket) is completed by a thread per
+lane, which runs the future's callbacks at once (see ``axonml_distributed.torch.work``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from axonml_distributed._core import Backend, DistributedError, MockBackend, ProcessGroup
+from axonml_distributed.init import install_excepthook
+from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
+from axonml_distributed.torch.rendezvous import join_world
+
+__all__ = ["BACKEND", "AxonmlProcessGroup", "register"]
+
+# The world of this process's default group: subgroups are native subgroups over it.
+_world: Backend | None = None
+
+
+def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
+    """torch's creator (extended API): the default group joins the world, subgroups split it."""
+    global _world
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:
+        _world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        native = ProcessGroup(_world)
+        # As our own init_process_group does: an exception that ends this process's main thread aborts
+        # the world at once (and leaves the launcher's error file), even if the process lingers.
+        install_excepthook(native)
+    elif _world is None:
+        raise DistributedError(
+            "an axonml subgroup needs an axonml default group: init_process_group('axonml')"
+        )
+    elif len(ranks) == 1:
+        # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
+        native = ProcessGroup(MockBackend.single(opts.timeout.total_seconds()))
+    else:
+        native = ProcessGroup(_world, ranks)
+    return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
+
+
+def register() -> None:
+    """Register "axonml" with torch.distributed (again is harmless). Importing this module does it;
+    torch also calls it through the package's ``torch.distributed.backends`` entry point the first time
+    a script names "axonml", so scripts need no import of ours."""
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+register()

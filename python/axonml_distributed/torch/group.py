@@ -1,0 +1,370 @@
+"""The "axonml" ProcessGroup: torch's ProcessGroup interface over a native `ProcessGroup`.
+
+Blocking calls from torch's Python API (``asyncOp=False``: ``dist.all_reduce(t)`` and the like) run on
+the calling thread and return no Work (torch then knows the backend has synchronised), so they pay for
+no Work, future or thread hand-off. Every other call returns a `Work` (see `work`).
+
+An asynchronous all-reduce of at most `INLINE_IN_BACKWARD` bytes issued from inside an autograd
+backward pass (DDP's reducer issues its buckets there; the first bucket is 1 MiB by default, and small
+models have no other) runs on the calling thread too and returns a finished Work: the backward pass
+waits for every bucket before it ends anyway, and handing a small bucket to the lane's thread and its
+future back costs several thread wake-ups per step, more than the reduction. Larger buckets still
+overlap with the rest of the backward pass.
+"""
+
+# The overrides follow the signatures torch's C++ trampolines call, not every overload of its stubs.
+# mypy: disable-error-code="override,assignment"
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.torch.work import Completer, Work
+
+BACKEND = "axonml"
+
+_ALL_TO_ALL = (
+    "all_to_all / all_to_all_single are not implemented by the axonml backend yet: they come with the "
+    "collectives issue (all-to-all in the core); use gloo for them until then"
+)
+_BITWISE = (
+    "the axonml backend does not implement {op} yet: BAND, BOR and BXOR come with the collectives issue "
+    "(bitwise reductions in the core); use gloo for them until then"
+)
+_SUM = dist.ReduceOp.SUM
+_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+}
+_BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+INLINE_IN_BACKWARD = 1 << 20
+
+
+def _async(opts: Any) -> bool:
+    """False for a blocking call from torch's Python API, which sets ``asyncOp=False`` and waits at
+    once (torch's own C++ callers, DDP's reducer among them, leave it True)."""
+    return opts is None or getattr(opts, "asyncOp", True) is not False
+
+
+def _op(op: Any, dtype: torch.dtype) -> tuple[ReduceOp, torch.Tensor | None]:
+    """Our op for torch's `op` (a ``dist.ReduceOp``), and for PREMUL_SUM the factor to scale by first."""
+    if op == _SUM:  # the common case first: torch's op enum hashes slowly
+        return ReduceOp.SUM, None
+    kind = op.op
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor if isinstance(op.factor, torch.Tensor) else torch.tensor(op.factor)
+        return ReduceOp.SUM, factor.to(dtype)
+    ours = _OPS.get(kind)
+    if ours is None:
+        if kind in _BITWISE_OPS:
+            raise ValueError(_BITWISE.format(op=kind))
+        raise ValueError(f"the axonml backend does not implement {kind} (use SUM, PRODUCT, MIN, MAX, AVG)")
+    return ours, None
+
+
+def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
+    """`t` itself when contiguous, else a contiguous copy and the step that copies the result back."""
+    if t.is_contiguous():
+        return t, None
+    c = t.contiguous()
+    return c, lambda: t.copy_(c)
+
+
+def _chain(*steps: Callable[[], object] | None) -> Callable[[], object] | None:
+    todo = [s for s in steps if s is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]
+
+    def run() -> None:
+        for s in todo:
+            s()
+
+    return run
+
+
+def _stage(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.detach() for t in tensors]) if tensors else torch.empty(0)
+
+
+def _scaled(t: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    return t if factor is None else t * factor
+
+
+class AxonmlProcessGroup(dist.ProcessGroup):
+    """torch's ProcessGroup interface over a native `ProcessGroup`: torch passes group ranks, the core
+    takes global ones."""
+
+    def __init__(self, native: ProcessGroup, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._native: Any = native  # takes CPU tensors where its stub says arrays
+        self._ranks = native.ranks()
+        self._rank = rank
+        self._completers: dict[Any, Completer] = {}
+        self._lock = threading.Lock()
+        self._group_name = ""
+        self._group_desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    # torch names every group (destroy_process_group(g), functional collectives and DeviceMesh look
+    # groups up by name) through methods that only reach registered C++ backends: keep them here.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def size(self) -> int:
+        return len(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"AxonmlProcessGroup(rank={self.rank()}, ranks={self._ranks})"
+
+    def _get_backend(self, device: Any) -> AxonmlProcessGroup:
+        """This group is its own CPU backend: torch asks for it (batch_isend_irecv does, and a Python
+        ProcessGroup has none registered), and a RuntimeError means none, as torch expects."""
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"the axonml backend has no backend for device {device} (CPU only)")
+        return self
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    def _completer(self, lane: Any) -> Callable[[], Completer]:
+        def get() -> Completer:
+            with self._lock:
+                completer = self._completers.get(lane)
+                if completer is None:
+                    completer = self._completers[lane] = Completer()
+                return completer
+
+        return get
+
+    def _done(
+        self, lane: Any, natives: list[Any], result: Any, finish: Callable[[], object] | None = None
+    ) -> Work | None:
+        """What a call returns once its native calls are issued: nothing for a blocking call (they ran
+        already; the copy-back runs here), else a Work over them."""
+        if natives and natives[0] is None:
+            if finish is not None:
+                finish()
+            return None
+        return Work(natives, result, finish, self._completer(lane))
+
+    def _root(self, opts: Any) -> tuple[int, bool]:
+        """The global rank of the call's root, and whether it is this rank."""
+        return self._ranks[opts.rootRank], opts.rootRank == self._rank
+
+    # -- collectives ----------------------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
+        op = (opts or dist.AllreduceOptions()).reduceOp
+        if not _async(opts):
+            return self._allreduce(tensors, op, detached=False)
+        if torch._C._current_graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
+            return self._allreduce(tensors, op, detached=True)
+        try:  # inside a backward pass (see the module docs): here, and its error goes to the Work
+            self._allreduce(tensors, op, detached=False)
+        except Exception as e:
+            return Work.done(tensors, e, self._completer("coll"))
+        return Work.done(tensors, None, self._completer("coll"))
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
+        natives, finishes = [], []
+        for t in tensors:
+            ours, factor = _op(op, t.dtype)
+            buf, back = _dense(t)
+            if factor is not None:
+                buf.mul_(factor)
+            natives.append(self._native.all_reduce(buf, ours, async_op=detached))
+            finishes.append(back)
+        return self._done("coll", natives, tensors, _chain(*finishes))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
+        detached = _async(opts)
+        root, _ = self._root(opts or dist.BroadcastOptions())
+        natives, finishes = [], []
+        for t in tensors:
+            buf, back = _dense(t)
+            natives.append(self._native.broadcast(buf, root, async_op=detached))
+            finishes.append(back)
+        return self._done("coll", natives, tensors, _chain(*finishes))
+
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        detached = _async(opts)
+        natives, finishes = [], []
+        for outs, t in zip(output_lists, inputs, strict=True):
+            staged = torch.empty((len(outs), *t.shape), dtype=t.dtype)
+            natives.append(self._native.all_gather(_dense(t)[0], staged, async_op=detached))
+            finishes.append(
+                lambda outs=outs, staged=staged: [o.copy_(s) for o, s in zip(outs, staged, strict=True)]
+            )
+        return self._done("coll", natives, output_lists, _chain(*finishes))
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
+        out, back = _dense(output)
+        send, into = _dense(input)[0], out.view(self.size(), *input.shape)
+        native = self._native.all_gather(send, into, async_op=_async(opts))
+        return self._done("coll", [native], [output], back)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        return self._coalesced(self.all_gather_single, outputs, inputs, opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _coalesced(
+        self,
+        one: Callable[..., Work | None],
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: Any,
+    ) -> Work | None:
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        if not _async(opts):
+            return None
+        natives = [n for w in works if w is not None for n in w._natives]
+        return self._done("coll", natives, outputs, _chain(*(w._finish for w in works if w is not None)))
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Work | None:
+        detached = _async(opts)
+        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        natives, finishes = [], []
+        for out, ins in zip(outputs, input_lists, strict=True):
+            ours, factor = _op(op, out.dtype)
+            buf, back = _dense(out)
+            send = _scaled(_stage(ins), factor)
+            natives.append(self._native.reduce_scatter(send, buf, ours, async_op=detached))
+            finishes.append(back)
+        return self._done("coll", natives, outputs, _chain(*finishes))
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work | None:
+        ours, factor = _op((opts or dist.ReduceScatterOptions()).reduceOp, output.dtype)
+        buf, back = _dense(output)
+        send = _scaled(_dense(input)[0], factor)
+        native = self._native.reduce_scatter(send, buf, ours, async_op=_async(opts))
+        return self._done("coll", [native], [output], back)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
+        detached = _async(opts)
+        opts = opts or dist.ReduceOptions()
+        root, here = self._root(opts)
+        natives, finishes = [], []
+        for t in tensors:
+            ours, factor = _op(opts.reduceOp, t.dtype)
+            buf, back = _dense(t)
+            if factor is not None:  # scale a copy: off the root the tensor stays as it was
+                buf = buf * factor
+                back = (lambda t=t, buf=buf: t.copy_(buf)) if here else None
+            natives.append(self._native.reduce(buf, root, ours, async_op=detached))
+            finishes.append(back)
+        return self._done("coll", natives, tensors, _chain(*finishes))
+
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        detached = _async(opts)
+        (t,) = inputs
+        outs = output_lists[0] if output_lists else []
+        root, here = self._root(opts or dist.GatherOptions())
+        staged = torch.empty((self.size(), *t.shape), dtype=t.dtype) if here else None
+        native = self._native.gather(_dense(t)[0], staged, root, async_op=detached)
+        finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged, strict=True)])
+        return self._done("coll", [native], output_lists, finish)
+
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
+        root, here = self._root(opts or dist.GatherOptions())
+        out, back = (None, None)
+        if here:
+            out, back = _dense(output)
+            out = out.view(self.size(), *input.shape)
+        native = self._native.gather(_dense(input)[0], out, root, async_op=_async(opts))
+        return self._done("coll", [native], [output], back)
+
+    gather_into_tensor = gather_single
+
+    def scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Work | None:
+        (out,) = outputs
+        root, here = self._root(opts or dist.ScatterOptions())
+        send = _stage(input_lists[0]) if here else None
+        buf, back = _dense(out)
+        native = self._native.scatter(send, buf, root, async_op=_async(opts))
+        return self._done("coll", [native], outputs, back)
+
+    def barrier(self, opts: Any = None) -> Work | None:
+        return self._done("coll", [self._native.barrier(async_op=_async(opts))], None)
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Work:
+        raise NotImplementedError(_ALL_TO_ALL)
+
+    all_to_all_single = alltoall
+    alltoall_base = alltoall
+
+    # -- point to point (no options: always a Work, which torch waits on) ---------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work | None:
+        peer = self._ranks[dst]
+        natives = [self._native.send(_dense(t)[0], peer, tag, async_op=True) for t in tensors]
+        return self._done(("send", peer, tag), natives, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work | None:
+        peer = self._ranks[src]
+        natives, finishes = [], []
+        for t in tensors:
+            buf, back = _dense(t)
+            natives.append(self._native.recv(buf, peer, tag, async_op=True))
+            finishes.append(back)
+        return self._done(("recv", peer, tag), natives, tensors, _chain(*finishes))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        raise NotImplementedError(
+            "the axonml backend needs the source rank of a recv: recv(tensor, src=...) (receiving from any "
+            "source is not supported)"
+        )
