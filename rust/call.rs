@@ -49,6 +49,11 @@ pub(crate) fn index_of(members: &[usize], rank: usize, what: &str) -> Result<usi
         .ok_or_else(|| Error::invalid(format!("{what} rank {rank} is not a member of the group {members:?}")))
 }
 
+/// Group index of global rank `rank`, as a group's `group_rank` answers it.
+pub(crate) fn group_rank(members: &[usize], rank: usize) -> Result<usize> {
+    index_of(members, rank, "global")
+}
+
 /// Check the peer of a send or recv: a member of the group, and not the caller (a blocking send to
 /// oneself could never complete).
 pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Result<()> {
@@ -58,6 +63,10 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
     }
     Ok(())
 }
+
+/// What a send and a receive do to their peer, as [`peer`] errors name it.
+pub(crate) const SEND_TO: &str = "send to";
+pub(crate) const RECEIVE_FROM: &str = "receive from";
 
 /// A send, as errors name it.
 pub(crate) fn send_op(buf: &Buf<'_>, dst: usize, tag: u64) -> String {

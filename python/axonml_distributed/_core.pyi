@@ -76,6 +76,28 @@ SEGMENT_MAGIC: int
 SEGMENT_VERSION: int
 SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
 
+# (dtype, count, root, op) of a call the core's checks accepted: codes from the tables above, `root` a
+# group index, `count` the elements of each member's part; -1 for a field the call has not.
+_Checked = tuple[int, int, int, int]
+
+@final
+class CallCheck:
+    """The native groups' argument checks, for a backend written in Python: each method takes what the
+    `ProcessGroup` method of its name takes (roots as global ranks) and raises what that method would
+    for bad arguments, or returns the call's signature fields. Runs nothing."""
+
+    def __new__(cls, ranks: Sequence[int], rank: int, world_size: int) -> CallCheck: ...
+    def group_rank(self, rank: int) -> int: ...
+    def all_reduce(self, buf: _Buf, op: _Op = None) -> _Checked: ...
+    def broadcast(self, buf: _Buf, src: int) -> _Checked: ...
+    def all_gather(self, send: _Buf, recv: _Buf) -> _Checked: ...
+    def reduce_scatter(self, send: _Buf, recv: _Buf, op: _Op = None) -> _Checked: ...
+    def gather(self, send: _Buf, recv: _Buf | None, dst: int) -> _Checked: ...
+    def scatter(self, send: _Buf | None, recv: _Buf, src: int) -> _Checked: ...
+    def reduce(self, buf: _Buf, dst: int, op: _Op = None) -> _Checked: ...
+    def send(self, buf: _Buf, dst: int) -> _Checked: ...
+    def recv(self, buf: _Buf, src: int) -> _Checked: ...
+
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
@@ -270,6 +292,7 @@ __all__ = [
     "SEGMENT_VERSION",
     "__version__",
     "Backend",
+    "CallCheck",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistributedError",

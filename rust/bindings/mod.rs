@@ -4,6 +4,7 @@ mod args;
 mod array;
 mod backend;
 mod buckets;
+mod check;
 mod collectives;
 mod exceptions;
 mod group;
@@ -54,6 +55,8 @@ mod _core {
     use super::buckets::{
         set_default_group_source, PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer,
     };
+    #[pymodule_export]
+    use super::check::PyCallCheck;
     #[pymodule_export]
     use super::exceptions::{
         CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
