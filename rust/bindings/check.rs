@@ -12,7 +12,6 @@ use crate::backend::Backend;
 use crate::call::{self, Call};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::Result;
-use crate::reduce::ReduceOp;
 use crate::work::Lanes;
 
 /// `(dtype, count, root, op)` of a valid call, by the core's codes (`root` a group index; `count` the
@@ -73,30 +72,7 @@ impl Backend for Checker<'_> {
     fn members(&self) -> &[usize] {
         &self.g.members
     }
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.keep(call::all_reduce(&mut buf, op))
-    }
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.keep(call::broadcast(&self.g.members, &mut buf, root))
-    }
-    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        self.keep(call::all_gather(self.g.members.len(), &send, &mut recv))
-    }
-    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.keep(call::reduce_scatter(self.g.members.len(), &send, &mut recv, op))
-    }
-    fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
-        self.keep(call::gather(&self.g.members, self.g.rank, &send, recv.as_mut(), root))
-    }
-    fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
-        self.keep(call::scatter(&self.g.members, self.g.rank, send.as_ref(), &mut recv, root))
-    }
-    fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
-        self.keep(call::reduce(&self.g.members, &mut buf, root, op))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.keep(Ok(call::barrier()))
-    }
+    call::checked_collectives!(keep);
     fn send(&self, buf: Buf<'_>, dst: usize, _tag: u64) -> Result<()> {
         call::peer(&self.g.members, self.g.rank, dst, call::SEND_TO)?;
         self.keep_message(buf.dtype(), buf.len())
