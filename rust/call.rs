@@ -49,6 +49,12 @@ pub(crate) fn index_of(members: &[usize], rank: usize, what: &str) -> Result<usi
         .ok_or_else(|| Error::invalid(format!("{what} rank {rank} is not a member of the group {members:?}")))
 }
 
+/// Group index of global rank `rank`, as a group's `group_rank` answers it (in Python).
+#[cfg(feature = "python")]
+pub(crate) fn group_rank(members: &[usize], rank: usize) -> Result<usize> {
+    index_of(members, rank, "global")
+}
+
 /// Check the peer of a send or recv: a member of the group, and not the caller (a blocking send to
 /// oneself could never complete).
 pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Result<()> {
@@ -58,6 +64,12 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
     }
     Ok(())
 }
+
+/// What a send and a receive do to their peer, as [`peer`] errors name it.
+#[cfg(feature = "python")]
+pub(crate) const SEND_TO: &str = "send to";
+#[cfg(feature = "python")]
+pub(crate) const RECEIVE_FROM: &str = "receive from";
 
 /// A send, as errors name it.
 pub(crate) fn send_op(buf: &Buf<'_>, dst: usize, tag: u64) -> String {
@@ -93,6 +105,68 @@ pub(crate) fn wrong_message(
 pub(crate) fn p2p_timeout(rank: usize, op: &str, waited: Duration, peer: usize) -> Error {
     Error::timeout(rank, op, waited, vec![peer], vec![rank, peer])
 }
+
+/// The collectives of a [`crate::backend::Backend`] impl, written once for every implementor: each call
+/// is checked and built here, then handed to `self.$run(Result<Call>)`.
+#[cfg(feature = "python")]
+macro_rules! checked_collectives {
+    ($run:ident) => {
+        fn all_reduce(
+            &self,
+            mut buf: $crate::dtype::BufMut<'_>,
+            op: $crate::reduce::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::all_reduce(&mut buf, op))
+        }
+        fn broadcast(&self, mut buf: $crate::dtype::BufMut<'_>, root: usize) -> $crate::error::Result<()> {
+            self.$run($crate::call::broadcast(self.members(), &mut buf, root))
+        }
+        fn all_gather(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::all_gather(self.members().len(), &send, &mut recv))
+        }
+        fn reduce_scatter(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            op: $crate::reduce::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::reduce_scatter(self.members().len(), &send, &mut recv, op))
+        }
+        fn gather(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: Option<$crate::dtype::BufMut<'_>>,
+            root: usize,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::gather(self.members(), self.rank(), &send, recv.as_mut(), root))
+        }
+        fn scatter(
+            &self,
+            send: Option<$crate::dtype::Buf<'_>>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            root: usize,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::scatter(self.members(), self.rank(), send.as_ref(), &mut recv, root))
+        }
+        fn reduce(
+            &self,
+            mut buf: $crate::dtype::BufMut<'_>,
+            root: usize,
+            op: $crate::reduce::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::reduce(self.members(), &mut buf, root, op))
+        }
+        fn barrier(&self) -> $crate::error::Result<()> {
+            self.$run(Ok($crate::call::barrier()))
+        }
+    };
+}
+#[cfg(feature = "python")]
+pub(crate) use checked_collectives;
 
 fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut u8) -> Call {
     Call {

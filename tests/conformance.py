@@ -191,6 +191,45 @@ def check_mismatch_message(pg: Any) -> list[str]:
     return [message]
 
 
+def check_argument_mistakes(pg: Any) -> list[str]:
+    """Every kind of argument mistake, made alike on every rank: each raises the core's exception with
+    the core's message (tests/test_conformance.py compares them across worlds). A native world is
+    aborted by the first one, but argument checks come before that is looked at, so each later mistake
+    still raises its own error; over MPI no data call is made."""
+    n, me = pg.size(), pg.rank()
+    outside = pg.world_size()  # a rank no group has
+    buf, chunk = np.zeros(4, np.float32), np.zeros(3, np.float32)
+    read_only = np.zeros(4, np.float32)
+    read_only.flags.writeable = False
+    strided = np.zeros(8, np.float32)[::2]
+    mistakes: list[tuple[str, Callable[[], object]]] = [
+        ("bad root", lambda: pg.broadcast(buf, outside)),
+        ("bad dst", lambda: pg.reduce(buf, outside)),
+        ("peer not a member", lambda: pg.send(buf, outside)),
+        ("send to self", lambda: pg.send(buf, me)),
+        ("recv from self", lambda: pg.recv(buf, me)),
+        ("wrong size", lambda: pg.all_gather(buf, np.zeros(n * 4 + 1, np.float32))),
+        ("indivisible", lambda: pg.reduce_scatter(np.zeros(n * 3 + 1, np.float32), chunk)),
+        ("wrong dtype", lambda: pg.all_gather(buf, np.zeros(n * 4, np.float64))),
+        ("read-only", lambda: pg.all_reduce(read_only)),
+        ("non-contiguous", lambda: pg.all_reduce(strided)),
+        ("unsupported dtype", lambda: pg.all_reduce(np.zeros(4, np.complex64))),
+        ("AVERAGE of integers", lambda: pg.all_reduce(np.zeros(4, np.int32), ReduceOp.AVERAGE)),
+        ("root without recv", lambda: pg.gather(buf, None, me)),
+    ]
+    messages = []
+    for name, make in mistakes:
+        try:
+            make()
+        except (TypeError, ValueError) as exc:
+            # The same on every rank: this rank's number written as "me".
+            text = str(exc).replace(f"rank {me} ", "rank <me> ")
+            messages.append(f"{name}: {type(exc).__name__}: {text}")
+        else:
+            raise AssertionError(f"{name}: no error")
+    return messages
+
+
 CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "reductions": check_reductions,
     "movers": check_movers,
@@ -199,3 +238,5 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "offset_views": check_offset_views,
     "mismatch_message": check_mismatch_message,
 }
+# Checks of a world's errors, compared across worlds (tests/test_conformance.py).
+ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {"argument_mistakes": check_argument_mistakes}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
@@ -94,3 +95,58 @@ def test_work_completes_while_the_caller_holds_the_gil() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert same_bits(x, data(0, 5, np.float32))
+
+
+def _threads(backends: list[Any], fn: Any) -> list[Any]:
+    """Run fn(rank, backend) on one thread per rank; results (or the exception) in rank order."""
+    out: list[Any] = [None] * len(backends)
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r, backends[r])
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out[r] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(len(backends))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_two_groups_over_one_backend_match_calls_in_program_order() -> None:
+    def fn(rank: int, b: Any) -> list[tuple[float, float]]:
+        g1, g2 = ad.ProcessGroup(b), ad.ProcessGroup(b)
+        seen = []
+        for i in range(200):
+            a = np.full(4, 10.0 * (rank + 1) + i, np.float64)  # 10+i and 20+i: sum 30+2i
+            c = np.full(4, 1.0 * (rank + 1), np.float64)  # 1 and 2: sum 3
+            w = g1.all_reduce(a, async_op=True)
+            g2.all_reduce(c)
+            w.wait()
+            seen.append((float(a[0]), float(c[0])))
+        return seen
+
+    for res in _threads(ad.ThreadBackend.create_world(2, timeout=30), fn):
+        assert not isinstance(res, BaseException), res
+        assert res == [(30.0 + 2 * i, 3.0) for i in range(200)]
+
+
+@pytest.mark.timeout(120)
+def test_a_group_and_direct_backend_calls_match_in_program_order() -> None:
+    def fn(rank: int, b: Any) -> list[tuple[float, float]]:
+        g = ad.ProcessGroup(b)
+        seen = []
+        for _ in range(100):
+            a = np.full(3, 10.0 * (rank + 1), np.float32)
+            c = np.full(3, 1.0 * (rank + 1), np.float32)
+            w = g.all_reduce(a, async_op=True)
+            b.all_reduce(c)
+            w.wait()
+            seen.append((float(a[0]), float(c[0])))
+        return seen
+
+    for res in _threads(ad.ThreadBackend.create_world(2, timeout=30), fn):
+        assert res == [(30.0, 3.0)] * 100, res

@@ -1,7 +1,11 @@
-"""GradientBucket and GradientSynchronizer against numpy references."""
+"""GradientBucket and GradientSynchronizer against numpy references; sizes no memory could hold are
+errors, not crashes; the synchronizer's waits release the GIL."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -160,3 +164,62 @@ def test_synchronizer_refuses_misuse() -> None:
     with pytest.raises(ValueError):
         GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 0)
     assert GradientSynchronizer().bucket_size() == 25_000_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity", [2**62 + 16, 2**61, 2**64 - 1])
+def test_huge_bucket_capacities_are_an_error_not_a_crash(capacity: int) -> None:
+    bucket = ad.GradientBucket(capacity)
+    with pytest.raises((ValueError, MemoryError)):
+        bucket.add(np.ones(4, np.float32))
+    assert bucket.size() == 0
+    sync = ad.GradientSynchronizer(ad.GradSyncStrategy.SYNCHRONOUS, capacity)
+    with pytest.raises((ValueError, MemoryError)):
+        sync.add_gradient(0, np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("count", [2**64 + 1, -1])
+def test_counts_no_buffer_could_hold_are_a_value_error(count: int) -> None:
+    with pytest.raises(ValueError, match="element count"):
+        ad.GradientBucket(count)
+    with pytest.raises(ValueError, match="element count"):
+        ad.GradientSynchronizer(ad.GradSyncStrategy.OVERLAPPED, count)
+
+
+def test_a_bucket_larger_than_memory_is_a_memory_error() -> None:
+    with pytest.raises(MemoryError):
+        ad.GradientBucket(2**45).add(np.ones(4, np.float64))  # 256 TiB
+
+
+_GIL_SCRIPT = textwrap.dedent(
+    """
+    import threading, time
+    import numpy as np
+    import axonml_distributed as ad
+
+    backends = ad.ThreadBackend.create_world(2, timeout=20)
+    def rank(r):
+        pg = ad.ProcessGroup(backends[r])
+        sync = ad.GradientSynchronizer(ad.GradSyncStrategy.OVERLAPPED, 4)
+        x = np.ones(1000, np.float32)
+        if r == 1:
+            time.sleep(0.5)
+        w = pg.all_reduce(x, async_op=True)  # a Python-issued job: it needs the GIL to finish
+        sync.prepare(1, pg)
+        sync.add_gradient(0, np.ones(4, np.float32))  # bucket 0 launched behind it
+        sync.prepare(1, pg)  # waits for bucket 0 (with the GIL held before the fix)
+        sync.clear()
+        w.wait()
+        assert x[0] == 2.0
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    print("ok")
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_synchronizer_waits_release_the_gil() -> None:
+    p = subprocess.run([sys.executable, "-c", _GIL_SCRIPT], capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import axonml_distributed as ad
-from conformance import CHECKS
+from conformance import CHECKS, ERROR_CHECKS
 from mpi_run import needs_mpi, passes, remove_segments_of_aborted_jobs
 from shm_run import connect, ok, run_world, segments_unchanged
 
@@ -22,11 +22,11 @@ no_mpich_leftovers = pytest.fixture(autouse=True)(remove_segments_of_aborted_job
 
 def shm_check(rank: int, n: int, ports: list[int], job: str | None, timeout: float, q: Any, name: str) -> Any:
     """A worker of the shared-memory world: join it, run the check."""
-    return CHECKS[name](connect(rank, n, ports[0], timeout))
+    return (CHECKS | ERROR_CHECKS)[name](connect(rank, n, ports[0], timeout))
 
 
 def on_threads(name: str, n: int) -> list[list[str]]:
-    return ad.spawn(CHECKS[name], n, timeout=120)
+    return ad.spawn((CHECKS | ERROR_CHECKS)[name], n, timeout=120)
 
 
 def on_shm(name: str, n: int) -> list[list[str]]:
@@ -61,3 +61,13 @@ def test_every_world_conforms(check: str, world: str, n: int) -> None:
 def test_a_mismatch_reads_the_same_in_every_world(world: str) -> None:
     # Three ranks, so the message names two that differ from the first.
     assert WORLDS[world]("mismatch_message", 3)[0] == on_threads("mismatch_message", 3)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [pytest.param("shm"), pytest.param("mpi", marks=needs_mpi)])
+@pytest.mark.parametrize("check", list(ERROR_CHECKS))
+def test_a_mistake_reads_the_same_in_every_world(check: str, world: str) -> None:
+    # The exception type and message of each mistake, against the thread world's (the core's own).
+    expected = on_threads(check, 2)
+    assert all(d == expected[0] for d in expected)
+    assert WORLDS[world](check, 2)[0] == expected[0]

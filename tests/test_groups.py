@@ -142,3 +142,67 @@ def test_bad_arguments_to_backend_methods_abort_the_peers() -> None:
                 pg.backend().barrier()
 
     ad.spawn(fn, 2, timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [10, 1 << 16, 1 << 20])
+def test_the_isend_recv_exchange_completes_at_any_size(n: int) -> None:
+    def fn(pg: ad.ProcessGroup) -> bool:
+        peer = 1 - pg.rank()
+        x = np.arange(n, dtype=np.float32) + 1000 * pg.rank()
+        y = np.zeros(n, np.float32)
+        w = pg.send(x, peer, async_op=True)
+        pg.recv(y, peer)
+        w.wait()
+        r = pg.recv(y2 := np.zeros(n, np.float32), peer, tag=5, async_op=True)
+        pg.send(x * 2, peer, tag=5)
+        r.wait()
+        expect = np.arange(n, dtype=np.float32) + 1000 * peer
+        return bool(np.array_equal(y, expect) and np.array_equal(y2, expect * 2))
+
+    assert ad.spawn(fn, 2, timeout=30) == [True, True]
+
+
+@pytest.mark.timeout(60)
+def test_isends_with_two_tags_received_in_the_other_order_complete() -> None:
+    n = 1 << 18  # 1 MiB of float32: above the eager limit, so each send waits for its receive
+
+    def fn(pg: ad.ProcessGroup) -> bool:
+        if pg.rank() == 0:
+            works = [pg.send(np.full(n, float(tag), np.float32), 1, tag, async_op=True) for tag in (1, 2)]
+        else:
+            bufs = {tag: np.zeros(n, np.float32) for tag in (2, 1)}
+            works = [pg.recv(bufs[tag], 0, tag, async_op=True) for tag in (2, 1)]
+        for w in works:
+            w.wait()
+        return pg.rank() == 0 or all(bool((bufs[t] == t).all()) for t in (1, 2))
+
+    assert ad.spawn(fn, 2, timeout=30) == [True, True]
+
+
+@pytest.mark.timeout(60)
+def test_queued_sends_to_one_peer_keep_their_order() -> None:
+    def fn(pg: ad.ProcessGroup) -> list[float]:
+        if pg.rank() == 0:
+            works = [pg.send(np.full(1 << 15, float(i), np.float64), 1, async_op=True) for i in range(6)]
+            for w in works:
+                w.wait()
+            return []
+        got = []
+        for _ in range(6):
+            y = np.zeros(1 << 15, np.float64)
+            pg.recv(y, 0)
+            got.append(float(y[0]))
+        return got
+
+    assert ad.spawn(fn, 2, timeout=30) == [[], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
+def test_new_group_is_a_method_of_every_group() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sub = pg.new_group([1, 2])
+        if not sub.contains(pg.rank()):
+            return None
+        return sub.all_reduce_tensor(np.full(2, float(pg.rank()))).tolist()
+
+    assert ad.spawn(fn, 3, timeout=30) == [None, [3.0, 3.0], [3.0, 3.0]]

@@ -1,4 +1,5 @@
-"""The default group of a launched process: `init_process_group("shm")` and `destroy_process_group`."""
+"""The default group of a launched process: `init_process_group("shm")` and `destroy_process_group`; and
+the timeouts every world accepts (and refuses, before anything starts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import axonml_distributed as ad
@@ -133,3 +135,22 @@ def test_torch_backends_name_the_fix(backend: str) -> None:
     with pytest.raises(ValueError, match=fix):
         ad.init_process_group(backend)
     assert not ad.is_initialized()
+
+
+@pytest.mark.parametrize("timeout", [1e19, float("inf"), float("nan"), -1.0, 0.0, 2e9])
+def test_absurd_timeouts_are_refused_clearly(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        ad.ThreadBackend.create_world(2, timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        ad.spawn(lambda pg: None, 2, timeout=timeout)
+
+
+@pytest.mark.parametrize("backend", ["shm", "mpi"])
+def test_absurd_init_timeouts_are_refused_before_anything_starts(backend: str) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        ad.init_process_group(backend, timeout=1e19)
+    assert not ad.is_initialized()
+
+
+def test_the_longest_timeout_accepted_works() -> None:
+    assert ad.spawn(lambda pg: pg.all_reduce_tensor(np.ones(2)).tolist(), 2, timeout=1e9) == [[2.0, 2.0]] * 2

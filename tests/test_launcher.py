@@ -81,11 +81,11 @@ def test_every_worker_leads_its_own_session_and_process_group(tmp_path: Path) ->
         assert json.loads((tmp_path / f"ids.{rank}.json").read_text()) == [True, True]
 
 
-def test_segment_name_uses_the_effective_uid(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The backend names the segment with geteuid(); under setuid the real uid would name another file.
-    monkeypatch.setattr(os, "getuid", lambda: 1000)
-    monkeypatch.setattr(os, "geteuid", lambda: 4242)
-    assert shm.segment_name("ab12") == "/axonml-4242-ab12"
+def test_segment_name_uses_the_effective_uid() -> None:
+    # The launcher removes the file the backend names with geteuid() (under setuid the real uid would
+    # name another file): the one name builder, the core's.
+    assert shm.segment_name("ab12") == f"/axonml-{os.geteuid()}-ab12"
+    assert shm.segment_path("ab12") == f"/dev/shm/axonml-{os.geteuid()}-ab12"
 
 
 def test_concurrent_jobs_get_distinct_ports_and_job_ids(tmp_path: Path) -> None:

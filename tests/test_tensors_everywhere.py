@@ -1,6 +1,7 @@
 """CPU torch tensors in every collective and comm helper, and `new_group(ranks)`, on each backend: the
 thread world, the shm world (the launcher) and MPI (mpiexec). One check for all three:
-tests/torch_jobs/tensors_everywhere.py."""
+tests/torch_jobs/tensors_everywhere.py. Beside it, on the thread world: tensors reduced in place, bfloat16
+and non-contiguous tensors in the returning variants."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import axonml_distributed as ad
 
@@ -54,3 +57,31 @@ def test_mpi() -> None:
     result, _ = run_job(3, str(JOB), "mpi", env=ENV, limit=100)
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert "tensors OK on 3 ranks" in result.stdout
+
+
+def test_a_torch_tensor_is_reduced_in_place_and_tensor_helpers_return_tensors() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        t = torch.full((3,), float(pg.rank() + 1), requires_grad=True)
+        pg.all_reduce(t, ad.ReduceOp.AVG)
+        g = torch.arange(4, dtype=torch.int64) * (pg.rank() + 1)
+        out = pg.all_reduce_tensor(g, "sum")
+        return t.detach().tolist(), type(out).__name__, out.tolist()
+
+    res = ad.spawn(fn, 2, timeout=30)
+    assert res == [([1.5] * 3, "Tensor", [0, 3, 6, 9])] * 2
+
+
+def test_tensor_helpers_keep_bfloat16_and_take_non_contiguous_tensors() -> None:
+    import torch
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        t = torch.full((4,), 1.5 + pg.rank(), dtype=torch.bfloat16)
+        out = pg.all_reduce_tensor(t)
+        nc = (torch.arange(8.0).reshape(2, 4) + 10 * pg.rank()).t()  # a transposed view
+        b = pg.broadcast_tensor(nc, 0)
+        return out.dtype, out.tolist(), b.tolist(), float(t[0])
+
+    for r, (dtype, out, b, mine) in enumerate(ad.spawn(fn, 2, timeout=30)):
+        assert dtype == torch.bfloat16 and out == [4.0] * 4
+        assert b == torch.arange(8.0).reshape(2, 4).t().tolist()
+        assert mine == 1.5 + r  # the input is left alone

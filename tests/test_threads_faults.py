@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -212,3 +216,101 @@ def test_a_rank_that_returns_early_fails_its_waiting_peers_at_once() -> None:
     start = time.monotonic()
     assert outcomes(3, fn, timeout=60) == [None, 2.0, 2.0]
     assert time.monotonic() - start < 5, "not a timeout"
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_a_work_wait() -> None:
+    backends = ad.ThreadBackend.create_world(2, timeout=60)
+    pg = ad.ProcessGroup(backends[0])
+    w = pg.barrier(async_op=True)  # rank 1 never arrives
+    start = time.monotonic()
+    sigint_once_in("w.wait()  # interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        w.wait()  # interrupted
+    assert time.monotonic() - start < 3
+    with pytest.raises(ad.PeerFailureError, match="interrupted"):
+        ad.ProcessGroup(backends[1]).barrier()  # the peer is told
+    with pytest.raises(ad.DistributedError):
+        w.wait()  # the queued barrier itself failed too, and said so
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_a_blocking_calls_wait_for_queued_work() -> None:
+    backends = ad.ThreadBackend.create_world(2, timeout=60)
+    pg = ad.ProcessGroup(backends[0])
+    pg.barrier(async_op=True)  # rank 1 never arrives
+    start = time.monotonic()
+    sigint_once_in("pg.all_reduce(np.ones(2, np.float32))  # interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        pg.all_reduce(np.ones(2, np.float32))  # interrupted
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.timeout(60)
+def test_every_waiting_rank_gets_the_timeout_naming_the_missing_rank_and_where_each_rank_is() -> None:
+    def fn(pg: ad.ProcessGroup) -> None:
+        x = np.ones(4, np.float32)
+        pg.all_reduce(x)
+        if pg.rank() == 2:
+            time.sleep(3)  # never arrives at the barrier in time
+            return
+        pg.barrier()
+
+    res = outcomes(3, fn, timeout=1.0)
+    for r in (0, 1):
+        assert isinstance(res[r], ad.CollectiveTimeoutError), res[r]
+        msg = str(res[r])
+        assert "[2]" in msg, msg
+        assert "rank 2 completed #1 all_reduce" in msg, msg
+        assert f"rank {r} completed #1 all_reduce and waits in #2 barrier" in msg, msg
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_timed_out_is_not_reported_as_having_completed_the_call() -> None:
+    def fn(pg: ad.ProcessGroup) -> None:
+        pg.all_reduce(np.ones(4, np.float32))
+        if pg.rank() == 3:
+            time.sleep(4)  # never comes to the second call in time
+            return
+        if pg.rank() == 1:
+            time.sleep(0.5)  # enters late: its deadline fires after rank 0's
+        pg.all_reduce(np.ones(4, np.float32))
+
+    res = outcomes(4, fn, timeout=1.0)
+    for r in (0, 1, 2):
+        assert isinstance(res[r], ad.CollectiveTimeoutError), res[r]
+        msg = str(res[r])
+        assert "rank 3 completed #1 all_reduce" in msg, msg
+        for peer in (0, 1, 2):
+            assert f"rank {peer} completed #2" not in msg, msg
+            assert f"rank {peer} completed #1 all_reduce and " in msg, msg
+
+
+_IMPORT_ON_A_THREAD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    t = threading.Thread(target=lambda: __import__("axonml_distributed"))
+    t.start(); t.join()
+    import axonml_distributed as ad
+    from interrupts import sigint_once_in
+    backends = ad.ThreadBackend.create_world(2, timeout=20)
+    pg = ad.ProcessGroup(backends[0])
+    sigint_once_in("pg.barrier()  # interrupted")
+    start = time.monotonic()
+    try:
+        pg.barrier()  # interrupted
+    except KeyboardInterrupt:
+        print("interrupted after", round(time.monotonic() - start, 2))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_works_when_the_package_was_first_imported_on_another_thread(tmp_path: Any) -> None:
+    script = tmp_path / "import_on_a_thread.py"  # a file: the interrupter reads the call's source line
+    script.write_text(_IMPORT_ON_A_THREAD)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, str(script), tests], capture_output=True, text=True, timeout=50)
+    assert p.stdout.startswith("interrupted after"), (p.stdout, p.stderr)
+    assert float(p.stdout.split()[-1]) < 5, p.stdout

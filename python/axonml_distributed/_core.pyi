@@ -68,11 +68,38 @@ def describe_mismatch(
     is a global rank) or None for a member that entered no call; None when every member agrees."""
 
 # The shared-memory segment, for the launcher and the stale-segment cleanup: names are
-# SEGMENT_PREFIX + "<uid>-<job>"; the header (little endian) starts with these fields.
+# SEGMENT_PREFIX + "<uid>-<job>", files SEGMENT_DIR + name; the header (little endian) starts with these
+# fields.
 SEGMENT_PREFIX: str
+SEGMENT_DIR: str
 SEGMENT_MAGIC: int
 SEGMENT_VERSION: int
 SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
+
+# (dtype, count, root, op) of a call the core's checks accepted: codes from the tables above, `root` a
+# group index, `count` the elements of each member's part; -1 for a field the call has not.
+_Checked = tuple[int, int, int, int]
+
+@final
+class CallCheck:
+    """The native groups' argument checks, for a backend written in Python: each method takes what the
+    `ProcessGroup` method of its name takes (roots as global ranks) and raises what that method would
+    for bad arguments, or returns the call's signature fields. Runs nothing."""
+
+    def __new__(cls, ranks: Sequence[int], rank: int, world_size: int) -> CallCheck: ...
+    def group_rank(self, rank: int) -> int: ...
+    def all_reduce(self, buf: _Buf, op: _Op = None) -> _Checked: ...
+    def broadcast(self, buf: _Buf, src: int) -> _Checked: ...
+    def all_gather(self, send: _Buf, recv: _Buf) -> _Checked: ...
+    def reduce_scatter(self, send: _Buf, recv: _Buf, op: _Op = None) -> _Checked: ...
+    def gather(self, send: _Buf, recv: _Buf | None, dst: int) -> _Checked: ...
+    def scatter(self, send: _Buf | None, recv: _Buf, src: int) -> _Checked: ...
+    def reduce(self, buf: _Buf, dst: int, op: _Op = None) -> _Checked: ...
+    def send(self, buf: _Buf, dst: int) -> _Checked: ...
+    def recv(self, buf: _Buf, src: int) -> _Checked: ...
+
+def segment_name(job_id: str) -> str:
+    """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
 def checked_timeout(seconds: float | None = None) -> float:
     """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
@@ -258,12 +285,14 @@ __all__ = [
     "INLINE_BYTES",
     "KIND_CODES",
     "OP_CODES",
+    "SEGMENT_DIR",
     "SEGMENT_HEADER",
     "SEGMENT_MAGIC",
     "SEGMENT_PREFIX",
     "SEGMENT_VERSION",
     "__version__",
     "Backend",
+    "CallCheck",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistributedError",
@@ -280,6 +309,7 @@ __all__ = [
     "check_op",
     "checked_timeout",
     "describe_mismatch",
+    "segment_name",
     "set_default_group_source",
     "validate_ranks",
 ]

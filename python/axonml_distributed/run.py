@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from axonml_distributed import error_file
-from axonml_distributed.shm import segment_name
+from axonml_distributed.shm import segment_path
 from axonml_distributed.supervise import Worker, signal_running, supervise
 
 # Every worker runs in its own process group (see `_spawn`), so the signals a terminal sends to its
@@ -106,7 +106,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
             pump.join(_DRAIN_TIMEOUT)
         # Usually the backend has unlinked it already; a rank killed during init may have left it behind.
         with contextlib.suppress(FileNotFoundError):
-            os.unlink("/dev/shm" + segment_name(job_id))
+            os.unlink(segment_path(job_id))
         shutil.rmtree(errors, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

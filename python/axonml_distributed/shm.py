@@ -11,16 +11,22 @@ import os
 import stat
 import time
 
-from axonml_distributed._core import SEGMENT_HEADER, SEGMENT_MAGIC, SEGMENT_PREFIX, ProcessGroup, ShmBackend
+from axonml_distributed._core import (
+    SEGMENT_DIR,
+    SEGMENT_HEADER,
+    SEGMENT_MAGIC,
+    ProcessGroup,
+    ShmBackend,
+    segment_name,
+)
 
-_SHM_DIR = "/dev/shm"
 # The header fields the cleanup reads come first in every segment: the core names where each lies.
 _HEADER_BYTES = max(offset + size for offset, size in SEGMENT_HEADER.values())
 
 
-def segment_name(job_id: str) -> str:
-    """The ``shm_open`` name of job ``job_id``'s shared-memory segment, as the backend names it."""
-    return f"{SEGMENT_PREFIX}{os.geteuid()}-{job_id}"
+def segment_path(job_id: str) -> str:
+    """The file of job ``job_id``'s shared-memory segment (``segment_name`` is the backend's name)."""
+    return SEGMENT_DIR + segment_name(job_id)
 
 
 def init_shm_process_group(rank: int, world_size: int, timeout: float | None = None) -> ProcessGroup:
@@ -77,10 +83,10 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
     """
     removed = []
     prefix = segment_name("").lstrip("/")
-    for name in sorted(os.listdir(_SHM_DIR)):
+    for name in sorted(os.listdir(SEGMENT_DIR)):
         if not name.startswith(prefix):
             continue
-        path = os.path.join(_SHM_DIR, name)
+        path = os.path.join(SEGMENT_DIR, name)
         try:
             # Never follow a symbolic link, nor block on a FIFO planted under our prefix.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -77,11 +77,24 @@ pub(crate) struct Array<'py> {
 /// The collective dtype of a numpy dtype (numpy has no bfloat16: an int16 array is not one, it only
 /// ever comes tagged, see `ndarray_of`).
 pub(crate) fn dtype_of(d: &Bound<'_, PyArrayDescr>) -> Option<DType> {
-    let py = d.py();
-    DType::ALL
-        .into_iter()
-        .filter(|dt| *dt != DType::BF16)
-        .find(|dt| with_type!(*dt, T => d.is_equiv_to(&numpy::dtype::<T>(py))))
+    // By kind and size (what numpy's equivalence of these plain types comes down to), rather than by
+    // comparing with each candidate: this is on every call's path.
+    if d.is_native_byteorder() == Some(false) || d.has_fields() || d.has_subarray() {
+        return None;
+    }
+    let found = match (d.kind(), d.itemsize()) {
+        (b'f', 2) => DType::F16,
+        (b'f', 4) => DType::F32,
+        (b'f', 8) => DType::F64,
+        (b'i', 1) => DType::I8,
+        (b'u', 1) => DType::U8,
+        (b'i', 4) => DType::I32,
+        (b'i', 8) => DType::I64,
+        (b'b', 1) => DType::Bool,
+        _ => return None,
+    };
+    debug_assert!(with_type!(found, T => d.is_equiv_to(&numpy::dtype::<T>(d.py()))));
+    Some(found)
 }
 
 /// The TypeError for a dtype no collective takes, naming those they do.
@@ -121,9 +134,12 @@ fn torch(py: Python<'_>) -> PyResult<Option<&Torch>> {
 
 /// True when `obj` is a torch tensor.
 pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if obj.cast::<PyUntypedArray>().is_ok() {
+        return Ok(false); // the common case, without looking for torch
+    }
     match torch(obj.py())? {
-        Some(t) if obj.cast::<PyUntypedArray>().is_err() => obj.is_instance(t.tensor.bind(obj.py())),
-        _ => Ok(false),
+        Some(t) => obj.is_instance(t.tensor.bind(obj.py())),
+        None => Ok(false),
     }
 }
 

@@ -11,7 +11,7 @@ use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::run_blocking;
 use crate::backend::Backend;
-use crate::transport::thread::MockBackend;
+use crate::transport::thread::ThreadBackend;
 
 /// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
 /// released, until every member arrives.
@@ -124,7 +124,7 @@ impl PyThreadBackend {
             return Err(PyValueError::new_err("a world needs at least one rank"));
         }
         let timeout = timeout_from(timeout)?;
-        Ok(MockBackend::create_world_with_timeout(n, timeout)
+        Ok(ThreadBackend::create_world_with_timeout(n, timeout)
             .into_iter()
             .map(|b| PyBackend { inner: Arc::new(b) })
             .collect())

@@ -13,11 +13,8 @@ use super::group::PyProcessGroup;
 use super::op::PyReduceOp;
 use crate::bucket::GradientBucket;
 use crate::reduce::ReduceOp;
+use crate::sync::lock;
 use crate::synchronizer::{GradSyncStrategy, GradientSynchronizer, DEFAULT_BUCKET_SIZE};
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Lock the synchronizer's state without holding the GIL while blocked (its holder may be detached
 /// in a collective and need the GIL to return).
@@ -53,38 +50,38 @@ impl PyGradientBucket {
     fn add(&self, grad: &Bound<'_, PyAny>) -> PyResult<bool> {
         let a = readable(grad, "grad")?;
         // SAFETY: the borrow guard in `a` lives across the copy.
-        Ok(locked(&self.inner).add_buf(unsafe { a.raw.buf() }, &a.shape)?)
+        Ok(lock(&self.inner).add_buf(unsafe { a.raw.buf() }, &a.shape)?)
     }
     /// True when not one more element fits.
     fn is_full(&self) -> bool {
-        locked(&self.inner).is_full()
+        lock(&self.inner).is_full()
     }
     /// True when no gradient is in the bucket.
     fn is_empty(&self) -> bool {
-        locked(&self.inner).is_empty()
+        lock(&self.inner).is_empty()
     }
     /// Elements in use.
     fn size(&self) -> usize {
-        locked(&self.inner).size()
+        lock(&self.inner).size()
     }
     /// Capacity in elements.
     fn capacity(&self) -> usize {
-        locked(&self.inner).capacity()
+        lock(&self.inner).capacity()
     }
     /// A read-only view of the used part of the flat buffer.
     fn data<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let b = locked(&slf.get().inner);
+        let b = lock(&slf.get().inner);
         bucket_view(slf.clone().into_any(), &b, false)
     }
     /// A writable view of the used part of the flat buffer (zero-copy: reduce it in place).
     fn data_mut<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let b = locked(&slf.get().inner);
+        let b = lock(&slf.get().inner);
         bucket_view(slf.clone().into_any(), &b, true)
     }
     /// The gradients, as new arrays with their original shapes and dtype, in the order added.
     fn extract<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let flat = Self::data(slf)?;
-        let b = locked(&slf.get().inner);
+        let b = lock(&slf.get().inner);
         b.entries()
             .iter()
             .map(|e| {
@@ -100,7 +97,7 @@ impl PyGradientBucket {
     }
     /// Forget every gradient (views stay valid; the dtype stays).
     fn clear(&self) {
-        locked(&self.inner).clear()
+        lock(&self.inner).clear()
     }
 }
 
@@ -155,11 +152,11 @@ static DEFAULT_GROUP: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
 /// `GradientSynchronizer.sync_all()` uses when given no group. The package calls it on import.
 #[pyfunction]
 pub(crate) fn set_default_group_source(get_default_group: Py<PyAny>) {
-    *locked(&DEFAULT_GROUP) = Some(get_default_group);
+    *lock(&DEFAULT_GROUP) = Some(get_default_group);
 }
 
 fn default_group(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let source = locked(&DEFAULT_GROUP).as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
+    let source = lock(&DEFAULT_GROUP).as_ref().map(|s| s.clone_ref(py)).ok_or_else(|| {
         PyValueError::new_err("sync_all: pass a process group (no default group source is set)")
     })?;
     source.into_bound(py).call0()
@@ -241,7 +238,7 @@ impl PyGradientSynchronizer {
                 let op = Py::new(py, PyReduceOp(ReduceOp::Average))?;
                 for i in 0..st.sync.num_buckets() {
                     let bucket = st.sync.bucket(i).expect("in range").clone();
-                    let b = locked(&bucket);
+                    let b = lock(&bucket);
                     let holder = PyList::empty(py).into_any();
                     let data = b.data();
                     // SAFETY: `b` stays locked (the buffer unmoved) until the view is dropped below.

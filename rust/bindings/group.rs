@@ -118,12 +118,7 @@ impl PyProcessGroup {
     }
     /// Position of global rank `rank` in the group.
     fn group_rank(&self, rank: usize) -> PyResult<usize> {
-        self.inner.group_rank(rank).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "rank {rank} is not a member of the group {:?}",
-                self.inner.ranks()
-            ))
-        })
+        Ok(crate::call::group_rank(self.inner.ranks(), rank)?)
     }
     /// An uninitialised array suited for collectives on this group: with the "shm" backend it lives in
     /// the shared segment, so collectives on it copy nothing through staging (private memory when the

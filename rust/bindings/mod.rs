@@ -4,6 +4,7 @@ mod args;
 mod array;
 mod backend;
 mod buckets;
+mod check;
 mod collectives;
 mod exceptions;
 mod group;
@@ -55,6 +56,8 @@ mod _core {
         set_default_group_source, PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer,
     };
     #[pymodule_export]
+    use super::check::PyCallCheck;
+    #[pymodule_export]
     use super::exceptions::{
         CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
     };
@@ -65,7 +68,7 @@ mod _core {
     #[pymodule_export]
     use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
     #[pymodule_export]
-    use super::tables::{check_op, checked_timeout, describe_mismatch, validate_ranks};
+    use super::tables::{check_op, checked_timeout, describe_mismatch, segment_name, validate_ranks};
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]

@@ -13,7 +13,7 @@ use super::op::parse_op;
 use crate::dtype::DType;
 use crate::reduce::ReduceOp;
 use crate::signature::{mismatch, CollKind, Signature};
-use crate::transport::shm::{SegmentHeader, MAGIC, PREFIX, VERSION};
+use crate::transport::shm::{SegmentHeader, DIR, MAGIC, PREFIX, VERSION};
 
 /// `(name, code)` of every entry of a core table, as a dict.
 fn codes<'py>(
@@ -39,6 +39,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OP_CODES", codes(py, ReduceOp::ALL.map(|o| (o.name(), o as u8)))?)?;
     m.add("KIND_CODES", codes(py, CollKind::ALL.map(|k| (k.name(), k as u8)))?)?;
     m.add("SEGMENT_PREFIX", PREFIX)?;
+    m.add("SEGMENT_DIR", DIR)?;
     m.add("SEGMENT_MAGIC", MAGIC)?;
     m.add("SEGMENT_VERSION", VERSION)?;
     let header = PyDict::new(py);
@@ -49,6 +50,12 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     field!(magic, version, world, uid, creator);
     m.add("SEGMENT_HEADER", header)
+}
+
+/// The name of job `job_id`'s segment, as the shared-memory world names it.
+#[pyfunction]
+pub(crate) fn segment_name(job_id: &str) -> String {
+    crate::transport::shm::segment_name(job_id)
 }
 
 /// `seconds` checked as every native timeout is (positive, at most about 31 years; None: the default

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use super::backend::PyBackend;
 use super::group::PyProcessGroup;
 use crate::group::World;
-use crate::transport::thread::MockBackend;
+use crate::transport::thread::ThreadBackend;
 
 /// The world: the default group over every rank, and the factory of subgroups.
 #[pyclass(name = "World", module = "axonml_distributed", frozen)]
@@ -30,7 +30,7 @@ impl PyWorld {
     /// A world of one rank.
     #[staticmethod]
     fn mock() -> Self {
-        PyWorld { inner: World::init(Arc::new(MockBackend::single())) }
+        PyWorld { inner: World::init(Arc::new(ThreadBackend::single())) }
     }
     /// This process's rank.
     fn rank(&self) -> usize {

@@ -162,15 +162,16 @@ def check_subgroups(pg: MpiProcessGroup) -> None:
 
 
 def check_bad_input(pg: MpiProcessGroup) -> None:
-    """Symmetric bad calls: every rank raises its own error, and the group stays usable."""
+    """Symmetric bad calls: every rank raises its own error (the core's, as on the native groups; the
+    conformance suite compares the words), and the group stays usable."""
     n = pg.size()
     a = np.zeros(8, np.float32)
     readonly = np.zeros(8, np.float32)
     readonly.flags.writeable = False
-    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=object), match="unsupported dtype")
-    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=np.complex64), match="unsupported dtype")
-    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=">f4"), match="unsupported dtype")
-    raises(TypeError, pg.all_reduce, [1.0, 2.0], match="numpy array")
+    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=object), match="not supported")
+    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=np.complex64), match="not supported")
+    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=">f4"), match="not supported")
+    raises(TypeError, pg.all_reduce, [1.0, 2.0], match="numpy.ndarray")
     raises(TypeError, pg.all_reduce, a, 2.5, match="ReduceOp")
     raises(ValueError, pg.all_reduce, a, "median", match="unknown reduce op")
     raises(ValueError, pg.all_reduce, np.zeros(8, np.float32)[::2], match="contiguous")
@@ -179,8 +180,8 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
     average = ReduceOp.AVERAGE
     raises(TypeError, pg.all_reduce, np.zeros(3, np.int32), average, match="AVERAGE is not defined for int32")
     raises(ValueError, pg.broadcast, a, n, match="not a member")
-    raises(ValueError, pg.broadcast, a, -1, match="not a member")
-    raises(ValueError, pg.reduce, a, 1.5, match="not a member")
+    raises(OverflowError, pg.broadcast, a, -1)  # ranks are unsigned, as everywhere
+    raises(TypeError, pg.reduce, a, 1.5)
     raises(ValueError, pg.all_gather, a, np.zeros(8 * n + 1, np.float32), match="elements")
     raises(ValueError, pg.all_gather, a, np.zeros(8 * n, np.float64), match="dtype")
     raises(ValueError, pg.reduce_scatter, np.zeros(8 * n + 1, np.float32), a, match="elements")
@@ -193,7 +194,8 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
         # The largest tag MPI allows is the group's own (new_group's arrival check).
         reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         raises(ValueError, pg.recv, a, (pg.rank() + 1) % n, reserved, match=f"[0, {reserved - 1}]")
-    raises(TypeError, pg.empty, 3, np.complex128, match="unsupported dtype")
+    raises(TypeError, pg.empty, 3, np.complex128, match="cannot carry")
+    raises(TypeError, pg.all_reduce, np.zeros(3, bool), match="cannot carry bool")
     buf = np.ones(4, np.float32)
     pg.all_reduce(buf)
     expect_same(buf, np.full(4, n, np.float32), "all_reduce after bad calls")

@@ -10,13 +10,13 @@ import sys
 from mpi4py import MPI
 
 from axonml_distributed.mpi import init_mpi_process_group
-from conformance import CHECKS
+from conformance import CHECKS, ERROR_CHECKS
 
 
 def main() -> None:
     name = sys.argv[1]
     pg = init_mpi_process_group(timeout=120)
-    digests = CHECKS[name](pg)
+    digests = (CHECKS | ERROR_CHECKS)[name](pg)
     every = MPI.COMM_WORLD.allgather(digests)
     if any(d != every[0] for d in every):
         raise AssertionError(f"{name}: results differ between ranks: {every}")

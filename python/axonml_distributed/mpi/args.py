@@ -1,5 +1,6 @@
-"""Arguments of the MPI group's operations: the MPI datatype and op that carry each dtype and reduce
-op, buffer checks, and the float32 staging that float16 reductions need (MPI has no float16 arithmetic).
+"""Arguments of the MPI group's operations: the MPI datatype and op that carry each dtype and reduce op
+(the arguments themselves are checked by the core, `CallCheck`, as on every backend), and the float32
+staging that float16 reductions need (MPI has no float16 arithmetic).
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from axonml_distributed._core import DTYPE_CODES, OP_CODES, ReduceOp, check_op
-from axonml_distributed._types import OpArg
-from axonml_distributed.tensors import is_tensor
+from axonml_distributed._core import DTYPE_CODES, OP_CODES
 
-# The MPI datatype that carries each dtype this backend supports, by the core's name for it (its code in
-# call signatures is the core's, `DTYPE_CODES`). MPI has no portable float16 type: float16 travels as its
-# 16-bit pattern (UINT16_T), which is exact for everything that only moves bytes; reductions widen it to
-# float32 instead (see `reduction_buffer`). bfloat16 and bool have no numpy buffer MPI could reduce.
+# The MPI datatype that carries each dtype this backend supports, by the core's name for it. MPI has no
+# portable float16 type: float16 travels as its 16-bit pattern (UINT16_T), which is exact for everything
+# that only moves bytes; reductions widen it to float32 instead (see `reduction_buffer`). bfloat16 and
+# bool have no numpy buffer MPI could reduce.
 _CARRIERS = {
     "float16": MPI.UINT16_T,
     "float32": MPI.FLOAT,
@@ -28,26 +27,38 @@ _CARRIERS = {
     "int32": MPI.INT32_T,
     "int64": MPI.INT64_T,
 }
-# numpy dtype -> (the core's code, the MPI datatype that carries it): looked up on every call.
-DTYPES: dict[np.dtype, tuple[int, MPI.Datatype]] = {
-    np.dtype(name): (DTYPE_CODES[name], carrier) for name, carrier in _CARRIERS.items()
-}
+# The core's dtype code -> the MPI datatype that carries it: looked up on every call.
+CARRIERS: dict[int, MPI.Datatype] = {DTYPE_CODES[name]: carrier for name, carrier in _CARRIERS.items()}
+# numpy's dtypes this backend carries (for `empty`, which makes no call).
+CARRIED = frozenset(np.dtype(name) for name in _CARRIERS)
+FLOAT16_CODE = DTYPE_CODES["float16"]
 # Compared with a dtype rather than with np.float16, which numpy would convert on every comparison.
 FLOAT16 = np.dtype(np.float16)
-FLOAT16_CODE = DTYPES[FLOAT16][0]
+# The core's name of each dtype and op code, for errors.
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+_OP_NAMES = {code: name for name, code in OP_CODES.items()}
 
 # The MPI op that performs each of the core's reduce ops (by name); AVERAGE is MPI SUM, then a division.
 _MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX, "AVERAGE": MPI.SUM}
 
 
-def transport_dtype(arr: np.ndarray, what: str) -> tuple[int, MPI.Datatype]:
-    """The signature code of `arr`'s dtype and the MPI datatype that carries its elements; TypeError for
-    dtypes the native backends do not support."""
-    entry = DTYPES.get(arr.dtype)
-    if entry is None:
-        supported = ", ".join(dt.name for dt in DTYPES)
-        raise TypeError(f"{what}: unsupported dtype {arr.dtype}; supported: {supported}")
-    return entry
+def carrier(code: int) -> MPI.Datatype:
+    """The MPI datatype of the core's dtype `code` (one the core accepted); TypeError for the dtypes
+    the core takes but MPI cannot carry."""
+    dt = CARRIERS.get(code)
+    if dt is None:
+        raise TypeError(f"the MPI backend cannot carry {_DTYPE_NAMES[code]} buffers")
+    return dt
+
+
+def checkable(arr: Any) -> Any:
+    """What the core checks for `arr`: itself, or for a buffer not aligned for its dtype (which MPI
+    moves, the native worlds refuse) an aligned stand-in of the same shape, dtype and flags."""
+    if isinstance(arr, np.ndarray) and not arr.flags.aligned and arr.flags.c_contiguous:
+        stand_in = np.empty(arr.shape, arr.dtype)
+        stand_in.flags.writeable = arr.flags.writeable
+        return stand_in
+    return arr
 
 
 # What an operation returns: None for in-place ones, for the *_tensor ones the new array (a torch tensor
@@ -75,67 +86,18 @@ OP_TABLE = {
     OP_CODES[name]: Op(OP_CODES[name], mpi_op, name == "AVERAGE", mpi_op is MPI.SUM)
     for name, mpi_op in _MPI_OPS.items()
 }
-# The core's name of each dtype code, for asking the core about a dtype by its code.
-_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-# (type, op, dtype code) -> Op: the core's answer for each combination a program uses, remembered because
-# resolving an op is on every reduction's path (the type keeps 1 apart from ReduceOp.SUM, equal to it).
-_RESOLVED: dict[tuple[type, object, int], Op] = {}
-_RESOLVED_MAX = 1024
 
 
-def resolve_op(op: OpArg, dtype: int) -> Op:
-    """How MPI performs `op` (None: SUM) on the dtype of code `dtype`, once the core's rule allows it
-    (`check_op`: AVERAGE of integers is refused, names are read as the native groups read them); else the
-    core's error."""
-    key = (type(op), op, dtype)
-    try:
-        return _RESOLVED[key]
-    except (KeyError, TypeError):  # TypeError: an unhashable op, which the core refuses below
-        pass
-    code = check_op(ReduceOp.SUM if op is None else op, _DTYPE_NAMES[dtype])
+def mpi_op(code: int) -> Op:
+    """How MPI performs the core's op `code` (one the core accepted for the call's dtype)."""
     rop = OP_TABLE.get(code)
     if rop is None:
-        name = next(name for name, known in OP_CODES.items() if known == code)
-        raise TypeError(f"the MPI backend cannot reduce with {name}")
-    if len(_RESOLVED) < _RESOLVED_MAX:
-        _RESOLVED[key] = rop
+        raise TypeError(f"the MPI backend cannot reduce with {_OP_NAMES[code]}")
     return rop
-
-
-# --- arguments ---------------------------------------------------------------------------------------
 
 
 def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def readable(arr: object, what: str, write: bool = False) -> tuple[int, MPI.Datatype]:
-    """Validate an array MPI reads (and writes, with `write`); returns its `transport_dtype`."""
-    if not isinstance(arr, np.ndarray):
-        got = f"a tensor on {arr.device}" if is_tensor(arr) else type(arr).__name__  # type: ignore[attr-defined]
-        raise TypeError(f"{what}: expected a numpy array or a CPU torch tensor, got {got}")
-    entry = DTYPES.get(arr.dtype) or transport_dtype(arr, what)  # the call raises the error
-    flags = arr.flags  # a new object on every access
-    if not flags.c_contiguous:
-        raise ValueError(f"{what}: the array must be C-contiguous (pass np.ascontiguousarray(a))")
-    if write and not flags.writeable:
-        raise ValueError(f"{what}: the array is read-only")
-    return entry
-
-
-def writable(arr: object, what: str) -> tuple[int, MPI.Datatype]:
-    """Validate an array MPI writes; returns its `transport_dtype`."""
-    return readable(arr, what, write=True)
-
-
-def companion(ref: np.ndarray, other: object, size: int, what: str, write: bool) -> None:
-    """The second buffer of a collective: valid itself, with `ref`'s dtype and `size` elements."""
-    (writable if write else readable)(other, what)
-    assert isinstance(other, np.ndarray)
-    if other.dtype != ref.dtype:
-        raise ValueError(f"{what}: dtype {other.dtype} differs from {ref.dtype}")
-    if other.size != size:
-        raise ValueError(f"{what}: {other.size} elements, expected {size} (group size x chunk size)")
 
 
 def reduction_buffer(

@@ -8,9 +8,9 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from axonml_distributed._core import describe_mismatch
+from axonml_distributed._core import DTYPE_CODES, describe_mismatch
 from axonml_distributed.exceptions import CollectiveMismatchError
-from axonml_distributed.mpi.args import DTYPES, Describe
+from axonml_distributed.mpi.args import Describe
 from axonml_distributed.mpi.queue import OpQueue, mpi_error
 
 # A call signature: valid, kind, dtype, count, root, op, seq, with the core's codes (`root` is a global
@@ -47,7 +47,7 @@ TAILS = tuple(struct.Struct(f"={3 + k}d") for k in range(FUSE_SLOTS + 1))
 PAYLOAD_AT = TAIL_AT + TAIL.size
 CHECK_LENGTH = 2 * STATIC_COMPONENTS + 3 + FUSE_SLOTS
 # dtype codes whose all_reduce can ride along: float64 holds their values, and their sums rounded once.
-FUSABLE_DTYPES = (DTYPES[np.dtype(np.float32)][0], DTYPES[np.dtype(np.float64)][0])
+FUSABLE_DTYPES = (DTYPE_CODES["float32"], DTYPE_CODES["float64"])
 # Bounds the memo of static parts (one entry per distinct signature a program uses).
 STATIC_MEMO_MAX = 1024
 

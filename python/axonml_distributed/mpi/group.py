@@ -12,20 +12,11 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from axonml_distributed._core import KIND_CODES, checked_timeout, validate_ranks
+from axonml_distributed._core import KIND_CODES, CallCheck, checked_timeout, validate_ranks
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi import plans
-from axonml_distributed.mpi.args import (
-    FLOAT16_CODE,
-    Op,
-    Result,
-    is_int,
-    readable,
-    resolve_op,
-    transport_dtype,
-    writable,
-)
+from axonml_distributed.mpi.args import CARRIED, FLOAT16_CODE, Op, Result, carrier, checkable, is_int, mpi_op
 from axonml_distributed.mpi.check import (
     FUSABLE_DTYPES,
     FUSE_SLOTS,
@@ -75,6 +66,8 @@ class MpiProcessGroup:
         self._rank = rank
         self._timeout = timeout
         self._check = check
+        # The core's checks of this rank's calls: the native groups' own, with their messages.
+        self._calls = CallCheck(ranks, rank, self.world_size())
         self._queue = None
         if comm is not None:
             self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None)
@@ -106,11 +99,13 @@ class MpiProcessGroup:
         return rank in self._index
 
     def group_rank(self, global_rank: int) -> int:
-        return self._member_index(global_rank, "group_rank", "rank")
+        index = self._index.get(global_rank)  # the common case, without a call into the core
+        return self._calls.group_rank(global_rank) if index is None else index
 
     def empty(self, shape: int | Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
         out = np.empty(shape, dtype)
-        transport_dtype(out, "empty")  # raises for dtypes MPI cannot carry
+        if out.dtype not in CARRIED:
+            raise TypeError(f"the MPI backend cannot carry {out.dtype} buffers")
         return out
 
     def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
@@ -147,7 +142,7 @@ class MpiProcessGroup:
         queue = self._member_queue("all_reduce")
         with queue.lock:
             if not async_op and queue.idle():
-                direct = _direct_all_reduce(buf, op)
+                direct = self._direct_all_reduce(buf, op)
                 if direct is not None:
                     self._all_reduce_now(queue, buf, *direct)
                     return None
@@ -205,8 +200,8 @@ class MpiProcessGroup:
     def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
         queue = self._member_queue("send")
-        _, dt = readable(buf, "send")
-        peer = self._peer(dst, tag, "send", "dst")
+        code, _, _, _ = self._calls.send(checkable(buf), dst)
+        dt, peer = carrier(code), self._peer(dst, tag, "send")
 
         def describe() -> str:
             return f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
@@ -276,8 +271,8 @@ class MpiProcessGroup:
 
     def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result, async_op: bool) -> MpiWork | Result:
         queue = self._member_queue("recv")
-        _, dt = writable(buf, "recv")
-        peer = self._peer(src, tag, "recv", "src")
+        code, _, _, _ = self._calls.recv(checkable(buf), src)
+        dt, peer = carrier(code), self._peer(src, tag, "recv")
 
         def describe() -> str:
             return f"recv(src={src}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
@@ -358,32 +353,22 @@ class MpiProcessGroup:
             raise ValueError(f"{what}: rank {self._rank} is not a member of MPI group {self._ranks}")
         return self._queue
 
-    def _member_index(self, rank: int, what: str, role: str) -> int:
-        index = self._index.get(rank) if is_int(rank) else None
-        if index is None:
-            raise ValueError(f"{what}: {role} {rank!r} is not a member of MPI group {self._ranks}")
-        return index
-
-    def _peer(self, rank: int, tag: int, what: str, role: str) -> int:
-        peer = self._member_index(rank, what, role)
-        if rank == self._rank:
-            raise ValueError(f"{what}: {role} {rank} is this rank itself")
+    def _peer(self, rank: int, tag: int, what: str) -> int:
+        """The group index of `rank`, a peer the core accepted, once `tag` is one MPI can carry."""
         largest = tag_ub() - 1  # the largest of all is reserved (see await_peers)
         if not is_int(tag) or not 0 <= tag <= largest:
             raise ValueError(f"{what}: tag must be an integer in [0, {largest}], got {tag!r}")
-        return peer
+        return self._index[rank]
 
-
-def _direct_all_reduce(buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, Op] | None:
-    """dtype code, MPI datatype and op of an all_reduce that MPI performs on `buf` itself, or None: for
-    float16 (reduced in a float32 copy) and for invalid arguments, which the general path reports after
-    taking part in the signature check."""
-    try:
-        code, dt = writable(buf, "all_reduce")
-        rop = resolve_op(op, code)
-    except (TypeError, ValueError):
-        return None
-    return None if code == FLOAT16_CODE else (code, dt, rop)
+    def _direct_all_reduce(self, buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, Op] | None:
+        """dtype code, MPI datatype and op of an all_reduce that MPI performs on `buf` itself, or None:
+        for float16 (reduced in a float32 copy) and for invalid arguments, which the general path
+        reports after taking part in the signature check."""
+        try:
+            code, _, _, op_code = self._calls.all_reduce(checkable(buf), op)
+            return None if code == FLOAT16_CODE else (code, carrier(code), mpi_op(op_code))
+        except (TypeError, ValueError):
+            return None
 
 
 def _inplace(outcome: MpiWork | Result) -> MpiWork | None:

@@ -1,8 +1,9 @@
 """Plans of the MPI group's collectives: each validates its arguments and describes the MPI call to issue,
 its post-processing and its signature, without issuing it (the group runs the signature check first).
 
-A plan's arguments are checked inside it, so a rank whose input is invalid still takes part in the
-signature check and its peers fail at once instead of timing out.
+A plan's arguments are checked inside it, by the core (`CallCheck`, the native groups' own checks), so
+a rank whose input is invalid still takes part in the signature check and its peers fail at once
+instead of timing out.
 """
 
 from __future__ import annotations
@@ -16,15 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from axonml_distributed._types import OpArg
-from axonml_distributed.mpi.args import (
-    Finish,
-    Result,
-    companion,
-    readable,
-    reduction_buffer,
-    resolve_op,
-    writable,
-)
+from axonml_distributed.mpi.args import Finish, Result, carrier, checkable, mpi_op, reduction_buffer
 
 if TYPE_CHECKING:
     from axonml_distributed.mpi.group import MpiProcessGroup
@@ -48,79 +41,70 @@ class Call:
 
 
 def all_reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> Call:
-    code, dt = writable(buf, "all_reduce")
-    rop = resolve_op(op, code)
-    data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=True)
+    code, count, _, op_code = g._calls.all_reduce(checkable(buf), op)
+    rop = mpi_op(op_code)
+    data, dt, finish = reduction_buffer(buf, carrier(code), rop, g.size(), copy_in=True, write_back=True)
     start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
-    return Call(start, buf.nbytes, finish, result, code, buf.size, -1, rop.code)
+    return Call(start, buf.nbytes, finish, result, code, count, -1, op_code)
 
 
 def broadcast(
     g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, src: int | None, result: Result
 ) -> Call:
-    code, dt = writable(buf, "broadcast")
-    root = 0 if src is None else g._member_index(src, "broadcast", "src")
-    start = partial(comm.Ibcast, [buf, dt], root)
-    return Call(start, buf.nbytes, None, result, code, buf.size, root)
+    code, count, root, _ = g._calls.broadcast(checkable(buf), g.ranks()[0] if src is None else src)
+    start = partial(comm.Ibcast, [buf, carrier(code)], root)
+    return Call(start, buf.nbytes, None, result, code, count, root)
 
 
 def all_gather(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, result: Result
 ) -> Call:
-    code, dt = readable(send, "all_gather send")
-    companion(send, recv, g.size() * send.size, "all_gather recv", write=True)
+    code, count, _, _ = g._calls.all_gather(checkable(send), checkable(recv))
+    dt = carrier(code)
     start = partial(comm.Iallgather, [send, dt], [recv, dt])
-    return Call(start, recv.nbytes, None, result, code, send.size)
+    return Call(start, recv.nbytes, None, result, code, count)
 
 
 def reduce_scatter(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
 ) -> Call:
-    code, dt = writable(recv, "reduce_scatter recv")
-    companion(recv, send, g.size() * recv.size, "reduce_scatter send", write=False)
-    rop = resolve_op(op, code)
-    data, dt, finish = reduction_buffer(recv, dt, rop, g.size(), copy_in=False, write_back=True)
+    code, count, _, op_code = g._calls.reduce_scatter(checkable(send), checkable(recv), op)
+    rop = mpi_op(op_code)
+    data, dt, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
     start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
-    return Call(start, send.nbytes, finish, result, code, recv.size, -1, rop.code)
+    return Call(start, send.nbytes, finish, result, code, count, -1, op_code)
 
 
 def gather(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray | None, dst: int
 ) -> Call:
-    code, dt = readable(send, "gather send")
-    root = g._member_index(dst, "gather", "dst")
-    recv_spec = None
-    if g.rank() == dst:
-        companion(send, recv, g.size() * send.size, "gather recv", write=True)
-        recv_spec = [recv, dt]
+    code, count, root, _ = g._calls.gather(checkable(send), checkable(recv), dst)
+    dt = carrier(code)
+    recv_spec = [recv, dt] if g.rank() == dst else None
     start = partial(comm.Igather, [send, dt], recv_spec, root)
-    return Call(start, send.nbytes * g.size(), dtype=code, count=send.size, root=root)
+    return Call(start, send.nbytes * g.size(), dtype=code, count=count, root=root)
 
 
 def scatter(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray | None, recv: np.ndarray, src: int
 ) -> Call:
-    code, dt = writable(recv, "scatter recv")
-    root = g._member_index(src, "scatter", "src")
-    send_spec = None
-    if g.rank() == src:
-        companion(recv, send, g.size() * recv.size, "scatter send", write=False)
-        send_spec = [send, dt]
+    code, count, root, _ = g._calls.scatter(checkable(send), checkable(recv), src)
+    dt = carrier(code)
+    send_spec = [send, dt] if g.rank() == src else None
     start = partial(comm.Iscatter, send_spec, [recv, dt], root)
-    return Call(start, recv.nbytes * g.size(), dtype=code, count=recv.size, root=root)
+    return Call(start, recv.nbytes * g.size(), dtype=code, count=count, root=root)
 
 
 def reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, dst: int, op: OpArg) -> Call:
-    code, dt = writable(buf, "reduce")
-    root = g._member_index(dst, "reduce", "dst")
-    rop = resolve_op(op, code)
+    code, count, root, op_code = g._calls.reduce(checkable(buf), dst, op)
+    rop = mpi_op(op_code)
     # MPI leaves non-root buffers untouched, and so do we.
     is_root = g.rank() == dst
-    data, dt, finish = reduction_buffer(buf, dt, rop, g.size(), copy_in=True, write_back=is_root)
+    data, dt, finish = reduction_buffer(buf, carrier(code), rop, g.size(), copy_in=True, write_back=is_root)
     send_spec, recv_spec = (MPI.IN_PLACE, [data, dt]) if is_root else ([data, dt], None)
     start = partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root)
-    return Call(start, buf.nbytes, finish, None, code, buf.size, root, rop.code)
+    return Call(start, buf.nbytes, finish, None, code, count, root, op_code)
 
 
 def barrier(comm: MPI.Intracomm) -> Call:

@@ -51,7 +51,7 @@ pub use auth::JobSecret;
 #[cfg(feature = "python")]
 pub(crate) use layout::Header as SegmentHeader;
 pub use layout::{MAGIC, MAX_RANKS, VERSION};
-pub use segment::PREFIX;
+pub use segment::{name_for as segment_name, DIR, PREFIX};
 pub use store_join::SegmentToken;
 
 use crate::config::MAX_TIMEOUT;

@@ -132,8 +132,12 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
 /// How every segment name starts (`/axonml-<uid>-<job id or random hex>`).
 pub const PREFIX: &str = "/axonml-";
 
-/// The segment name of this user for `suffix` (a job id, or random hex).
-pub(crate) fn name_for(suffix: &str) -> String {
+/// Where the kernel shows named segments as files (a segment `name` is the file `DIR` + `name`).
+pub const DIR: &str = "/dev/shm";
+
+/// The segment name of this user (its effective uid, which names the file's owner too) for `suffix`
+/// (a job id, or random hex).
+pub fn name_for(suffix: &str) -> String {
     format!("{PREFIX}{}-{suffix}", rustix::process::geteuid().as_raw())
 }
 
@@ -311,7 +315,7 @@ mod tests {
         let name = format!("/axonml-test-link-{}", std::process::id());
         let target = std::env::temp_dir().join(format!("axonml-link-target-{}", std::process::id()));
         std::fs::write(&target, [0u8; 64]).unwrap();
-        let link = format!("/dev/shm{name}");
+        let link = format!("{DIR}{name}");
         std::os::unix::fs::symlink(&target, &link).unwrap();
         let attached = attach(&name, 2, [0; 16]).err().map(|e| e.to_string());
         let layout = Layout::new(Params::new(1, PAGE)).unwrap();

@@ -1,0 +1,148 @@
+//! The call check for backends written in Python (MPI): a collective's arguments go through the same
+//! preparation as a native group's (`collectives`) and the core's checks (`call`), without running, so
+//! a mistake raises the same exception with the same message on every backend. A valid call yields the
+//! signature fields the Python backend signs its call with.
+
+use std::sync::{Arc, OnceLock};
+
+use pyo3::prelude::*;
+
+use super::collectives::{self as c, Obj, Prepared};
+use crate::backend::Backend;
+use crate::call::{self, Call};
+use crate::dtype::{Buf, BufMut, DType};
+use crate::error::Result;
+use crate::work::Lanes;
+
+/// `(dtype, count, root, op)` of a valid call, by the core's codes (`root` a group index; `count` the
+/// elements of each member's part, as in signatures); -1 for a field the call has not (barrier's
+/// dtype, a root, an op).
+type Checked = (i64, u64, i64, i64);
+
+/// The checks of one rank's calls on a group.
+#[pyclass(name = "CallCheck", module = "axonml_distributed", frozen)]
+pub(crate) struct PyCallCheck {
+    group: Group,
+}
+
+struct Group {
+    rank: usize,
+    world_size: usize,
+    members: Vec<usize>,
+    lanes: Lanes,
+}
+
+/// A stand-in backend over a group whose every call only runs the core's checks and keeps what they
+/// found.
+struct Checker<'a> {
+    g: &'a Group,
+    found: OnceLock<Checked>,
+}
+
+impl Checker<'_> {
+    /// A send's or receive's dtype and count.
+    fn keep_message(&self, dtype: DType, count: usize) -> Result<()> {
+        let _ = self.found.set((i64::from(dtype as u8), count as u64, -1, -1));
+        Ok(())
+    }
+    fn keep(&self, call: Result<Call>) -> Result<()> {
+        let c = call?;
+        let code = |c: Option<u8>| c.map_or(-1, i64::from);
+        let root = c.root.map_or(-1, |r| r as i64);
+        let _ = self.found.set((
+            code(c.sig.dtype.map(|d| d as u8)),
+            c.count as u64,
+            root,
+            code(c.sig.op.map(|o| o as u8)),
+        ));
+        Ok(())
+    }
+}
+
+impl Backend for Checker<'_> {
+    fn name(&self) -> &str {
+        "check"
+    }
+    fn rank(&self) -> usize {
+        self.g.rank
+    }
+    fn world_size(&self) -> usize {
+        self.g.world_size
+    }
+    fn members(&self) -> &[usize] {
+        &self.g.members
+    }
+    call::checked_collectives!(keep);
+    fn send(&self, buf: Buf<'_>, dst: usize, _tag: u64) -> Result<()> {
+        call::peer(&self.g.members, self.g.rank, dst, call::SEND_TO)?;
+        self.keep_message(buf.dtype(), buf.len())
+    }
+    fn recv(&self, buf: BufMut<'_>, src: usize, _tag: u64) -> Result<()> {
+        call::peer(&self.g.members, self.g.rank, src, call::RECEIVE_FROM)?;
+        self.keep_message(buf.dtype(), buf.len())
+    }
+    fn split(&self, _ranks: &[usize]) -> Result<Arc<dyn Backend>> {
+        Err(crate::error::Error::Internal("a call check has no subgroups".into()))
+    }
+    fn abort(&self, _reason: &str) {}
+    fn lanes(&self) -> &Lanes {
+        &self.g.lanes
+    }
+}
+
+impl PyCallCheck {
+    /// Run the prepared call's core checks; the arrays are released when this returns.
+    fn check(&self, call: PyResult<Prepared<'_>>) -> PyResult<Checked> {
+        let Prepared { job, .. } = call?;
+        let checker = Checker { g: &self.group, found: OnceLock::new() };
+        job(&checker)?;
+        Ok(checker.found.into_inner().unwrap_or((-1, 0, -1, -1)))
+    }
+}
+
+/// Each method takes what the `ProcessGroup` method of the same name takes (roots resolved: global
+/// ranks) and returns the call's [`Checked`] fields, or raises what that method would.
+#[pymethods]
+impl PyCallCheck {
+    /// The checks of global rank `rank` in a group of `ranks` (global ranks) of a world of
+    /// `world_size`.
+    #[new]
+    fn new(ranks: Vec<usize>, rank: usize, world_size: usize) -> PyResult<Self> {
+        let members = call::validate_ranks(&ranks, world_size)?;
+        Ok(PyCallCheck { group: Group { rank, world_size, members, lanes: Lanes::default() } })
+    }
+    /// Position of global rank `rank` in the group, as `ProcessGroup.group_rank` answers it.
+    fn group_rank(&self, rank: usize) -> PyResult<usize> {
+        Ok(call::group_rank(&self.group.members, rank)?)
+    }
+    #[pyo3(signature = (buf, op=None))]
+    fn all_reduce(&self, buf: &Obj, op: Option<&Obj>) -> PyResult<Checked> {
+        self.check(c::all_reduce(buf, op))
+    }
+    fn broadcast(&self, buf: &Obj, src: usize) -> PyResult<Checked> {
+        self.check(c::broadcast(buf, src))
+    }
+    fn all_gather(&self, send: &Obj, recv: &Obj) -> PyResult<Checked> {
+        self.check(c::all_gather(send, recv))
+    }
+    #[pyo3(signature = (send, recv, op=None))]
+    fn reduce_scatter(&self, send: &Obj, recv: &Obj, op: Option<&Obj>) -> PyResult<Checked> {
+        self.check(c::reduce_scatter(send, recv, op))
+    }
+    fn gather(&self, send: &Obj, recv: Option<&Obj>, dst: usize) -> PyResult<Checked> {
+        self.check(c::gather(send, recv, dst))
+    }
+    fn scatter(&self, send: Option<&Obj>, recv: &Obj, src: usize) -> PyResult<Checked> {
+        self.check(c::scatter(send, recv, src))
+    }
+    #[pyo3(signature = (buf, dst, op=None))]
+    fn reduce(&self, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<Checked> {
+        self.check(c::reduce(buf, dst, op))
+    }
+    fn send(&self, buf: &Obj, dst: usize) -> PyResult<Checked> {
+        self.check(c::send(buf, dst, 0))
+    }
+    fn recv(&self, buf: &Obj, src: usize) -> PyResult<Checked> {
+        self.check(c::recv(buf, src, 0))
+    }
+}
