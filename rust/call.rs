@@ -66,9 +66,7 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
 }
 
 /// What a send and a receive do to their peer, as [`peer`] errors name it.
-#[cfg(feature = "python")]
 pub(crate) const SEND_TO: &str = "send to";
-#[cfg(feature = "python")]
 pub(crate) const RECEIVE_FROM: &str = "receive from";
 
 /// A send, as errors name it.
@@ -108,7 +106,6 @@ pub(crate) fn p2p_timeout(rank: usize, op: &str, waited: Duration, peer: usize) 
 
 /// The collectives of a [`crate::backend::Backend`] impl, written once for every implementor: each call
 /// is checked and built here, then handed to `self.$run(Result<Call>)`.
-#[cfg(feature = "python")]
 macro_rules! checked_collectives {
     ($run:ident) => {
         fn all_reduce(
@@ -165,7 +162,6 @@ macro_rules! checked_collectives {
         }
     };
 }
-#[cfg(feature = "python")]
 pub(crate) use checked_collectives;
 
 fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut u8) -> Call {

@@ -9,7 +9,6 @@ use crate::backend::{Backend, SharedMem};
 use crate::call;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
-use crate::reduce::ReduceOp;
 use crate::work::Lanes;
 
 /// A public backend type that is an [`Engine`] over its world's store; every such type is a
@@ -21,6 +20,10 @@ pub(crate) trait AsEngine: Send + Sync + Sized + 'static {
     fn engine(&self) -> &Engine<Self::Store>;
     /// Wrap an engine (a new subgroup's handle).
     fn wrap(engine: Engine<Self::Store>) -> Self;
+    /// Run one checked collective (the target of [`call::checked_collectives`]).
+    fn execute(&self, call: Result<call::Call>) -> Result<()> {
+        self.engine().execute(call)
+    }
 }
 
 /// Make `$name`, a public tuple struct around an `Engine<$store>`, an [`AsEngine`] (so a
@@ -67,40 +70,17 @@ impl<T: AsEngine> Backend for T {
         self.engine().undrained.load(SeqCst)
     }
 
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::all_reduce(&mut buf, op))
-    }
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.engine().execute(call::broadcast(self.members(), &mut buf, root))
-    }
-    fn all_gather(&self, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
-        self.engine().execute(call::all_gather(self.members().len(), &send, &mut recv))
-    }
-    fn reduce_scatter(&self, send: Buf<'_>, mut recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::reduce_scatter(self.members().len(), &send, &mut recv, op))
-    }
-    fn gather(&self, send: Buf<'_>, mut recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
-        self.engine().execute(call::gather(self.members(), self.rank(), &send, recv.as_mut(), root))
-    }
-    fn scatter(&self, send: Option<Buf<'_>>, mut recv: BufMut<'_>, root: usize) -> Result<()> {
-        self.engine().execute(call::scatter(self.members(), self.rank(), send.as_ref(), &mut recv, root))
-    }
-    fn reduce(&self, mut buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
-        self.engine().execute(call::reduce(self.members(), &mut buf, root, op))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.engine().execute(Ok(call::barrier()))
-    }
+    call::checked_collectives!(execute);
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
         let op = call::send_op(&buf, dst, tag);
         let e = self.engine();
-        e.p2p(dst, "send to", op, |op| e.store.send(buf, dst, tag, op))
+        e.p2p(dst, call::SEND_TO, op, |op| e.store.send(buf, dst, tag, op))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
         let op = call::recv_op(&buf, src, tag);
         let e = self.engine();
-        e.p2p(src, "receive from", op, |op| e.store.recv(buf, src, tag, op))
+        e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
