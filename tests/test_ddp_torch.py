@@ -39,8 +39,8 @@ def loss_of(out: Any, y: np.ndarray) -> Any:
 def torch_train(
     model: Any, ddp: Any, data: list[tuple[np.ndarray, np.ndarray]], micro: int, style: str
 ) -> None:
-    """``explicit``: the explicit loop of the README's first DDP example (backward in no_sync, sync_gradients after each backward); ``torch``:
-    torch's (forward and backward inside no_sync, nothing else)."""
+    """``explicit``: the explicit-sync loop (backward in no_sync, sync_gradients after each backward);
+    ``torch``: torch's (forward and backward inside no_sync, nothing else)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         opt.zero_grad()  # set_to_none: autograd then makes fresh gradients, which DDP must notice
