@@ -2,7 +2,7 @@
 //! TCP and maps the segment on its own (at its own address), exactly as a process would. all_reduce on
 //! private and segment buffers, what only this world's point-to-point path does, and the subgroup
 //! table. (The protocol's checks shared with the in-process world are in `engine.rs`; process deaths,
-//! permissions and leaks are tested from Python, tests/test_shm.py.)
+//! permissions and leaks are tested from Python, tests/test_shm_segment.py and tests/test_shm_faults.py.)
 
 mod common;
 

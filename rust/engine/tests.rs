@@ -52,3 +52,47 @@ fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
     });
     assert!(theirs[..COUNT / 2].iter().all(|&v| v == 3.0), "member 0 did its half of member 1's buffer");
 }
+
+/// A member whose peer left the world (its spawn function returned) while the peer's queued call still
+/// runs must wait for that call to finish with its buffers: a thread that left is not a dead process.
+#[test]
+fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
+    const COUNT: usize = 4096; // past one-shot, and each of the two members owns half
+    let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
+    let s1 = ThreadStore::world(&shared, 1);
+    let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
+    let mut theirs = vec![2.0f32; COUNT];
+    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
+    let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4);
+    s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
+    s1.ctrl(1).arrive.store(1, SeqCst);
+    s1.notify();
+    std::thread::scope(|s| {
+        let member0 = s.spawn(|| {
+            let mut x = vec![1.0f32; COUNT];
+            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
+            (r, x)
+        });
+        let t = Instant::now();
+        while s1.ctrl(0).done.load(SeqCst) < 1 {
+            assert!(t.elapsed() < Duration::from_secs(10), "member 0 never finished its share");
+            std::thread::yield_now();
+        }
+        // Member 1 leaves with its share still to do; member 0 must not return meanwhile.
+        s1.leave();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!member0.is_finished(), "member 0 returned while member 1 still owed it its half");
+        // Member 1 now does its half of member 0's buffer (member 0's page gives its address).
+        let page = s1.ctrl(0).pages[1].load();
+        let x0 = page.recv as usize as *mut f32;
+        for i in COUNT / 2..COUNT {
+            // SAFETY: member 0 published COUNT floats at this address and waits for our done.
+            unsafe { *x0.add(i) += theirs[i] };
+        }
+        s1.ctrl(1).done.store(1, SeqCst);
+        s1.notify();
+        let (r, x) = member0.join().unwrap();
+        assert!(r.is_ok(), "{r:?}");
+        assert!(x.iter().all(|&v| v == 3.0), "member 1's half is in member 0's buffer");
+    });
+}
