@@ -85,9 +85,9 @@ fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
         // Member 1 now does its half of member 0's buffer (member 0's page gives its address).
         let page = s1.ctrl(0).pages[1].load();
         let x0 = page.recv as usize as *mut f32;
-        for i in COUNT / 2..COUNT {
+        for (i, v) in theirs.iter().enumerate().skip(COUNT / 2) {
             // SAFETY: member 0 published COUNT floats at this address and waits for our done.
-            unsafe { *x0.add(i) += theirs[i] };
+            unsafe { *x0.add(i) += v };
         }
         s1.ctrl(1).done.store(1, SeqCst);
         s1.notify();
