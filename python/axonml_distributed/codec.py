@@ -93,8 +93,7 @@ class _Writer:
         if depth > MAX_DEPTH:
             raise ValueError(f"{path} nests deeper than {MAX_DEPTH} levels (or contains itself)")
         if type(obj) not in _CARRIED:
-            name = _type_name(obj)
-            raise TypeError(f"{path} is {'an' if name[0] in 'aeiou' else 'a'} {name}{_hint(obj)}")
+            raise TypeError(f"{path} is {_a(obj)}{_hint(obj)}")
         if obj is None:
             self.add(bytes((_NONE,)))
         elif isinstance(obj, bool):
@@ -117,7 +116,7 @@ class _Writer:
             for key, item in obj.items():
                 if type(key) is not str:
                     raise TypeError(
-                        f"{path} has the key {key!r}, a {_type_name(key)}: dict keys must be str"
+                        f"{path} has the key {key!r}, {_a(key)}: dict keys must be str"
                     )
                 self.blob(_STR, key.encode("utf-8", "surrogatepass"))
                 self.value(item, f"{path}[{key!r}]", depth + 1)
@@ -141,9 +140,11 @@ class _Writer:
         self.parts.append(np.ascontiguousarray(a, _DTYPES[code]).tobytes())
 
 
-def _type_name(obj: object) -> str:
+def _a(obj: object) -> str:
+    """ "a set", "an int", "a numpy.float64": the type of `obj` as messages name it."""
     kind = type(obj)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _hint(obj: object) -> str:
