@@ -95,3 +95,8 @@ def test_a_tensor_is_refused_with_the_fix() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"obj\['w'\] is a torch.Tensor \(convert a tensor with .numpy\(\)\)"):
         ad.broadcast_object({"w": torch.zeros(2)}, 0, ad.ProcessGroup.mock())
+
+
+def test_a_negative_root_is_refused_not_taken_for_no_root() -> None:
+    res = outcomes(2, lambda pg: ad.broadcast_object("x", -1, pg))
+    assert all(isinstance(e, ValueError) and "the root, rank -1, is out of range" in str(e) for e in res), res

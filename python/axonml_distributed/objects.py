@@ -58,17 +58,22 @@ class _Local:
         return max((len(p) for p in self.payloads), default=0)
 
 
-def _agree(g: ProcessGroupLike, call: str, local: _Local, root: Any) -> tuple[np.ndarray, int]:
+def _agree(g: ProcessGroupLike, call: str, local: _Local, root: Any = None) -> tuple[np.ndarray, int]:
     """Exchange headers; raise alike on every member unless the call can go on. Returns the payload
-    lengths (by group index; 0 for members that send nothing) and the root's group index (-1: none)."""
-    try:
-        root = operator.index(root)
-        if not _NO_ROOT <= root < 2**62:
-            raise ValueError(f"{call}: the root, rank {root}, is out of range")
-    except TypeError:
-        local.error, root = TypeError(f"{call}: the root must be a rank, got {type(root).__name__}"), _NO_ROOT
-    except ValueError as exc:
-        local.error, root = exc, _NO_ROOT
+    lengths (by group index; 0 for members that send nothing) and the root's group index (-1: a call
+    without a root, `root` None)."""
+    if root is None:
+        root = _NO_ROOT
+    else:
+        try:
+            root = operator.index(root)
+            if not 0 <= root < 2**62:
+                raise ValueError(f"{call}: the root, rank {root}, is out of range")
+        except TypeError:
+            local.error = TypeError(f"{call}: the root must be a rank, got {type(root).__name__}")
+            root = _NO_ROOT
+        except ValueError as exc:
+            local.error, root = exc, _NO_ROOT
     mine = np.array([local.status(), local.max_bytes, root], np.int64)
     table = np.asarray(g.all_gather_tensor(mine))
     n, ranks = g.size(), g.ranks()
@@ -130,7 +135,7 @@ def all_gather_object(
     call = "all_gather_object(obj, group)"
     g = _group(group, call)
     local = _Local(max_bytes, lambda limit: [encode(obj, max_bytes=limit)])
-    lengths, _ = _agree(g, call, local, _NO_ROOT)
+    lengths, _ = _agree(g, call, local)
     width = int(lengths.max())
     recv = np.empty(g.size() * width, np.uint8)
     g.all_gather(_padded(local.payloads[0], width), recv)
