@@ -43,6 +43,7 @@ pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
 use crate::algo::{self, spans, staged::Staged, Route};
 use crate::call::{self, Call};
+use crate::config::MAX_TIMEOUT;
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
@@ -156,7 +157,8 @@ impl<S: Store> Engine<S> {
         let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
         let mut wait = s.wait(op);
         if let Some(t) = within {
-            wait.deadline = Instant::now() + t;
+            // Capped as every timeout from Python is, so the deadline cannot overflow.
+            wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
         }
         let timeout = within.unwrap_or_else(|| s.timeout());
         let e = match wait.until(ready, || self.check_abort(op, true), slow) {
