@@ -6,6 +6,7 @@
 use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
@@ -40,6 +41,10 @@ pub trait Backend: Send + Sync {
     fn reduce(&self, buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()>;
     /// Block until every member arrives.
     fn barrier(&self) -> Result<()>;
+    /// A barrier that waits at most `timeout` instead of the world's timeout: when members do not
+    /// arrive in time, every member that did fails with a timeout naming all the missing ones, and the
+    /// world is aborted (as by any timeout). It matches `barrier` calls of other members.
+    fn monitored_barrier(&self, timeout: Duration) -> Result<()>;
     /// Send `buf` to global rank `dst`; returns once the receiver has it. Matched by (source, tag), in order.
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>;
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.

@@ -23,6 +23,8 @@ pub(crate) struct Call {
     pub count: usize,
     /// Element type (`F32`, unused, for barrier).
     pub dtype: DType,
+    /// How long this call's waits last, when not the world's timeout (`monitored_barrier`).
+    pub timeout: Option<Duration>,
 }
 
 /// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
@@ -160,6 +162,9 @@ macro_rules! checked_collectives {
         fn barrier(&self) -> $crate::error::Result<()> {
             self.$run(Ok($crate::call::barrier()))
         }
+        fn monitored_barrier(&self, timeout: std::time::Duration) -> $crate::error::Result<()> {
+            self.$run(Ok($crate::call::Call { timeout: Some(timeout), ..$crate::call::barrier() }))
+        }
     };
 }
 pub(crate) use checked_collectives;
@@ -171,6 +176,7 @@ fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut 
         root: None,
         count,
         dtype,
+        timeout: None,
     }
 }
 

@@ -7,12 +7,16 @@ any order of reduction, so the MPI world (whose reduction order is MPI's) meets 
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+import axonml_distributed as ad
 from axonml_distributed import CollectiveMismatchError, ReduceOp
+from axonml_distributed.codec import encode
 from reference import DTYPES, FLOATS, NUMBERS, OP_NAMES, all_inputs, digest, expect_same, reduce_ref
 
 
@@ -240,3 +244,96 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
 }
 # Checks of a world's errors, compared across worlds (tests/test_conformance.py).
 ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {"argument_mistakes": check_argument_mistakes}
+
+
+# --- Objects (the restricted codec, never pickle) and monitored_barrier ----------------------------------
+
+
+def same_object(a: Any, b: Any) -> bool:
+    """`a` and `b` are the same plain object: the same types all the way down, floats and arrays bit for
+    bit (NaN included)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_object(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_object(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def sample_object(rank: int) -> Any:
+    """A different object of every carried type per rank, of a size that grows with the rank."""
+    arrays = [np.arange(rank * 5 + 3, dtype=d).reshape(-1, 1) for d in dtypes_for_objects()]
+    return {
+        "rank": rank,
+        "flags": [None, True, False],
+        "ints": (0, -rank, 2**70 + rank, -(2**65)),
+        "floats": [0.1 * rank, -0.0, float("inf"), float("nan")],
+        "text": "héllo ✓" * rank,
+        "bytes": bytes(range(rank * 7 % 256)),
+        "nested": {"deeper": [(rank, [rank] * rank)], "empty": {}},
+        "arrays": arrays,
+        "bool": np.array([rank % 2 == 0, True]),
+    }
+
+
+def dtypes_for_objects() -> list[Any]:
+    return [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.complex128]
+
+
+def expect_object(actual: Any, expected: Any, what: str) -> None:
+    if not same_object(actual, expected):
+        raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
+
+
+def check_objects(pg: Any) -> list[str]:
+    """Every object collective from and to every root against the objects themselves; a rank whose
+    object cannot be encoded, members that disagree on the root, or a payload over a member's max_bytes
+    fail every rank alike (the group stays usable); monitored_barrier with everyone there."""
+    n, me, ranks = pg.size(), pg.rank(), pg.ranks()
+    index = pg.group_rank(me)
+    objs = [sample_object(r) for r in ranks]
+    gathered = ad.all_gather_object(objs[index], pg)
+    expect_object(gathered, objs, "all_gather_object")
+    for src in ranks:
+        got = ad.broadcast_object(objs[index] if me == src else None, src, pg)
+        expect_object(got, objs[pg.group_rank(src)], f"broadcast_object src {src}")
+    for dst in ranks:
+        got = ad.gather_object(objs[index], dst, pg)
+        expect_object(got, objs if me == dst else None, f"gather_object dst {dst}")
+    for src in ranks:
+        got = ad.scatter_object(objs if me == src else None, src, pg)
+        expect_object(got, objs[index], f"scatter_object src {src}")
+    if n > 1:
+        # A ring; even members send first, so the blocking sends always find their receiver.
+        nxt, prev = ranks[(index + 1) % n], ranks[(index - 1) % n]
+        for step in (0, 1):
+            if (index + step) % 2 == 0:
+                ad.send_object(objs[index], nxt, pg, tag=7)
+            else:
+                expect_object(ad.recv_object(prev, pg, tag=7), objs[(index - 1) % n], "recv_object")
+
+    # The last member's object cannot be encoded: every member raises TypeError, nothing moves.
+    bad = {"ok": 1, "oops": [1, {2}]} if index == n - 1 else "fine"
+    message = raises(TypeError, ad.all_gather_object, bad, pg)
+    want = "obj['oops'][1] is a set" if index == n - 1 else f"rank(s) [{ranks[-1]}] raised TypeError"
+    assert want in message, message
+    # The members disagree on the root.
+    if n > 1:
+        raises(CollectiveMismatchError, ad.broadcast_object, "x", me, pg, match="disagree on the root")
+    if n > 1:
+        # The last member's payload is larger than the first member allows.
+        obj, limit = ("y" * 100 if index == n - 1 else "y"), (64 if index == 0 else 1 << 20)
+        gather = lambda: ad.gather_object(obj, ranks[0], pg, max_bytes=limit)  # noqa: E731
+        raises(ValueError, gather, match=f"the payload of rank {ranks[-1]} (113 bytes) exceeds max_bytes=64")
+    # Still in step: the group works after each refusal.
+    expect_object(ad.all_gather_object(index, pg), list(range(n)), "all_gather_object after the errors")
+    pg.monitored_barrier(30, True)
+    return [hashlib.sha256(encode(gathered)).hexdigest()[:16]]
+
+
+CHECKS["objects"] = check_objects

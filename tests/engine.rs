@@ -38,6 +38,8 @@ in_both_worlds! {
     mismatched_calls_fail_on_every_rank_before_touching_buffers_large =>
         |w| common::mismatched_calls_fail_on_every_rank_before_touching_buffers(w, 100_000);
     a_rank_that_never_arrives_times_out_naming_it => common::a_rank_that_never_arrives_times_out_naming_it;
+    a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank =>
+        common::a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank;
     abort_wakes_every_waiter_with_the_aborting_rank => common::abort_wakes_every_waiter_with_the_aborting_rank;
     a_group_over_every_rank_does_not_share_the_world_sequence =>
         common::a_group_over_every_rank_does_not_share_the_world_sequence;

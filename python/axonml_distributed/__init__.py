@@ -4,7 +4,8 @@ Real collectives (every rank waits for every other, results bitwise identical on
 in-process world of threads (`spawn`, `ThreadBackend`), a shared-memory world of processes on one host
 (`init_process_group("shm")` under `axonml-run`), or MPI (`init_process_group("mpi")` under mpiexec);
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules; Horovod's
-`broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts.
+`broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts;
+object collectives (`broadcast_object` ...) through a restricted codec, never pickle.
 """
 
 from axonml_distributed._core import (
@@ -34,6 +35,7 @@ from axonml_distributed.comm import (
     get_rank,
     get_world_size,
     is_main_process,
+    monitored_barrier,
     new_group,
     rank,
     reduce_scatter_mean,
@@ -62,6 +64,14 @@ from axonml_distributed.init import (
     init_process_group,
     is_initialized,
 )
+from axonml_distributed.objects import (
+    all_gather_object,
+    broadcast_object,
+    gather_object,
+    recv_object,
+    scatter_object,
+    send_object,
+)
 from axonml_distributed.sampler import DistributedSampler
 from axonml_distributed.spawn import spawn
 
@@ -87,6 +97,7 @@ __all__ = [
     "World",
     "__version__",
     "all_gather",
+    "all_gather_object",
     "all_reduce_max",
     "all_reduce_mean",
     "all_reduce_min",
@@ -95,9 +106,11 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_from",
+    "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "destroy_process_group",
+    "gather_object",
     "gather_tensor",
     "get_default_group",
     "get_rank",
@@ -105,11 +118,15 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "is_main_process",
+    "monitored_barrier",
     "new_group",
     "rank",
+    "recv_object",
     "reduce_scatter_mean",
     "reduce_scatter_sum",
+    "scatter_object",
     "scatter_tensor",
+    "send_object",
     "spawn",
     "sync_gradient",
     "sync_gradients",

@@ -1,6 +1,7 @@
 """Native core of axonml-distributed (Rust, via PyO3). Hand-written stub, checked with mypy.stubtest."""
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, ClassVar, Protocol, final
 
 import numpy.typing as npt
@@ -101,8 +102,9 @@ class CallCheck:
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
-def checked_timeout(seconds: float | None = None) -> float:
-    """`seconds` checked as every native timeout is (positive, at most 1e9; None: 300)."""
+def checked_timeout(seconds: float | timedelta | None = None) -> float:
+    """`seconds` (a number or a timedelta) checked as every native timeout is (positive, at most about
+    31 years; None: 300), in seconds."""
 
 @final
 class Backend:
@@ -206,6 +208,9 @@ class ProcessGroup:
     ) -> Work | None: ...
     def reduce(self, buf: _Buf, dst: int, op: _Op = None, *, async_op: bool = False) -> Work | None: ...
     def barrier(self, *, async_op: bool = False) -> Work | None: ...
+    def monitored_barrier(
+        self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None: ...
     def send(self, buf: _Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> Work | None: ...
     def recv(self, buf: _Buf, src: int, tag: int = 0, *, async_op: bool = False) -> Work | None: ...
     def all_reduce_tensor(self, t: _Buf, op: _Op = None, *, async_op: bool = False) -> Any: ...

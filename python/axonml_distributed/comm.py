@@ -11,6 +11,7 @@ reaching a collective aborts the whole world."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -175,6 +176,24 @@ def gather_tensor(t: Any, dim: int, pg: ProcessGroupLike | None = None) -> Any:
 def barrier(pg: ProcessGroupLike | None = None) -> None:
     """Block until every member arrives."""
     _group(pg, "barrier(pg)").barrier()
+
+
+def monitored_barrier(
+    timeout: float | timedelta | None = None,
+    wait_all_ranks: bool = False,
+    group: ProcessGroupLike | None = None,
+) -> None:
+    """As torch.distributed's: a barrier that waits at most `timeout` (seconds or a timedelta; None:
+    the group's timeout). When members do not arrive in time, every member that did raises
+    CollectiveTimeoutError naming all the missing ones (whatever `wait_all_ranks`: they are known at
+    the deadline) and the world is aborted, as by any timeout (over MPI: the job ends)."""
+    if not isinstance(wait_all_ranks, bool):
+        raise TypeError(
+            f"monitored_barrier(timeout, wait_all_ranks, group) takes wait_all_ranks second, got "
+            f"{type(wait_all_ranks).__name__}; pass the group as group="
+        )
+    g = _group(group, "monitored_barrier(timeout, wait_all_ranks, group)")
+    g.monitored_barrier(timeout, wait_all_ranks)
 
 
 def rank(pg: ProcessGroupLike | None = None) -> int:

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use numpy::PyArrayDescr;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
@@ -23,6 +23,18 @@ pub(crate) fn timeout_from(seconds: Option<f64>) -> PyResult<Duration> {
             MAX_TIMEOUT.as_secs_f64()
         ))),
     }
+}
+
+/// A timeout given as seconds or as a `datetime.timedelta` (torch's type), checked as [`timeout_from`].
+pub(crate) fn timeout_arg(t: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let seconds = if t.hasattr("total_seconds")? { t.call_method0("total_seconds")? } else { t.clone() };
+    let seconds = seconds.extract::<f64>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "timeout must be a number of seconds or a datetime.timedelta, got {}",
+            t.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    timeout_from(Some(seconds))
 }
 
 /// An element count from Python: a ValueError (not an OverflowError) for one no buffer could hold.

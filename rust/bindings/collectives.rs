@@ -113,6 +113,11 @@ pub(crate) fn barrier<'py>() -> Prepared<'py> {
     Prepared::collective(vec![], Box::new(|c| c.barrier()))
 }
 
+/// `monitored_barrier(timeout)`.
+pub(crate) fn monitored_barrier<'py>(timeout: std::time::Duration) -> Prepared<'py> {
+    Prepared::collective(vec![], Box::new(move |c| c.monitored_barrier(timeout)))
+}
+
 /// `send(buf, dst, tag)`.
 pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepared<'py>> {
     let buf = readable(buf, "buf")?;

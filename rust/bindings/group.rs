@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::args::timeout_arg;
 use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros};
 use super::backend::PyBackend;
 use super::collectives::{self as c, Obj, Prepared};
@@ -188,6 +189,17 @@ impl PyProcessGroup {
     #[pyo3(signature = (*, async_op=false))]
     fn barrier(&self, py: Python<'_>, async_op: bool) -> Ret {
         self.run(py, async_op, Ok(c::barrier()), None)
+    }
+    /// A barrier that waits at most `timeout` (seconds or a `datetime.timedelta`; None: the world's
+    /// timeout). When members do not arrive in time, every member that did raises
+    /// CollectiveTimeoutError naming all the missing ones, whatever `wait_all_ranks` (torch's keyword),
+    /// and the world is aborted, as by any timeout. Blocking only.
+    #[pyo3(signature = (timeout=None, wait_all_ranks=false))]
+    fn monitored_barrier(&self, py: Python<'_>, timeout: Option<&Obj>, wait_all_ranks: bool) -> Ret {
+        let _ = wait_all_ranks; // the engine knows every missing member at the deadline
+        let call =
+            timeout.map(timeout_arg).transpose().map(|t| t.map_or_else(c::barrier, c::monitored_barrier));
+        self.run(py, false, call, None)
     }
     /// Send `buf` to global rank `dst`; returns once the receiver has it.
     #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]

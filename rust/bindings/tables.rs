@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{dtype_arg, timeout_from};
+use super::args::{dtype_arg, timeout_arg, timeout_from};
 use super::op::parse_op;
 use crate::dtype::DType;
 use crate::reduce::ReduceOp;
@@ -58,12 +58,12 @@ pub(crate) fn segment_name(job_id: &str) -> String {
     crate::transport::shm::segment_name(job_id)
 }
 
-/// `seconds` checked as every native timeout is (positive, at most about 31 years; None: the default
-/// of 300 s).
+/// `seconds` (a number or a `datetime.timedelta`) checked as every native timeout is (positive, at
+/// most about 31 years; None: the default of 300 s), in seconds.
 #[pyfunction]
 #[pyo3(signature = (seconds=None))]
-pub(crate) fn checked_timeout(seconds: Option<f64>) -> PyResult<f64> {
-    Ok(timeout_from(seconds)?.as_secs_f64())
+pub(crate) fn checked_timeout(seconds: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
+    Ok(seconds.map_or_else(|| timeout_from(None), timeout_arg)?.as_secs_f64())
 }
 
 /// The code of `op` once the core's rule allows it on `dtype`, else the TypeError a collective raises.

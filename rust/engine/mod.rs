@@ -36,12 +36,14 @@ pub(crate) mod wire;
 use std::cell::RefCell;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
 use crate::algo::{self, spans, staged::Staged, Route};
 use crate::call::{self, Call};
+use crate::config::MAX_TIMEOUT;
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
@@ -139,18 +141,35 @@ impl<S: Store> Engine<S> {
     }
 
     /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
-    /// on abort, interrupt, a dead peer or the timeout, naming the members that never got there.
-    fn wait_all(&self, which: impl Fn(&Ctrl) -> &AtomicU64 + Copy, k: u64, op: &str) -> Result<()> {
+    /// on abort, interrupt, a dead peer or the timeout (`within`, else the world's), naming the members
+    /// that never got there.
+    fn wait_all(
+        &self,
+        which: impl Fn(&Ctrl) -> &AtomicU64 + Copy,
+        k: u64,
+        op: &str,
+        within: Option<Duration>,
+    ) -> Result<()> {
         let s = &self.store;
         let n = s.members().len();
         let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);
         let ready = || (0..n).all(|j| which(s.ctrl(j)).load(Acquire) >= k);
         let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
-        let e = match s.wait(op).until(ready, || self.check_abort(op, true), slow) {
+        let mut wait = s.wait(op);
+        if let Some(t) = within {
+            // Capped as every timeout from Python is, so the deadline cannot overflow.
+            wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
+        }
+        let timeout = within.unwrap_or_else(|| s.timeout());
+        let e = match wait.until(ready, || self.check_abort(op, true), slow) {
             Ok(()) => return Ok(()),
+            // A peer's timeout in this same call: it waited as long as this call's, not the world's.
+            Err(Stop::Failed(Error::Timeout { rank, op, missing, group, progress, .. })) => {
+                Error::Timeout { rank, op, waited: timeout, missing, group, progress }
+            }
             Err(Stop::Failed(e)) => e,
             Err(Stop::TimedOut) => {
-                Error::timeout(s.rank(), op, s.timeout(), behind().collect(), s.members().to_vec())
+                Error::timeout(s.rank(), op, timeout, behind().collect(), s.members().to_vec())
             }
         };
         Err(self.with_progress(self.fail(e)))
@@ -223,7 +242,7 @@ impl<S: Store> Engine<S> {
         ctrl.pages[(k % 2) as usize].store(&page);
         ctrl.arrive.store(k, SeqCst);
         s.notify();
-        let arrived = self.wait_all(|c| &c.arrive, k, &op);
+        let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
         let everyone = arrived.is_ok();
         let (result, drain) = match arrived {
             Ok(()) => self.run(&mut local, &call, &sig, oneshot, k, &op),
@@ -336,7 +355,7 @@ impl<S: Store> Engine<S> {
                     ctrl.step.store(step, Release);
                     s.notify();
                 };
-                let sync = |step: u64| self.wait_all(|c| &c.step, step, op);
+                let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
                 // SAFETY: the buffers were validated for this signature, which every member shares. Only
                 // their owner touches private buffers (peers read staging, which outlives the call), so
                 // a member may leave the pipeline without waiting for the others.

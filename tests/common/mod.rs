@@ -294,6 +294,26 @@ pub fn a_rank_that_never_arrives_times_out_naming_it(w: &impl Worlds) {
     assert!(matches!(got[1], Some(Error::Aborted { .. })), "the late rank fails at once: {:?}", got[1]);
 }
 
+pub fn a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank(w: &impl Worlds) {
+    let within = Duration::from_millis(300);
+    let got = w.run(4, LONG, move |pg| {
+        let comm = pg.comm().unwrap().clone();
+        if pg.rank() % 2 == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return comm.barrier().err();
+        }
+        comm.monitored_barrier(within).err()
+    });
+    for r in [0, 2] {
+        // Both report the call's own timeout, also the one that learned of it from the other's abort.
+        let ok = matches!(&got[r], Some(Error::Timeout { missing, waited, .. }) if missing == &vec![1, 3] && *waited == within);
+        assert!(ok, "rank {r}: {:?}", got[r]);
+    }
+    for r in [1, 3] {
+        assert!(matches!(got[r], Some(Error::Aborted { .. })), "the late rank fails at once: {:?}", got[r]);
+    }
+}
+
 pub fn abort_wakes_every_waiter_with_the_aborting_rank(w: &impl Worlds) {
     let got = w.run(3, LONG, |pg| {
         if pg.rank() == 0 {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -196,6 +197,21 @@ class MpiProcessGroup:
 
     def barrier(self, *, async_op: bool = False) -> MpiWork | None:
         return _inplace(self._collective("barrier", plans.barrier, async_op))
+
+    def monitored_barrier(
+        self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """A barrier that waits at most `timeout` (seconds or a timedelta; None: the group's timeout),
+        as the native groups': a member that does not arrive in time is named, with every other
+        missing one (whatever `wait_all_ranks`), by the members that did, and the job is aborted (MPI
+        cannot cancel what the missing ranks would match later). Every member exchanges an empty
+        message with every other on the reserved tag, so each knows itself who is missing."""
+        seconds = self._timeout if timeout is None else checked_timeout(timeout)
+        queue = self._member_queue("monitored_barrier")
+        peers = {i: r for i, r in enumerate(self._ranks) if r != self._rank}
+        describe = f"monitored_barrier in MPI group {self._ranks}"
+        with queue.lock:
+            await_peers(queue.comm, peers, seconds, describe, self._ranks)
 
     def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)

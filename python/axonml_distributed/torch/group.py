@@ -341,6 +341,14 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         native = self._native.scatter(send, buf, root, async_op=_async(opts))
         return self._done("coll", [native], outputs, back)
 
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``, which the native group's carries out (naming
+        every missing rank). torch's ``dist.monitored_barrier`` never gets here: it asks for a group
+        with a CPU device backend registered, which a backend that is a ProcessGroup has not (and
+        claiming one would have torch attach its flight recorder, which fails on such a group); call
+        it on the group: ``dist.group.WORLD.monitored_barrier(timeout)``."""
+        self._native.monitored_barrier(timeout, wait_all_ranks)
+
     def barrier(self, opts: Any = None) -> Work | None:
         return self._done("coll", [self._native.barrier(async_op=_async(opts))], None)
 
