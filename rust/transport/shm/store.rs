@@ -24,7 +24,7 @@ use crate::transport::wait::{may_spin, Wait};
 const NO_BUFFER: u64 = NOT_SHARED - 1;
 /// Tags a published private buffer: the rest is its address in the publisher's process, which lets
 /// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
-const PRIVATE: u64 = 1 << 62;
+pub(super) const PRIVATE: u64 = 1 << 62;
 
 /// One rank's view of one communicator (slot `slot` of the segment's table).
 pub(crate) struct ShmStore {
