@@ -14,6 +14,17 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
 pub(crate) const YIELD: Duration = Duration::from_micros(400);
+/// `AXONML_WAIT_SPIN_US` / `AXONML_WAIT_YIELD_US`: the two budgets above, for tuning on a given
+/// machine (read once).
+pub(crate) fn wait_budgets() -> (Duration, Duration) {
+    static BUDGETS: std::sync::OnceLock<(Duration, Duration)> = std::sync::OnceLock::new();
+    *BUDGETS.get_or_init(|| {
+        let us = |name: &str, default: Duration| {
+            std::env::var(name).ok().and_then(|v| v.parse().ok()).map_or(default, Duration::from_micros)
+        };
+        (us("AXONML_WAIT_SPIN_US", SPIN), us("AXONML_WAIT_YIELD_US", YIELD))
+    })
+}
 /// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 

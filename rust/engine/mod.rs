@@ -326,7 +326,9 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
                 let moved = unsafe { algo::cma::run(call, red, &members, me, op) };
-                (moved.map_err(|e| self.fail(e)), true)
+                // A copy fails when its peer has exited: then say that, as every other wait would.
+                let failed = |e| self.fail(s.check_alive(s.members(), op).err().unwrap_or(e));
+                (moved.map_err(failed), true)
             }
             Route::Staged { bufs, chunk } => {
                 let staged = Staged {

@@ -140,7 +140,7 @@ def _launches(n: int, sizes: list[int], colls: list[str], args: argparse.Namespa
     return launches
 
 
-def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespace) -> dict[str, Results]:
+def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespace) -> Results:
     """Run every peer on `n` ranks, `args.repeat` times in turn, print the tables; returns the medians."""
     arena_mib = 2 * (max(sizes) >> 20) + 16
     env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(arena_mib), GLOO_SOCKET_IFNAME="lo")
@@ -171,12 +171,16 @@ def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespac
         print(f"[bench] {peer} not measured in every launch: {why}", file=sys.stderr)
     if not runs["quiet"].get("shm"):
         raise SystemExit("the shm benchmark failed")
-    medians = {m: {k: {c: _median(v) for c, v in per.items()} for k, per in r.items()} for m, r in runs.items()}
+    medians = {
+        mode: {label: {c: _median(v) for c, v in per.items()} for label, per in r.items()}
+        for mode, r in runs.items()
+    }
     for mode in medians:
         if not loads[mode]:
             continue
-        print(f"\n{mode}: load average during the runs {min(loads[mode]):.2f}..{max(loads[mode]):.2f} "
-              f"(for {os.cpu_count()} CPUs){', one CPU-bound process alongside' if mode == 'busy' else ''}")
+        beside = ", one CPU-bound process alongside" if mode == "busy" else ""
+        lo, hi = min(loads[mode]), max(loads[mode])
+        print(f"\n{mode}: load average during the runs {lo:.2f}..{hi:.2f} ({os.cpu_count()} CPUs){beside}")
         for coll in colls:
             worst = _worst_over_quiet(runs, medians, coll) if mode == "busy" else {}
             _table(n, sizes, coll, mode, args.repeat, medians[mode], worst)
