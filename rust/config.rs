@@ -14,6 +14,17 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
 pub(crate) const YIELD: Duration = Duration::from_micros(400);
+/// `AXONML_WAIT_SPIN_US` / `AXONML_WAIT_YIELD_US`: the two budgets above, for tuning on a given
+/// machine (read once).
+pub(crate) fn wait_budgets() -> (Duration, Duration) {
+    static BUDGETS: std::sync::OnceLock<(Duration, Duration)> = std::sync::OnceLock::new();
+    *BUDGETS.get_or_init(|| {
+        let us = |name: &str, default: Duration| {
+            std::env::var(name).ok().and_then(|v| v.parse().ok()).map_or(default, Duration::from_micros)
+        };
+        (us("AXONML_WAIT_SPIN_US", SPIN), us("AXONML_WAIT_YIELD_US", YIELD))
+    })
+}
 /// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
@@ -40,6 +51,11 @@ pub const DEFAULT_ARENA: usize = 64 << 20;
 pub(crate) const SHM_CHUNK: usize = 1 << 20;
 /// The shm world's largest one-shot all_reduce, for worlds of up to 8 ranks.
 pub(crate) const SHM_ONESHOT: usize = 64 << 10;
+/// Collectives on private arrays of the shm world whose largest buffer has at least this many bytes
+/// copy straight between processes (`algo::cma`) when the kernel allows it; smaller ones are staged.
+pub(crate) const CMA_MIN: usize = 64 << 10;
+/// Bytes of each peer's tile a cross-memory reduction reads before reducing it (kept in cache).
+pub(crate) const CMA_TILE: usize = 128 << 10;
 /// Bytes per send/recv cell of the shm world (two per ordered pair of ranks), up to 8 ranks.
 pub(crate) const SHM_CELL: usize = 64 << 10;
 
@@ -57,4 +73,10 @@ pub(crate) const RENDEZVOUS_SLICE: Duration = Duration::from_millis(100);
 /// a tuning knob for benchmarks (rank 0's value counts; the others learn it from the segment header).
 pub fn shm_chunk_from_env() -> Option<usize> {
     std::env::var("AXONML_SHM_CHUNK_KIB").ok()?.parse::<usize>().ok()?.checked_mul(1024)
+}
+
+/// `AXONML_SHM_CMA=0`: never copy straight between processes (`algo::cma`), always stage; for tests of
+/// the staged path and for sandboxes that log refused `process_vm_readv` calls.
+pub(crate) fn cma_allowed_by_env() -> bool {
+    std::env::var("AXONML_SHM_CMA").map_or(true, |v| v.trim() != "0")
 }

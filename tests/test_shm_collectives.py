@@ -6,6 +6,8 @@ references independently; no test leaves a segment of ours in /dev/shm.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -157,6 +159,21 @@ def test_every_collective_dtype_and_op_matches_numpy_bitwise_on_every_rank(n):
         assert not fails, f"rank {rank}: {fails[:5]}"
     for rank, (_, digests) in enumerate(results):
         assert digests == results[0][1], f"rank {rank} differs from rank 0"
+
+
+def w_collectives_without_cross_memory_on_rank_0(rank, n, ports, job, timeout, q):
+    """As w_collectives, with rank 0 refusing cross-memory copies (as a sandbox would make it)."""
+    if rank == 0:
+        os.environ["AXONML_SHM_CMA"] = "0"
+    return w_collectives(rank, n, ports, job, timeout, q)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_cross_memory_copies_makes_every_rank_stage_and_results_stay_exact():
+    results = ok(run_world(2, w_collectives_without_cross_memory_on_rank_0, limit=110))
+    for rank, (fails, _) in enumerate(results):
+        assert not fails, f"rank {rank}: {fails[:5]}"
+    assert results[1][1] == results[0][1], "rank 1 differs from rank 0"
 
 
 def w_two_groups(rank, n, ports, job, timeout, q):

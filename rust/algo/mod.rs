@@ -3,11 +3,13 @@
 //! * `oneshot`: small all-reduces, through a copy of every member's input;
 //! * [`direct`]: every buffer addressable by every member (the in-process world, or arrays inside a
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
-//! * `staged`: private buffers of processes, pipelined through staging buffers.
+//! * `staged`: private buffers of processes, pipelined through staging buffers;
+//! * `cma`: private buffers of processes, copied straight between them by the kernel.
 //!
 //! Members touch disjoint memory; the engine's second sync ("done") keeps buffers alive until every
 //! peer has finished with them.
 
+pub(crate) mod cma;
 pub(crate) mod copy;
 pub(crate) mod oneshot;
 pub(crate) mod owner;
@@ -32,6 +34,8 @@ pub(crate) enum Route {
     Direct(Vec<Peer>),
     /// Through every member's two pipeline buffers of `chunk` bytes (`staged`).
     Staged { bufs: Vec<[*mut u8; 2]>, chunk: usize },
+    /// Every member's buffers, in this process or in a peer's that lets us copy (`cma`).
+    Cma(Vec<cma::Member>),
 }
 
 /// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it

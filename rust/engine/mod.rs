@@ -8,10 +8,11 @@
 //! 2. wait until every member's `arrive >= k`, then compare the signatures: any difference aborts the
 //!    world and every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
-//!    own buffer), direct (owner-computes and copies straight between the published buffers), or
-//!    staged (pipelined through staging buffers, when peers cannot address every buffer);
-//! 4. store `done = k` on every way out of a call this member arrived at; after the direct path, wait
-//!    until every member's `done >= k` (peers may still touch our buffers until then).
+//!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
+//!    (the same between processes, copied by the kernel), or staged (pipelined through staging
+//!    buffers, when peers cannot reach every buffer);
+//! 4. store `done = k` on every way out of a call this member arrived at; after the direct and cma
+//!    paths, wait until every member's `done >= k` (peers may still touch our buffers until then).
 //!
 //! A member does not leave a call while a peer may still touch its buffers. A member whose arrival
 //! wait fails (abort, timeout, interrupt, dead peer) first makes sure the world is aborted, then waits
@@ -335,6 +336,18 @@ impl<S: Store> Engine<S> {
                 // each keeps its buffers until every member stored its done (drain).
                 unsafe { algo::direct(call, red, &peers, me) };
                 (Ok(()), true)
+            }
+            Route::Cma(members) => {
+                // As for the direct path: touch no peer's buffer once a member's arrival wait failed.
+                fence(SeqCst);
+                if s.aborted() {
+                    return (self.check_abort(op, true), true);
+                }
+                // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
+                let moved = unsafe { algo::cma::run(call, red, &members, me, op) };
+                // A copy fails when its peer has exited: then say that, as every other wait would.
+                let failed = |e| self.fail(s.check_alive(s.members(), op).err().unwrap_or(e));
+                (moved.map_err(failed), true)
             }
             Route::Staged { bufs, chunk } => {
                 let staged = Staged {

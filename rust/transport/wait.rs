@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use rustix::thread::futex;
 
-use crate::config::{SLICE, SPIN, YIELD};
+use crate::config::{wait_budgets, SLICE};
 use crate::error::{Error, Result};
 
 /// A futex word peers bump when they publish progress, plus a count of sleepers. `repr(C)` so it can
@@ -96,8 +96,9 @@ impl Wait<'_> {
         mut slow: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
+        let (spin, yields) = wait_budgets();
         if self.spin {
-            while start.elapsed() < SPIN {
+            while start.elapsed() < spin {
                 for _ in 0..64 {
                     if ready() {
                         return Ok(());
@@ -107,7 +108,7 @@ impl Wait<'_> {
                 quick().map_err(Stop::Failed)?;
             }
         }
-        while start.elapsed() < YIELD {
+        while start.elapsed() < yields {
             if ready() {
                 return Ok(());
             }

@@ -28,7 +28,7 @@ use crate::transport::wait::Event;
 /// The segment header's first word: "AXONSHM" + format generation, little endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// The segment format's version, bumped whenever the layout or protocol changes.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member
@@ -212,6 +212,8 @@ pub(crate) struct Header {
     pub abort_reason: UnsafeCell<[u8; REASON]>,
     pub event: Event,
     pub pids: [AtomicU32; MAX_RANKS],
+    /// Where each rank's process holds `algo::cma::PROBE` (an address in that process).
+    pub probes: [AtomicU64; MAX_RANKS],
 }
 
 /// `CommHead::state` of a slot no communicator uses.

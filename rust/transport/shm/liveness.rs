@@ -41,6 +41,11 @@ impl Liveness {
         Ok(Liveness { fds, pids: pids.to_vec() })
     }
 
+    /// The pid of `rank`'s process, as it registered it (a pidfd was opened for it while it lived).
+    pub(crate) fn pid(&self, rank: usize) -> u32 {
+        self.pids[rank]
+    }
+
     /// The first of `ranks` whose process has exited, with its pid.
     pub(crate) fn first_dead(&self, ranks: &[usize]) -> Option<(usize, u32)> {
         let watched: Vec<usize> =

@@ -60,9 +60,11 @@ fn me() -> u32 {
     rustix::process::getpid().as_raw_nonzero().get() as u32
 }
 
-/// Record this rank in the header: its pid, then one more attached rank.
+/// Record this rank in the header: where it holds the cross-memory probe word, its pid, then one more
+/// attached rank.
 pub(crate) fn register(m: &Mapping, rank: usize) {
     let h = m.header();
+    h.probes[rank].store(crate::algo::cma::PROBE.as_ptr() as u64, SeqCst);
     h.pids[rank].store(me(), SeqCst);
     h.attached.fetch_add(1, SeqCst);
 }

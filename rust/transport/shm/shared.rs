@@ -4,7 +4,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicUsize;
-use std::sync::Mutex;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use super::arena::FreeList;
@@ -42,6 +43,9 @@ pub(crate) struct Shared {
     /// Per peer: this rank's send side and receive side of the channels with it.
     pub sends: Vec<Mutex<ChanState>>,
     pub recvs: Vec<Mutex<ChanState>>,
+    /// Whether this process may copy straight to and from every peer's memory (`algo::cma`): probed
+    /// on first need, false when the environment forbids it.
+    cma: OnceLock<bool>,
 }
 
 impl Shared {
@@ -71,7 +75,26 @@ impl Shared {
             free: Mutex::new(FreeList::new(l.params.arena)),
             sends: (0..size).map(|_| Mutex::default()).collect(),
             recvs: (0..size).map(|_| Mutex::default()).collect(),
+            cma: OnceLock::new(),
         })
+    }
+
+    /// Whether this rank may copy straight between its memory and every peer's (see `cma`). Each rank
+    /// decides for itself and says so in what it publishes, so the members of a call agree on the route.
+    pub(crate) fn cma(&self) -> bool {
+        *self.cma.get_or_init(|| {
+            let h = self.header();
+            crate::config::cma_allowed_by_env()
+                && (0..self.size).filter(|&r| r != self.rank).all(|r| {
+                    let (pid, addr) = (self.liveness.pid(r), h.probes[r].load(SeqCst));
+                    i32::try_from(pid).is_ok_and(|pid| crate::algo::cma::probe(pid, addr as usize))
+                })
+        })
+    }
+
+    /// The pid of `rank`'s process.
+    pub(crate) fn pid(&self, rank: usize) -> u32 {
+        self.liveness.pid(rank)
     }
 
     /// Make staging block `block` writable (this rank is now its member) or read-only again.

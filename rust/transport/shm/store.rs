@@ -1,6 +1,8 @@
 //! The shared-memory world's engine store: one rank's view of one communicator slot of the segment.
 //! Buffers are published as segment offsets; peers' arrays are used in place when every member's
-//! buffers lie in the segment, and staged through the members' blocks otherwise.
+//! buffers lie in the segment; otherwise copied straight between the processes (`algo::cma`) when
+//! every member publishes an address it lets peers copy from, and staged through the members' blocks
+//! when one does not.
 
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
@@ -8,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
+use crate::algo::cma::{self, Loc, Member};
 use crate::algo::{spans, Peer, Route};
 use crate::backend::SharedMem;
+use crate::config::CMA_MIN;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
@@ -18,6 +22,9 @@ use crate::transport::wait::{may_spin, Wait};
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;
+/// Tags a published private buffer: the rest is its address in the publisher's process, which lets
+/// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
+pub(super) const PRIVATE: u64 = 1 << 62;
 
 /// One rank's view of one communicator (slot `slot` of the segment's table).
 pub(crate) struct ShmStore {
@@ -65,6 +72,7 @@ impl ShmStore {
             match (bytes, off) {
                 (0, _) => Ok(Some(std::ptr::null_mut())),
                 (_, NO_BUFFER | NOT_SHARED) => Ok(None),
+                (_, off) if off & PRIVATE != 0 => Ok(None),
                 (b, off) => self
                     .world
                     .resolve(self.members[j], off, b, align)
@@ -80,6 +88,42 @@ impl ShmStore {
             peers.push(Peer { send: send.cast_const(), recv });
         }
         Ok(Some(peers))
+    }
+
+    /// Every member's buffers as places to copy from and to (`algo::cma`), when every member published
+    /// its private buffers for it (a member that may not, or a call below [`CMA_MIN`], publishes none).
+    /// An address no correct peer publishes (wrapping around, misaligned) is an error.
+    fn cma(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Member>>> {
+        let n = self.members.len();
+        let align = sig.dtype.map_or(1, |d| d.size());
+        let mut members = Vec::with_capacity(n);
+        for (j, page) in pages.iter().enumerate() {
+            let rank = self.members[j];
+            let pid = (j != self.index).then(|| self.world.pid(rank) as i32);
+            let (s, r) = spans(sig, n, root == Some(j));
+            let locate = |off: u64, bytes: usize| -> Result<Option<Loc>> {
+                let bad = |why: &str| {
+                    Error::invalid(format!("{sig}: rank {rank} published {why} (corrupted segment?)"))
+                };
+                let addr = match (bytes, off) {
+                    (0, _) => 0,
+                    (_, NO_BUFFER | NOT_SHARED) => return Ok(None),
+                    (_, off) if off & PRIVATE != 0 => {
+                        let a = usize::try_from(off & !PRIVATE).map_err(|_| bad("an impossible address"))?;
+                        if a == 0 || a.checked_add(bytes).is_none() || a % align != 0 {
+                            return Err(bad(&format!("a buffer of {bytes} bytes at {a:#x}")));
+                        }
+                        return Ok(Some(Loc { pid, addr: a, rank }));
+                    }
+                    (b, off) => self.world.resolve(rank, off, b, align).map_err(|why| bad(&why))? as usize,
+                };
+                Ok(Some(Loc { pid: None, addr, rank }))
+            };
+            let Some(send) = locate(page.send, s)? else { return Ok(None) };
+            let Some(recv) = locate(page.recv, r)? else { return Ok(None) };
+            members.push(Member { send, recv });
+        }
+        Ok(Some(members))
     }
 }
 
@@ -130,13 +174,22 @@ impl Store for ShmStore {
     fn share(&self, ptr: *const u8, bytes: usize) -> u64 {
         if ptr.is_null() || bytes == 0 {
             NO_BUFFER
+        } else if let Some(off) = self.world.offset_of(ptr, bytes) {
+            off
+        } else if bytes >= CMA_MIN && (ptr as u64) < PRIVATE && self.world.cma() {
+            PRIVATE | ptr as u64
         } else {
-            self.world.offset_of(ptr, bytes).unwrap_or(NOT_SHARED)
+            NOT_SHARED
         }
     }
     fn route(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, root)? {
             return Ok(Route::Direct(peers));
+        }
+        if cma::handles(sig.kind) {
+            if let Some(members) = self.cma(pages, sig, root)? {
+                return Ok(Route::Cma(members));
+            }
         }
         let p = &self.world.layout.params;
         let bufs = (0..self.members.len())

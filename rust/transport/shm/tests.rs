@@ -142,3 +142,52 @@ fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_e
     assert!(e.to_string().contains("not aligned to its 4-byte elements"), "{e}");
     assert_ne!(w.header().abort_state.load(std::sync::atomic::Ordering::Acquire), 0, "the world is aborted");
 }
+
+#[test]
+fn every_rank_of_a_world_in_one_process_may_copy_from_its_peers() {
+    let [r0, r1] = pair(Duration::from_secs(20));
+    assert!(r0.cma() && r1.cma());
+}
+
+#[test]
+fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_clear_error() {
+    use super::store::PRIVATE;
+    use super::ShmBackend;
+    use crate::backend::Backend;
+    use crate::engine::{wire, Published};
+    use crate::reduce::ReduceOp;
+    use crate::signature::{CollKind, Signature};
+
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let opts = move |r: usize| {
+        let mut o = ShmOptions::new(r, 2, "127.0.0.1", port);
+        o.timeout = Duration::from_secs(20);
+        o.arena_bytes = 1 << 20;
+        o
+    };
+    // Large enough for the cross-memory route.
+    const COUNT: usize = 100_000;
+    let honest = std::thread::spawn(move || {
+        let b = ShmBackend::connect(opts(0)).unwrap();
+        let mut data = vec![1.0f32; COUNT];
+        let t = Instant::now();
+        let e = b.all_reduce(BufMut::new(&mut data[..]), ReduceOp::Sum).unwrap_err();
+        (e, t.elapsed())
+    });
+    // Rank 1 (in this same process) arrives at the same call with a page-aligned address nothing maps.
+    let o = opts(1);
+    let w = Shared::new(rendezvous::join(&o).unwrap(), 1, o.timeout).unwrap();
+    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
+    let bogus = PRIVATE | 0x1000;
+    let ctrl = w.ctrl(0, 1);
+    ctrl.pages[1].store(&Published { sig: wire::encode(&sig), send: bogus, recv: bogus });
+    ctrl.arrive.store(1, std::sync::atomic::Ordering::SeqCst);
+    // It touches nothing of rank 0's: done at once, so rank 0's drain ends.
+    ctrl.done.store(1, std::sync::atomic::Ordering::SeqCst);
+    w.comm_head(0).event.notify(true);
+    let (e, took) = honest.join().unwrap();
+    let m = e.to_string();
+    assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
+    assert!(took < Duration::from_secs(10), "failed at once, not at the timeout");
+    assert_ne!(w.header().abort_state.load(std::sync::atomic::Ordering::Acquire), 0, "the world is aborted");
+}

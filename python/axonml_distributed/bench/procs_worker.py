@@ -1,0 +1,188 @@
+"""One rank of one peer in the multi-process benchmark (`bench.procs`): times the bulk collectives and
+prints, on rank 0, one line ``BENCH-RESULT {label: {collective: [seconds per size]}}``.
+
+Run as a script, ``python procs_worker.py shm|mpi|gloo --sizes ... --colls ...`` under the peer's
+launcher. It imports nothing else of the bench, so an older build of the package can run this file and
+be compared with the current one in the same run (``bench.procs --compare-python``).
+
+A size is the bytes of the larger buffer, as nccl-tests count it: the message of all_reduce and
+broadcast, all_gather's output, reduce_scatter's input (each rank's part is size / n). Each op is timed
+on its own after a warm-up; a figure is the max over ranks of each rank's median. Every result is
+checked once per size before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+RESULT = "BENCH-RESULT "
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def iterations(size: int) -> int:
+    return max(5, min(1000, (100 << 20) // max(size, 1)))
+
+
+def median_time(op: Callable[[], Any], size: int, barrier: Callable[[], Any]) -> float:
+    """Median seconds of individually timed ops, after a warm-up (which also faults pages in)."""
+    for _ in range(2 if size > 1 << 20 else 20):
+        op()
+    barrier()
+    times = []
+    for _ in range(iterations(size)):
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    barrier()
+    return float(np.median(times))
+
+
+def pattern(count: int) -> np.ndarray:
+    return np.arange(count, dtype=np.float32) % 7
+
+
+class Case:
+    """The buffers of one collective at one size on one rank, filled so the result can be checked."""
+
+    def __init__(self, coll: str, size: int, rank: int, n: int, alloc: Callable[[int], np.ndarray]):
+        self.coll, self.rank, self.n = coll, rank, n
+        count = max(n, size // 4 // n * n)
+        part = count // n
+        small = part if coll == "all_gather" else count
+        self.send = alloc(small if coll != "reduce_scatter" else count)
+        self.recv = {"all_gather": alloc(count), "reduce_scatter": alloc(part)}.get(coll, self.send)
+        self.count, self.part = count, part
+
+    def fill(self) -> None:
+        self.send[:] = pattern(self.send.size) + self.rank
+
+    def check(self) -> None:
+        n, me, part = self.n, self.rank, self.part
+        if self.coll == "all_reduce":
+            want = pattern(self.count) * n + n * (n - 1) / 2
+        elif self.coll == "broadcast":
+            want = pattern(self.count)
+        elif self.coll == "all_gather":
+            want = np.concatenate([pattern(part) + j for j in range(n)])
+        else:
+            want = pattern(self.count)[me * part : (me + 1) * part] * n + n * (n - 1) / 2
+        if not np.array_equal(self.recv, want.astype(np.float32)):
+            raise SystemExit(f"wrong {self.coll} result for {self.recv.nbytes} bytes")
+
+
+def sweep(
+    label: str,
+    sizes: list[int],
+    colls: list[str],
+    rank: int,
+    n: int,
+    kinds: dict[str, Callable[[int], np.ndarray]],
+    calls: dict[str, Callable[[Case], Callable[[], Any]]],
+    barrier: Callable[[], Any],
+    worst: Callable[[float], float],
+) -> None:
+    out: dict[str, dict[str, list[float]]] = {}
+    for kind, alloc in kinds.items():
+        per: dict[str, list[float]] = {}
+        for coll in colls:
+            per[coll] = []
+            for size in sizes:
+                case = Case(coll, size, rank, n, alloc)
+                try:
+                    op = calls[coll](case)
+                    case.fill()
+                    op()
+                except (RuntimeError, ValueError, NotImplementedError):
+                    per[coll].append(math.nan)  # this peer cannot run this collective
+                    continue
+                case.check()
+                per[coll].append(worst(median_time(op, size, barrier)))
+                del case
+        out[label + kind] = per
+    if rank == 0:
+        print(RESULT + json.dumps(out), flush=True)
+
+
+def shm(sizes: list[int], colls: list[str], label: str) -> None:
+    from axonml_distributed.shm import init_shm_process_group
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    pg = init_shm_process_group(rank, n, 120)
+
+    def worst(t: float) -> float:
+        every = np.empty(n, np.float64)
+        pg.all_gather(np.array([t]), every)
+        return float(every.max())
+
+    calls: dict[str, Callable[[Case], Callable[[], Any]]] = {
+        "all_reduce": lambda c: lambda: pg.all_reduce(c.send),
+        "broadcast": lambda c: lambda: pg.broadcast(c.send, 0),
+        "all_gather": lambda c: lambda: pg.all_gather(c.send, c.recv),
+        "reduce_scatter": lambda c: lambda: pg.reduce_scatter(c.send, c.recv),
+    }
+    kinds = {"": lambda k: np.empty(k, np.float32), "-segment": lambda k: pg.empty(k, np.float32)}
+    sweep(label, sizes, colls, rank, n, kinds, calls, pg.barrier, worst)
+
+
+def mpi(sizes: list[int], colls: list[str], label: str) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    calls: dict[str, Callable[[Case], Callable[[], Any]]] = {
+        "all_reduce": lambda c: lambda: comm.Allreduce(MPI.IN_PLACE, c.send, MPI.SUM),
+        "broadcast": lambda c: lambda: comm.Bcast(c.send, 0),
+        "all_gather": lambda c: lambda: comm.Allgather(c.send, c.recv),
+        "reduce_scatter": lambda c: lambda: comm.Reduce_scatter_block(c.send, c.recv, MPI.SUM),
+    }
+    name = "mpi4py " + MPI.Get_library_version().split()[0]
+    kinds = {name: lambda k: np.empty(k, np.float32)}
+    rank, n = comm.Get_rank(), comm.Get_size()
+    sweep("", sizes, colls, rank, n, kinds, calls, comm.Barrier, lambda t: max(comm.allgather(t)))
+
+
+def gloo(sizes: list[int], colls: list[str], label: str) -> None:
+    # Imported by name: torch is optional, and without it there are no types to check against.
+    torch: Any = importlib.import_module("torch")
+    dist: Any = importlib.import_module("torch.distributed")
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = torch.from_numpy
+
+    def worst(x: float) -> float:
+        every = [0.0] * n
+        dist.all_gather_object(every, x)
+        return max(every)
+
+    calls: dict[str, Callable[[Case], Callable[[], Any]]] = {
+        "all_reduce": lambda c: lambda: dist.all_reduce(t(c.send)),
+        "broadcast": lambda c: lambda: dist.broadcast(t(c.send), 0),
+        "all_gather": lambda c: lambda: dist.all_gather_into_tensor(t(c.recv), t(c.send)),
+        "reduce_scatter": lambda c: lambda: dist.reduce_scatter_tensor(t(c.recv), t(c.send)),
+    }
+    kinds = {"torch-gloo": lambda k: np.empty(k, np.float32)}
+    sweep("", sizes, colls, rank, n, kinds, calls, dist.barrier, worst)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("peer", choices=["shm", "mpi", "gloo"])
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--colls", required=True)
+    p.add_argument("--label", default="shm", help="name of our figures (shm peer only)")
+    a = p.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    {"shm": shm, "mpi": mpi, "gloo": gloo}[a.peer](sizes, a.colls.split(","), a.label)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The multi-process bench runs the bulk collectives and names every figure it could not measure."""
+
+from __future__ import annotations
+
+import pytest
+
+from axonml_distributed.bench import procs
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_prints_ours_and_says_which_peers_it_could_not_measure(capsys, monkeypatch):
+    # No MPI can be found: the bench must say so instead of dropping the column silently.
+    monkeypatch.setattr(procs, "find_mpiexec", lambda: None)
+    args = ["--sizes", "262144", "--colls", "broadcast,all_gather", "--repeat", "1", "--peers", "mpi"]
+    assert procs.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "MPI not measured: mpiexec" in err
+    for coll in ("broadcast", "all_gather"):
+        assert f"float32 {coll}, 2 ranks (quiet)" in out
+    assert "256 KiB" in out and "shm-segment" in out
