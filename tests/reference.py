@@ -48,7 +48,7 @@ def _scaled(a: np.ndarray, factor: float, divisor: int = 1) -> np.ndarray:
     if factor == 1.0 and divisor == 1:
         return a
     real = np.finfo(a.dtype).dtype.type
-    out = a.copy()
+    out = np.array(a)  # an array even for a numpy scalar (what ufuncs make of 0-d arrays), in place below
     for part in (out.real, out.imag) if a.dtype.kind == "c" else (out,):
         if divisor != 1:
             part /= real(divisor)
