@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 use crate::work::Lanes;
 
 /// A communication backend, as seen by one rank. Every collective blocks until all members of the
@@ -27,6 +27,16 @@ pub trait Backend: Send + Sync {
 
     /// Reduce `buf` across members in place.
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Reduce every member's `send` (or, when `None`, its `recv` itself) into `recv`, each input
+    /// multiplied by `scale.pre` and the result by `scale.post`. Out of place, `send` is only read and
+    /// must have `recv`'s dtype and length.
+    fn all_reduce_into(
+        &self,
+        send: Option<Buf<'_>>,
+        recv: BufMut<'_>,
+        op: ReduceOp,
+        scale: Scale,
+    ) -> Result<()>;
     /// Copy `root`'s `buf` into every member's `buf`.
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
     /// Concatenate every member's `send` into `recv` (`members().len() * send.len()` elements).
@@ -39,6 +49,16 @@ pub trait Backend: Send + Sync {
     fn scatter(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, root: usize) -> Result<()>;
     /// Reduce `buf` into `root`'s `buf`; the others' buffers are left unchanged.
     fn reduce(&self, buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()>;
+    /// [`Backend::reduce`] with the options of [`Backend::all_reduce_into`]: only `root`'s `recv` is
+    /// written.
+    fn reduce_into(
+        &self,
+        send: Option<Buf<'_>>,
+        recv: BufMut<'_>,
+        root: usize,
+        op: ReduceOp,
+        scale: Scale,
+    ) -> Result<()>;
     /// Block until every member arrives.
     fn barrier(&self) -> Result<()>;
     /// A barrier that waits at most `timeout` instead of the world's timeout: when members do not

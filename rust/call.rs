@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::algo::Peer;
 use crate::dtype::{expect_dtype, Buf, BufMut, DType};
 use crate::error::{Error, Result};
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
 
 /// A validated collective: what this rank publishes and how much data each member contributes.
@@ -115,7 +115,16 @@ macro_rules! checked_collectives {
             mut buf: $crate::dtype::BufMut<'_>,
             op: $crate::reduce::ReduceOp,
         ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_reduce(&mut buf, op))
+            self.$run($crate::call::all_reduce(None, &mut buf, op, $crate::reduce::Scale::NONE))
+        }
+        fn all_reduce_into(
+            &self,
+            send: Option<$crate::dtype::Buf<'_>>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            op: $crate::reduce::ReduceOp,
+            scale: $crate::reduce::Scale,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::all_reduce(send.as_ref(), &mut recv, op, scale))
         }
         fn broadcast(&self, mut buf: $crate::dtype::BufMut<'_>, root: usize) -> $crate::error::Result<()> {
             self.$run($crate::call::broadcast(self.members(), &mut buf, root))
@@ -157,7 +166,18 @@ macro_rules! checked_collectives {
             root: usize,
             op: $crate::reduce::ReduceOp,
         ) -> $crate::error::Result<()> {
-            self.$run($crate::call::reduce(self.members(), &mut buf, root, op))
+            let none = $crate::reduce::Scale::NONE;
+            self.$run($crate::call::reduce(self.members(), None, &mut buf, root, op, none))
+        }
+        fn reduce_into(
+            &self,
+            send: Option<$crate::dtype::Buf<'_>>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            root: usize,
+            op: $crate::reduce::ReduceOp,
+            scale: $crate::reduce::Scale,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::reduce(self.members(), send.as_ref(), &mut recv, root, op, scale))
         }
         fn barrier(&self) -> $crate::error::Result<()> {
             self.$run(Ok($crate::call::barrier()))
@@ -194,11 +214,37 @@ fn need_len(what: &str, got: usize, want: usize, why: &str) -> Result<()> {
     }
 }
 
-pub(crate) fn all_reduce(buf: &mut BufMut<'_>, op: ReduceOp) -> Result<Call> {
-    op.check(buf.dtype())?;
-    let mut c = call(CollKind::AllReduce, buf.dtype(), buf.len(), buf.as_mut_ptr(), buf.as_mut_ptr());
-    c.sig = c.sig.op(op);
+/// A reduction's call: `op` and `scale` checked for the dtype, `send` (when given: out of place) of
+/// the same dtype and length as `recv`, which it is read from instead of `recv`.
+fn reduction(
+    kind: CollKind,
+    send: Option<&Buf<'_>>,
+    recv: &mut BufMut<'_>,
+    op: ReduceOp,
+    scale: Scale,
+) -> Result<Call> {
+    op.check(recv.dtype())?;
+    scale.check(recv.dtype())?;
+    let input = match send {
+        None => recv.as_mut_ptr().cast_const(),
+        Some(send) => {
+            expect_dtype("the output buffer", recv.dtype(), send.dtype())?;
+            need_len("the output buffer", recv.len(), send.len(), "the input's elements")?;
+            send.as_ptr()
+        }
+    };
+    let mut c = call(kind, recv.dtype(), recv.len(), input, recv.as_mut_ptr());
+    c.sig = c.sig.op(op).scale(scale);
     Ok(c)
+}
+
+pub(crate) fn all_reduce(
+    send: Option<&Buf<'_>>,
+    recv: &mut BufMut<'_>,
+    op: ReduceOp,
+    scale: Scale,
+) -> Result<Call> {
+    reduction(CollKind::AllReduce, send, recv, op, scale)
 }
 
 pub(crate) fn broadcast(members: &[usize], buf: &mut BufMut<'_>, root: usize) -> Result<Call> {
@@ -206,11 +252,15 @@ pub(crate) fn broadcast(members: &[usize], buf: &mut BufMut<'_>, root: usize) ->
     with_root(c, members, root)
 }
 
-pub(crate) fn reduce(members: &[usize], buf: &mut BufMut<'_>, root: usize, op: ReduceOp) -> Result<Call> {
-    op.check(buf.dtype())?;
-    let mut c = call(CollKind::Reduce, buf.dtype(), buf.len(), buf.as_mut_ptr(), buf.as_mut_ptr());
-    c.sig = c.sig.op(op);
-    with_root(c, members, root)
+pub(crate) fn reduce(
+    members: &[usize],
+    send: Option<&Buf<'_>>,
+    recv: &mut BufMut<'_>,
+    root: usize,
+    op: ReduceOp,
+    scale: Scale,
+) -> Result<Call> {
+    with_root(reduction(CollKind::Reduce, send, recv, op, scale)?, members, root)
 }
 
 pub(crate) fn all_gather(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Result<Call> {

@@ -7,6 +7,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use half::{bf16, f16};
+use num_complex::{Complex32, Complex64};
 
 use crate::error::{Error, Result};
 
@@ -34,11 +35,23 @@ pub enum DType {
     /// AND, as in torch and numpy; AVERAGE is refused. Carried as bytes, so no Rust `bool` is read
     /// from memory that might hold another value; Rust callers pass them with `Buf::from_raw`.
     Bool = 9,
+    /// Signed 16-bit integer (wrapping arithmetic, like numpy).
+    I16 = 10,
+    /// Unsigned 16-bit integer (wrapping arithmetic, like numpy).
+    U16 = 11,
+    /// Unsigned 32-bit integer (wrapping arithmetic, like numpy).
+    U32 = 12,
+    /// Unsigned 64-bit integer (wrapping arithmetic, like numpy).
+    U64 = 13,
+    /// Complex of two f32 (real, imaginary): SUM, PRODUCT and AVERAGE only.
+    C64 = 14,
+    /// Complex of two f64 (real, imaginary): SUM, PRODUCT and AVERAGE only.
+    C128 = 15,
 }
 
 impl DType {
     /// Every supported dtype.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 15] = [
         DType::F16,
         DType::F32,
         DType::F64,
@@ -48,15 +61,22 @@ impl DType {
         DType::I64,
         DType::BF16,
         DType::Bool,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::C64,
+        DType::C128,
     ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 | DType::Bool => 1,
-            DType::F16 | DType::BF16 => 2,
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 | DType::C64 => 8,
+            DType::C128 => 16,
         }
     }
 
@@ -72,12 +92,32 @@ impl DType {
             DType::I64 => "int64",
             DType::BF16 => "bfloat16",
             DType::Bool => "bool",
+            DType::I16 => "int16",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::C64 => "complex64",
+            DType::C128 => "complex128",
         }
     }
 
-    /// True for the floating-point types.
+    /// True for the real floating-point types.
     pub const fn is_float(self) -> bool {
         matches!(self, DType::F16 | DType::F32 | DType::F64 | DType::BF16)
+    }
+
+    /// True for the complex types.
+    pub const fn is_complex(self) -> bool {
+        matches!(self, DType::C64 | DType::C128)
+    }
+
+    /// The alignment its elements need (a complex one: that of its parts, as in numpy).
+    pub const fn align(self) -> usize {
+        match self {
+            DType::C64 => 4,
+            DType::C128 => 8,
+            d => d.size(),
+        }
     }
 
     /// The dtype with this `repr(u8)` code (used by the shared-memory wire format).
@@ -104,7 +144,10 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f16 => F16, f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, i64 => I64, bf16 => BF16);
+element!(
+    f16 => F16, f32 => F32, f64 => F64, i8 => I8, u8 => U8, i32 => I32, i64 => I64, bf16 => BF16,
+    i16 => I16, u16 => U16, u32 => U32, u64 => U64, Complex32 => C64, Complex64 => C128
+);
 
 /// A read-only, type-erased view of a contiguous buffer.
 #[derive(Clone, Copy)]

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::dtype::DType;
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 
 /// Which collective a rank called.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,12 +78,14 @@ pub struct Signature {
     pub dtype: Option<DType>,
     /// Reduction operator, for reducing collectives.
     pub op: Option<ReduceOp>,
+    /// Horovod's scaling factors of a reduction ([`Scale::NONE`] when not scaled).
+    pub scale: Scale,
 }
 
 impl Signature {
     /// A signature with no dtype, op or root set.
     pub fn new(kind: CollKind, seq: u64, count: usize) -> Self {
-        Signature { seq, count: count as u64, root: None, kind, dtype: None, op: None }
+        Signature { seq, count: count as u64, root: None, kind, dtype: None, op: None, scale: Scale::NONE }
     }
     /// With the element type.
     pub fn dtype(mut self, dtype: DType) -> Self {
@@ -93,6 +95,11 @@ impl Signature {
     /// With the reduction operator.
     pub fn op(mut self, op: ReduceOp) -> Self {
         self.op = Some(op);
+        self
+    }
+    /// With scaling factors.
+    pub fn scale(mut self, scale: Scale) -> Self {
+        self.scale = scale;
         self
     }
     /// With the root's global rank.
@@ -110,6 +117,9 @@ impl fmt::Display for Signature {
         }
         if let Some(op) = self.op {
             write!(f, ", op={op}")?;
+        }
+        if !self.scale.is_none() {
+            write!(f, ", prescale={}, postscale={}", self.scale.pre, self.scale.post)?;
         }
         if let Some(r) = self.root {
             write!(f, ", root={r}")?;

@@ -17,12 +17,16 @@ import numpy as np
 import axonml_distributed as ad
 from axonml_distributed import CollectiveMismatchError, ReduceOp
 from axonml_distributed.codec import encode
-from reference import DTYPES, FLOATS, NUMBERS, OP_NAMES, all_inputs, digest, expect_same, reduce_ref
-
-
-def dtypes(pg: Any) -> list[type]:
-    """The dtypes the group's world carries: all of the core's, but bool over MPI."""
-    return NUMBERS if pg.backend().name() == "mpi" else DTYPES
+from reference import (
+    DTYPES,
+    FLOATS,
+    OP_NAMES,
+    all_inputs,
+    bfloat16,
+    digest,
+    expect_same,
+    reduce_ref,
+)
 
 
 def sizes(n: int) -> list[int]:
@@ -49,7 +53,7 @@ def started(work: Any) -> Any:
 def check_reductions(pg: Any) -> list[str]:
     """all_reduce, reduce to every destination and reduce_scatter: every dtype, op and odd size."""
     n, me = pg.size(), pg.group_rank(pg.rank())
-    for dtype in dtypes(pg):
+    for dtype in DTYPES:
         for op in OP_NAMES:
             if op == "AVERAGE" and dtype not in FLOATS:
                 continue
@@ -80,7 +84,7 @@ def check_movers(pg: Any) -> list[str]:
     """broadcast from every source, all_gather, gather to and scatter from every root, and a ring of
     send/recv: every dtype and odd size, float16 bit patterns (NaN payloads, signed zeros) kept."""
     n, me = pg.size(), pg.group_rank(pg.rank())
-    for dtype in dtypes(pg):
+    for dtype in DTYPES:
         for count in sizes(n):
             case = f"{np.dtype(dtype).name}-{count}"
             inputs = all_inputs(n, case, (count,), dtype)
@@ -217,7 +221,7 @@ def check_argument_mistakes(pg: Any) -> list[str]:
         ("wrong dtype", lambda: pg.all_gather(buf, np.zeros(n * 4, np.float64))),
         ("read-only", lambda: pg.all_reduce(read_only)),
         ("non-contiguous", lambda: pg.all_reduce(strided)),
-        ("unsupported dtype", lambda: pg.all_reduce(np.zeros(4, np.complex64))),
+        ("unsupported dtype", lambda: pg.all_reduce(np.zeros(4, np.longdouble))),
         ("AVERAGE of integers", lambda: pg.all_reduce(np.zeros(4, np.int32), ReduceOp.AVERAGE)),
         ("root without recv", lambda: pg.gather(buf, None, me)),
     ]
@@ -234,6 +238,172 @@ def check_argument_mistakes(pg: Any) -> list[str]:
     return messages
 
 
+# --- dtypes beyond the first nine, bitwise ops, Horovod's scaling, out= (issue 13) --------------------
+
+BF16 = [] if bfloat16 is None else [bfloat16]
+NEW_DTYPES = [np.int16, np.uint16, np.uint32, np.uint64, np.complex64, np.complex128, *BF16]
+SCALABLE = [np.float16, np.float32, np.float64, np.complex64, np.complex128, *BF16]
+BITWISE = ["BAND", "BOR", "BXOR"]
+
+
+def allowed(op: str, dtype: Any) -> bool:
+    """The documented op/dtype table: real floats all but the bitwise ops, complex SUM, PRODUCT and
+    AVERAGE, integers and bool all but AVERAGE."""
+    kind = np.dtype(dtype).kind
+    if kind in "fV":  # "V": ml_dtypes' bfloat16
+        return op not in BITWISE
+    if kind == "c":
+        return op in ("SUM", "PRODUCT", "AVERAGE")
+    return op != "AVERAGE"
+
+
+def expect_reduced(pg: Any, op: str, got: Any, expected: Any, what: str) -> None:
+    """`expect_same`, but over MPI a complex PRODUCT's zero parts may differ in sign: MPI multiplies in
+    an order of its own, and the sign of a zero part depends on it (every other bit does not, for
+    these inputs)."""
+    if op == "PRODUCT" and np.asarray(got).dtype.kind == "c" and pg.backend().name() == "mpi":
+        got, expected = np.asarray(got) + 0, np.asarray(expected) + 0
+    expect_same(got, expected, what)
+
+
+def check_new_dtypes_and_ops(pg: Any) -> list[str]:
+    """The new dtypes under every op, and the bitwise ops on the older integer dtypes and bool:
+    all_reduce, reduce and reduce_scatter against the reference where the table allows the pair, a
+    TypeError before anything moves where it does not; broadcast and all_gather carry the new dtypes."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    ops = {d: OP_NAMES + BITWISE for d in NEW_DTYPES}
+    ops.update({d: BITWISE for d in (np.bool_, np.int8, np.uint8, np.int32, np.int64, np.float32)})
+    for dtype, names in ops.items():
+        for op in filter(lambda op: allowed(op, dtype), names):
+            for count in (0, 1, 1023, n * 4096 + 3):
+                case = f"{np.dtype(dtype).name}-{op}-{count}"
+                inputs = all_inputs(n, case, (count,), dtype, op)
+                expected = reduce_ref(inputs, op)
+                buf = inputs[me].copy()
+                pg.all_reduce(buf, getattr(ReduceOp, op))
+                expect_reduced(pg, op, buf, expected, f"all_reduce {case}")
+                dst = pg.ranks()[-1]
+                buf = inputs[me].copy()
+                pg.reduce(buf, dst, getattr(ReduceOp, op))
+                expect_reduced(pg, op, buf, expected if pg.rank() == dst else inputs[me], f"reduce {case}")
+                chunks = all_inputs(n, case + "-rs", (n, count), dtype, op)
+                recv = np.empty(count, dtype)
+                pg.reduce_scatter(chunks[me], recv, getattr(ReduceOp, op))
+                expect_reduced(pg, op, recv, reduce_ref(chunks, op)[me], f"reduce_scatter {case}")
+    for dtype in NEW_DTYPES + [np.bool_]:
+        inputs = all_inputs(n, "movers", (1027,), dtype)
+        buf = inputs[me].copy()
+        pg.broadcast(buf, pg.ranks()[-1])
+        expect_same(buf, inputs[-1], f"broadcast {np.dtype(dtype).name}")
+        recv = np.empty((n, 1027), dtype)
+        pg.all_gather(inputs[me], recv)
+        expect_same(recv, inputs, f"all_gather {np.dtype(dtype).name}")
+    return []
+
+
+def check_scaling(pg: Any) -> list[str]:
+    """prescale_factor and postscale_factor on all_reduce, reduce and all_reduce_tensor (powers of two,
+    so exact in any order of reduction), refused on integers; factors that differ between ranks are a
+    mismatch on every rank, before anything moves (last: it ends the native worlds)."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    pre, post = 0.5, 4.0
+    for dtype in SCALABLE:
+        for op in ("SUM", "AVERAGE", "PRODUCT", "MAX"):
+            if not allowed(op, dtype):
+                continue
+            for count in (1, 1023, n * 4096 + 3):
+                case = f"scaled-{np.dtype(dtype).name}-{op}-{count}"
+                inputs = all_inputs(n, case, (count,), dtype, op)
+                expected = reduce_ref(inputs, op, pre, post)
+                factors = {"prescale_factor": pre, "postscale_factor": post}
+                buf = inputs[me].copy()
+                pg.all_reduce(buf, getattr(ReduceOp, op), **factors)
+                expect_reduced(pg, op, buf, expected, f"all_reduce {case}")
+                dst = pg.ranks()[0]
+                buf = inputs[me].copy()
+                pg.reduce(buf, dst, getattr(ReduceOp, op), **factors)
+                expect_reduced(pg, op, buf, expected if pg.rank() == dst else inputs[me], f"reduce {case}")
+                got = pg.all_reduce_tensor(inputs[me], getattr(ReduceOp, op), **factors)
+                expect_reduced(pg, op, got, expected, f"all_reduce_tensor {case}")
+    buf = np.ones(8, np.float32)
+    if n == 1:
+        return []
+    message = raises(CollectiveMismatchError, lambda: pg.all_reduce(buf, postscale_factor=1.0 + me))
+    expect_same(buf, np.ones_like(buf), "the buffer of a mismatched scaling")
+    return [message]
+
+
+def check_out_of_place(pg: Any) -> list[str]:
+    """out=: the input is only read (read-only here) and the result lands in out, for all_reduce,
+    reduce (only the destination's out written) and the returning variants, which then return out; on
+    ordinary arrays and on the group's own (`pg.empty`: segment arrays in the shm world), mixed."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    makers = {"ordinary": np.empty, "group": pg.empty}
+    for (sname, make_in), (oname, make_out) in [(a, b) for a in makers.items() for b in makers.items()]:
+        for dtype in (np.float32, np.complex128, np.int64):
+            for count in (1, 1023, n * 4096 + 3, 300_003):
+                case = f"out-{sname}-{oname}-{np.dtype(dtype).name}-{count}"
+                inputs = all_inputs(n, case, (count,), dtype)
+                send = make_in(count, dtype)
+                send[...] = inputs[me]
+                send.flags.writeable = False
+                out = make_out(count, dtype)
+                pg.all_reduce(send, out=out)
+                expect_same(out, reduce_ref(inputs, "SUM"), f"all_reduce {case}")
+                if dtype != np.int64:
+                    pg.all_reduce(send, ReduceOp.AVERAGE, out=out, prescale_factor=2.0)
+                    expect_same(out, reduce_ref(inputs, "AVERAGE", 2.0), f"scaled all_reduce {case}")
+                for dst in pg.ranks():
+                    out = make_out(count, dtype)
+                    out[...] = 7
+                    pg.reduce(send, dst, ReduceOp.MAX if dtype != np.complex128 else None, out=out)
+                    op = "MAX" if dtype != np.complex128 else "SUM"
+                    want = reduce_ref(inputs, op) if pg.rank() == dst else np.full(count, 7, dtype)
+                    expect_same(out, want, f"reduce {case} dst {dst}")
+                expect_same(send, inputs[me], f"the input of {case}")
+                out = make_out(count, dtype)
+                if pg.all_reduce_tensor(send, out=out) is not out:
+                    raise AssertionError("all_reduce_tensor(out=) returned another array")
+                expect_same(out, reduce_ref(inputs, "SUM"), f"all_reduce_tensor {case}")
+                gathered = make_out((n, count), dtype)
+                if pg.all_gather_tensor(send, out=gathered) is not gathered:
+                    raise AssertionError("all_gather_tensor(out=) returned another array")
+                expect_same(gathered, inputs, f"all_gather_tensor {case}")
+                chunks = all_inputs(n, case + "-rs", (n, count), dtype)
+                mine = make_out(count, dtype)
+                if pg.reduce_scatter_tensor(chunks[me], out=mine) is not mine:
+                    raise AssertionError("reduce_scatter_tensor(out=) returned another array")
+                expect_same(mine, reduce_ref(chunks, "SUM")[me], f"reduce_scatter_tensor {case}")
+    return []
+
+
+def check_new_mistakes(pg: Any) -> list[str]:
+    """The op/dtype pairs the table refuses, factors on integers, and out= buffers that do not fit: a
+    TypeError or ValueError on every rank, the buffers untouched, the core's message in every world."""
+    n, me = pg.size(), pg.rank()
+    pairs = [(d, op) for d in [*NEW_DTYPES, np.bool_, np.float32] for op in OP_NAMES + BITWISE]
+    messages = []
+    for dtype, op in filter(lambda p: not allowed(p[1], p[0]), pairs):
+        buf = all_inputs(n, "refused", (5,), dtype)[me % n]
+        before = buf.copy()
+        messages.append(raises(TypeError, pg.all_reduce, buf, getattr(ReduceOp, op), match="not defined for"))
+        expect_same(buf, before, f"refused {op} on {np.dtype(dtype).name}")
+    ints = np.ones(4, np.int32)
+    mistakes: list[tuple[type[BaseException], Callable[[], object]]] = [
+        (TypeError, lambda: pg.all_reduce(ints, prescale_factor=2.0)),
+        (TypeError, lambda: pg.reduce(ints, me, postscale_factor=0.5)),
+        (ValueError, lambda: pg.all_reduce(np.ones(4), out=np.empty(3))),
+        (ValueError, lambda: pg.all_reduce(np.ones(4), out=np.empty(4, np.float32))),
+        (ValueError, lambda: pg.reduce(np.ones(4), me, out=np.empty(5))),
+        (ValueError, lambda: pg.all_gather_tensor(np.ones(4), out=np.empty(4 * n + 1))),
+    ]
+    for exc_type, make in mistakes:
+        messages.append(
+            f"{exc_type.__name__}: " + raises(exc_type, make).replace(f"rank {me} ", "rank <me> ")
+        )
+    return messages
+
+
 CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "reductions": check_reductions,
     "movers": check_movers,
@@ -241,9 +411,15 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "random_floats": check_random_floats,
     "offset_views": check_offset_views,
     "mismatch_message": check_mismatch_message,
+    "new_dtypes_and_ops": check_new_dtypes_and_ops,
+    "scaling": check_scaling,
+    "out_of_place": check_out_of_place,
 }
 # Checks of a world's errors, compared across worlds (tests/test_conformance.py).
-ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {"argument_mistakes": check_argument_mistakes}
+ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {
+    "argument_mistakes": check_argument_mistakes,
+    "new_mistakes": check_new_mistakes,
+}
 
 
 # --- Objects (the restricted codec, never pickle) and monitored_barrier ----------------------------------

@@ -13,6 +13,11 @@ import numpy as np
 
 import axonml_distributed as ad
 
+try:
+    from ml_dtypes import bfloat16
+except ImportError:  # numpy arrays of bfloat16 need ml_dtypes
+    bfloat16 = None
+
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_]
 FLOATS = [np.float16, np.float32, np.float64]
 # The dtypes every world carries (MPI has no bool).
@@ -21,6 +26,9 @@ OP_NAMES = ["SUM", "PRODUCT", "MIN", "MAX", "AVERAGE"]
 OPS = [getattr(ad.ReduceOp, name) for name in OP_NAMES]
 
 _UFUNC = {
+    ad.ReduceOp.BAND: np.bitwise_and,
+    ad.ReduceOp.BOR: np.bitwise_or,
+    ad.ReduceOp.BXOR: np.bitwise_xor,
     ad.ReduceOp.SUM: np.add,
     ad.ReduceOp.AVERAGE: np.add,
     ad.ReduceOp.PRODUCT: np.multiply,
@@ -34,21 +42,39 @@ def valid(op: Any, dtype: Any) -> bool:
     return op != ad.ReduceOp.AVERAGE or np.issubdtype(dtype, np.floating)
 
 
-def reduce_ref(arrays: Any, op: Any) -> np.ndarray:
+def _scaled(a: np.ndarray, factor: float, divisor: int = 1) -> np.ndarray:
+    """`a` times a real factor (or divided by a count) in `a`'s precision; complex numbers part by
+    part (as documented)."""
+    if factor == 1.0 and divisor == 1:
+        return a
+    real = np.finfo(a.dtype).dtype.type
+    out = np.array(a)  # an array even for a numpy scalar (what ufuncs make of 0-d arrays), in place below
+    for part in (out.real, out.imag) if a.dtype.kind == "c" else (out,):
+        if divisor != 1:
+            part /= real(divisor)
+        else:
+            part *= real(factor)
+    return out
+
+
+def reduce_ref(arrays: Any, op: Any, pre: float = 1.0, post: float = 1.0) -> np.ndarray:
     """Reduce `arrays` (one per rank, or stacked on axis 0) in rank order with `op` (a ReduceOp or its
-    name); float16 accumulates in float32 and rounds once (as documented). numpy's ufuncs on bool are the
+    name), each input times `pre` and the result (after AVERAGE's division) times `post`; float16 and
+    bfloat16 accumulate in float32 and round once (as documented). numpy's ufuncs on bool are the
     documented bool ops: add and maximum are OR, multiply and minimum AND."""
     if isinstance(op, str):
         op = getattr(ad.ReduceOp, op)
     arrays = list(arrays)
     dtype = arrays[0].dtype
-    work = [a.astype(np.float32) for a in arrays] if dtype == np.float16 else arrays
+    half = dtype == np.float16 or (bfloat16 is not None and dtype == bfloat16)
+    work = [_scaled(a.astype(np.float32) if half else a, pre) for a in arrays]
     acc = work[0].copy()
     with np.errstate(all="ignore"):
         for a in work[1:]:
             acc = _UFUNC[op](acc, a)
         if op == ad.ReduceOp.AVERAGE:
-            acc = acc / acc.dtype.type(len(arrays))
+            acc = _scaled(acc, 1.0, len(arrays))
+        acc = _scaled(acc, post)
     return acc.astype(dtype)
 
 
@@ -85,6 +111,11 @@ def small_values(rank: int, case: str, shape: tuple[int, ...], dtype: Any, op: s
     reduction: results can be compared bit for bit on backends that reduce in another order (MPI).
     PRODUCT draws from {1, 2} (and -1 when signed)."""
     rng = np.random.default_rng([zlib.crc32(case.encode()), rank])
+    if np.dtype(dtype).kind == "c":
+        if op == "PRODUCT":
+            return rng.choice(np.array([1, -1, 1j, -1j, 1 + 1j]), size=shape).astype(dtype)
+        parts = rng.integers(-8, 9, size=(2, *shape))
+        return (parts[0] + 1j * parts[1]).astype(dtype)
     if op == "PRODUCT":
         choices = [1, 2] if np.dtype(dtype).kind in "ub" else [-1, 1, 2]
         return rng.choice(choices, size=shape).astype(dtype)

@@ -59,9 +59,9 @@ def test_op_codes_are_the_members_codes() -> None:
 
 
 def test_dtype_and_kind_tables_name_every_collective_and_dtype() -> None:
-    assert {"float16", "float32", "float64", "int8", "uint8", "int32", "int64", "bfloat16", "bool"} == set(
-        _core.DTYPE_CODES
-    )
+    ints = {"int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"}
+    floats = {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+    assert ints | floats | {"bool"} == set(_core.DTYPE_CODES)
     assert set(_core.KIND_CODES) == {
         "all_reduce",
         "broadcast",
@@ -93,9 +93,9 @@ def test_check_op_refuses_what_a_collective_refuses_with_its_message() -> None:
         _core.check_op("median", "float32")
     assert str(exported_name.value) == str(native_name.value)
     with pytest.raises(TypeError) as native_dtype:
-        pg.all_reduce(np.zeros(3, np.int16))
+        pg.all_reduce(np.zeros(3, np.longdouble))
     with pytest.raises(TypeError) as exported_dtype:
-        _core.check_op("sum", np.int16)
+        _core.check_op("sum", np.longdouble)
     assert str(exported_dtype.value).split(" has ")[1] == str(native_dtype.value).split(" has ")[1]
 
 
@@ -110,32 +110,63 @@ def test_validate_ranks_refuses_what_a_group_refuses_with_its_message(ranks: lis
     assert _core.validate_ranks([2, 0], 3) == [0, 2]
 
 
-@pytest.mark.parametrize("case", ["kind", "root", "dtype", "count", "op"])
+@pytest.mark.parametrize("case", ["kind", "root", "dtype", "count", "op", "scale"])
 def test_describe_mismatch_is_the_thread_worlds_message(case: str) -> None:
     k, d, o = _core.KIND_CODES, _core.DTYPE_CODES, _core.OP_CODES
     x = np.ones(4, np.float32)
     calls = {
         "kind": (
-            (lambda pg: pg.all_reduce(x.copy()), (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
-            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1)),
+            (
+                lambda pg: pg.all_reduce(x.copy()),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"], 1.0, 1.0),
+            ),
+            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1, 1.0, 1.0)),
         ),
         "root": (
-            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1)),
-            (lambda pg: pg.broadcast(x.copy(), 1), (1, k["broadcast"], d["float32"], 4, 1, -1)),
+            (lambda pg: pg.broadcast(x.copy(), 0), (1, k["broadcast"], d["float32"], 4, 0, -1, 1.0, 1.0)),
+            (lambda pg: pg.broadcast(x.copy(), 1), (1, k["broadcast"], d["float32"], 4, 1, -1, 1.0, 1.0)),
         ),
         "dtype": (
-            (lambda pg: pg.all_reduce(x.copy()), (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
-            (lambda pg: pg.all_reduce(np.ones(4)), (1, k["all_reduce"], d["float64"], 4, -1, o["SUM"])),
+            (
+                lambda pg: pg.all_reduce(x.copy()),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"], 1.0, 1.0),
+            ),
+            (
+                lambda pg: pg.all_reduce(np.ones(4)),
+                (1, k["all_reduce"], d["float64"], 4, -1, o["SUM"], 1.0, 1.0),
+            ),
         ),
         "count": (
-            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1)),
-            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1)),
-            (lambda pg: pg.all_reduce(x[:3].copy()), (2, k["all_reduce"], d["float32"], 3, -1, o["SUM"])),
-            (lambda pg: pg.all_reduce(x.copy()), (2, k["all_reduce"], d["float32"], 4, -1, o["SUM"])),
+            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1, 1.0, 1.0)),
+            (lambda pg: pg.barrier(), (1, k["barrier"], -1, 0, -1, -1, 1.0, 1.0)),
+            (
+                lambda pg: pg.all_reduce(x[:3].copy()),
+                (2, k["all_reduce"], d["float32"], 3, -1, o["SUM"], 1.0, 1.0),
+            ),
+            (
+                lambda pg: pg.all_reduce(x.copy()),
+                (2, k["all_reduce"], d["float32"], 4, -1, o["SUM"], 1.0, 1.0),
+            ),
+        ),
+        "scale": (
+            (
+                lambda pg: pg.all_reduce(x.copy()),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"], 1.0, 1.0),
+            ),
+            (
+                lambda pg: pg.all_reduce(x.copy(), postscale_factor=0.5),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["SUM"], 1.0, 0.5),
+            ),
         ),
         "op": (
-            (lambda pg: pg.all_reduce(x.copy(), "max"), (1, k["all_reduce"], d["float32"], 4, -1, o["MAX"])),
-            (lambda pg: pg.all_reduce(x.copy(), "min"), (1, k["all_reduce"], d["float32"], 4, -1, o["MIN"])),
+            (
+                lambda pg: pg.all_reduce(x.copy(), "max"),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["MAX"], 1.0, 1.0),
+            ),
+            (
+                lambda pg: pg.all_reduce(x.copy(), "min"),
+                (1, k["all_reduce"], d["float32"], 4, -1, o["MIN"], 1.0, 1.0),
+            ),
         ),
     }[case]
     steps = [calls[i : i + 2] for i in range(0, len(calls), 2)]
@@ -153,12 +184,12 @@ def test_describe_mismatch_is_the_thread_worlds_message(case: str) -> None:
 
 
 def test_describe_mismatch_names_a_member_that_entered_no_call() -> None:
-    sig = (3, _core.KIND_CODES["barrier"], -1, 0, -1, -1)
+    sig = (3, _core.KIND_CODES["barrier"], -1, 0, -1, -1, 1.0, 1.0)
     text = _core.describe_mismatch([sig, None, sig], [0, 2, 5])
     assert text is not None and "group [0, 2, 5]" in text and "rank(s) [2] entered no call" in text
     assert _core.describe_mismatch([None, None], [0, 1]) is None
     with pytest.raises(ValueError, match="kind code"):
-        _core.describe_mismatch([(1, 99, -1, 0, -1, -1)], [0])
+        _core.describe_mismatch([(1, 99, -1, 0, -1, -1, 1.0, 1.0)], [0])
     with pytest.raises(ValueError, match="one \\(or None\\) per member"):
         _core.describe_mismatch([sig], [0, 1])
 

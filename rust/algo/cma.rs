@@ -186,7 +186,7 @@ pub(crate) unsafe fn run(call: &Call, op: ReduceOp, members: &[Member], me: usiz
                     let result = if keep { local(mine.recv).wrapping_add(out) } else { slot(me) };
                     // SAFETY: every input holds `len` elements (own input in place, peers' in scratch);
                     // the output is this member's own buffer or its scratch slot, aligned (64-byte lines).
-                    unsafe { reduce_raw(call.dtype, op, &inputs, &[result], len) };
+                    unsafe { reduce_raw(call.dtype, op, call.sig.scale, &inputs, &[result], len) };
                     match call.sig.kind {
                         CollKind::AllReduce => {
                             for j in others.clone() {

@@ -58,14 +58,14 @@ pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) 
 /// Every member validated its buffers for the same call, and keeps them alive and untouched by itself
 /// until the done-sync.
 pub(crate) unsafe fn direct(call: &Call, op: ReduceOp, peers: &[Peer], index: usize) {
-    let (dtype, count, root) = (call.dtype, call.count, call.root);
+    let (dtype, count, root, scale) = (call.dtype, call.count, call.root, call.sig.scale);
     let (bytes, r) = (count * dtype.size(), root.unwrap_or(0));
     // SAFETY: forwarded from the caller.
     unsafe {
         match call.sig.kind {
-            CollKind::AllReduce => owner::reduce_owned(dtype, op, peers, index, count, None),
-            CollKind::Reduce => owner::reduce_owned(dtype, op, peers, index, count, root),
-            CollKind::ReduceScatter => owner::reduce_scatter(dtype, op, peers, index, count),
+            CollKind::AllReduce => owner::reduce_owned(dtype, op, scale, peers, index, count, None),
+            CollKind::Reduce => owner::reduce_owned(dtype, op, scale, peers, index, count, root),
+            CollKind::ReduceScatter => owner::reduce_scatter(dtype, op, scale, peers, index, count),
             CollKind::Broadcast => copy::broadcast(peers, index, r, bytes),
             CollKind::AllGather => copy::all_gather(peers, index, bytes),
             CollKind::Gather => copy::gather(peers, index, r, bytes),

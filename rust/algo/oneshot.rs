@@ -3,7 +3,7 @@
 //! Peers read only the copies, so nobody waits for anyone to finish.
 
 use crate::dtype::DType;
-use crate::reduce::{reduce_raw, ReduceOp};
+use crate::reduce::{reduce_raw, ReduceOp, Scale};
 
 /// Copy this member's `bytes` of input into its one-shot buffer.
 ///
@@ -21,7 +21,14 @@ pub(crate) unsafe fn publish(send: *const u8, slot: *mut u8, bytes: usize) {
 /// # Safety
 /// Every copy holds `count` elements of `dtype` and stays unchanged during the call; `recv` holds
 /// `count` and only this member writes it.
-pub(crate) unsafe fn reduce(dtype: DType, op: ReduceOp, copies: &[*const u8], recv: *mut u8, count: usize) {
+pub(crate) unsafe fn reduce(
+    dtype: DType,
+    op: ReduceOp,
+    scale: Scale,
+    copies: &[*const u8],
+    recv: *mut u8,
+    count: usize,
+) {
     // SAFETY: forwarded from the caller.
-    unsafe { reduce_raw(dtype, op, copies, &[recv], count) };
+    unsafe { reduce_raw(dtype, op, scale, copies, &[recv], count) };
 }

@@ -11,7 +11,7 @@ use std::ops::Range;
 use super::Peer;
 use crate::config::{OWNER_ALIGN, OWNER_MIN_SLICE};
 use crate::dtype::DType;
-use crate::reduce::{reduce_raw, ReduceOp};
+use crate::reduce::{reduce_raw, ReduceOp, Scale};
 
 /// The element range member `index` of `n` owns in a message of `count` elements.
 pub(crate) fn owned(count: usize, elem: usize, n: usize, index: usize) -> Range<usize> {
@@ -30,6 +30,7 @@ pub(crate) fn owned(count: usize, elem: usize, n: usize, index: usize) -> Range<
 pub(crate) unsafe fn reduce_owned(
     dtype: DType,
     op: ReduceOp,
+    scale: Scale,
     peers: &[Peer],
     index: usize,
     count: usize,
@@ -47,7 +48,7 @@ pub(crate) unsafe fn reduce_owned(
         None => peers.iter().map(|p| unsafe { p.recv.add(off) }).collect(),
     };
     // SAFETY: forwarded from the caller; this member alone touches slice `r`.
-    unsafe { reduce_raw(dtype, op, &inputs, &outputs, r.len()) };
+    unsafe { reduce_raw(dtype, op, scale, &inputs, &outputs, r.len()) };
 }
 
 /// reduce_scatter: member `index` reduces chunk `index` (of `count` elements) of every peer's `send` into
@@ -56,12 +57,19 @@ pub(crate) unsafe fn reduce_owned(
 /// # Safety
 /// Every `send` holds `peers.len() * count` elements of `dtype`, this member's `recv` holds `count`, and
 /// the peers' inputs stay alive until the caller's done-sync.
-pub(crate) unsafe fn reduce_scatter(dtype: DType, op: ReduceOp, peers: &[Peer], index: usize, count: usize) {
+pub(crate) unsafe fn reduce_scatter(
+    dtype: DType,
+    op: ReduceOp,
+    scale: Scale,
+    peers: &[Peer],
+    index: usize,
+    count: usize,
+) {
     let off = index * count * dtype.size();
     // SAFETY: chunk `index` lies within every send buffer.
     let inputs: Vec<*const u8> = peers.iter().map(|p| unsafe { p.send.add(off) }).collect();
     // SAFETY: forwarded from the caller.
-    unsafe { reduce_raw(dtype, op, &inputs, &[peers[index].recv], count) };
+    unsafe { reduce_raw(dtype, op, scale, &inputs, &[peers[index].recv], count) };
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 use super::owner::owned;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::reduce::{reduce_raw, ReduceOp};
+use crate::reduce::{reduce_raw, ReduceOp, Scale};
 use crate::signature::CollKind;
 
 /// One staged collective, as seen by member `me`.
@@ -24,6 +24,7 @@ pub(crate) struct Staged<'a> {
     pub kind: CollKind,
     pub dtype: DType,
     pub op: ReduceOp,
+    pub scale: Scale,
     pub n: usize,
     pub me: usize,
     pub root: usize,
@@ -128,7 +129,7 @@ impl Staged<'_> {
                     }
                     // SAFETY: every input holds s.len() elements staged before step 3g+1; this member
                     // alone writes its slice of its private buffer and its own staging region.
-                    unsafe { reduce_raw(self.dtype, self.op, &inputs, &outputs, s.len()) };
+                    unsafe { reduce_raw(self.dtype, self.op, self.scale, &inputs, &outputs, s.len()) };
                 }
                 publish(3 * g + 2);
                 sync(3 * g + 2)?;
@@ -149,7 +150,7 @@ impl Staged<'_> {
                     .map(|j| if j == me { src(me * self.count + lo) } else { stage(j, me).cast_const() })
                     .collect();
                 // SAFETY: as above; the output is this member's own receive buffer.
-                unsafe { reduce_raw(self.dtype, self.op, &inputs, &[dst(lo)], len) };
+                unsafe { reduce_raw(self.dtype, self.op, self.scale, &inputs, &[dst(lo)], len) };
             }
             CollKind::Scatter => {
                 if me == root {

@@ -1,14 +1,15 @@
 //! numpy arrays (and CPU torch tensors, through their zero-copy numpy view) in and out: dtype
 //! dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous, writable,
 //! aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
-//! we cannot use. numpy has no bfloat16: a bfloat16 tensor travels as a zero-copy int16 view of its
-//! bits, tagged bfloat16.
+//! we cannot use. numpy has no bfloat16 of its own: a bfloat16 tensor, or a numpy array of
+//! `ml_dtypes.bfloat16` (when ml_dtypes is loaded), travels as a zero-copy int16 view of its bits,
+//! tagged bfloat16.
 
 use half::f16;
 use numpy::ndarray::{ArrayViewD, IxDyn};
 use numpy::{
-    BorrowError, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
-    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+    BorrowError, Complex32, Complex64, PyArrayDescr, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods,
+    PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -21,7 +22,8 @@ use crate::dtype::{Buf, BufMut, DType};
 /// bfloat16 is its bits: numpy arrays of it are int16 views (see `ndarray_of`).
 macro_rules! with_type {
     ($dtype:expr, $t:ident => $body:expr) => {
-        with_type!(@ $dtype, $t, $body, F16 f16, F32 f32, F64 f64, I8 i8, U8 u8, I32 i32, I64 i64, BF16 i16, Bool bool)
+        with_type!(@ $dtype, $t, $body, F16 f16, F32 f32, F64 f64, I8 i8, U8 u8, I32 i32, I64 i64,
+            BF16 i16, Bool bool, I16 i16, U16 u16, U32 u32, U64 u64, C64 Complex32, C128 Complex64)
     };
     (@ $dtype:expr, $t:ident, $body:expr, $($d:ident $ty:ty),*) => {
         match $dtype {
@@ -74,8 +76,8 @@ pub(crate) struct Array<'py> {
     _guard: Box<dyn Held + 'py>,
 }
 
-/// The collective dtype of a numpy dtype (numpy has no bfloat16: an int16 array is not one, it only
-/// ever comes tagged, see `ndarray_of`).
+/// The collective dtype of a numpy dtype (an int16 array is not bfloat16: torch's bfloat16 only ever
+/// comes tagged, see `ndarray_of`; ml_dtypes' is recognised by its descriptor).
 pub(crate) fn dtype_of(d: &Bound<'_, PyArrayDescr>) -> Option<DType> {
     // By kind and size (what numpy's equivalence of these plain types comes down to), rather than by
     // comparing with each candidate: this is on every call's path.
@@ -91,18 +93,36 @@ pub(crate) fn dtype_of(d: &Bound<'_, PyArrayDescr>) -> Option<DType> {
         (b'i', 4) => DType::I32,
         (b'i', 8) => DType::I64,
         (b'b', 1) => DType::Bool,
+        (b'i', 2) => DType::I16,
+        (b'u', 2) => DType::U16,
+        (b'u', 4) => DType::U32,
+        (b'u', 8) => DType::U64,
+        (b'c', 8) => DType::C64,
+        (b'c', 16) => DType::C128,
+        (b'V', 2) if ml_bfloat16(d.py()).is_some_and(|b| d.is_equiv_to(b)) => return Some(DType::BF16),
         _ => return None,
     };
     debug_assert!(with_type!(found, T => d.is_equiv_to(&numpy::dtype::<T>(d.py()))));
     Some(found)
 }
 
+/// `ml_dtypes.bfloat16`'s descriptor, once ml_dtypes is loaded (never imported here).
+fn ml_bfloat16(py: Python<'_>) -> Option<&Bound<'_, PyArrayDescr>> {
+    static BF16: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+    if let Some(d) = BF16.get(py) {
+        return Some(d.bind(py));
+    }
+    let m = py.import("sys").ok()?.getattr("modules").ok()?.get_item("ml_dtypes").ok()?;
+    let descr = PyArrayDescr::new(py, m.getattr("bfloat16").ok()?).ok()?.unbind();
+    Some(BF16.get_or_init(py, || descr).bind(py))
+}
+
 /// The TypeError for a dtype no collective takes, naming those they do.
 pub(crate) fn unsupported(what: &str, d: &Bound<'_, PyAny>) -> PyErr {
     let names: Vec<&str> = DType::ALL.iter().filter(|d| **d != DType::BF16).map(|d| d.name()).collect();
     PyTypeError::new_err(format!(
-        "{what} has dtype {d}, which is not supported; use one of {} (native byte order), or a bfloat16 \
-         torch tensor",
+        "{what} has dtype {d}, which is not supported; use one of {} (native byte order), or bfloat16 \
+         (a torch tensor, or numpy with ml_dtypes)",
         names.join(", ")
     ))
 }
@@ -197,6 +217,11 @@ fn untyped<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Bound<'py, PyU
         true => DType::BF16,
         false => dtype_of(&arr.dtype()).ok_or_else(|| unsupported(what, arr.dtype().as_any()))?,
     };
+    if dtype == DType::BF16 && !bf16 {
+        // ml_dtypes' bfloat16: its bits as int16, zero-copy (the view keeps the array alive).
+        let bits = arr.call_method1("view", (numpy::dtype::<i16>(arr.py()),))?;
+        return Ok((bits.cast_into::<PyUntypedArray>()?, dtype));
+    }
     Ok((arr, dtype))
 }
 
@@ -241,10 +266,19 @@ pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Arr
     })
 }
 
-/// A new zero-filled array of `dtype` and `shape` (numpy's own size checks: a ValueError or
-/// MemoryError for a shape too large, never a wrapped size). bfloat16, which only comes from torch
-/// tensors, gets a torch tensor.
-pub(crate) fn zeros<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+/// A new zero-filled array of `dtype` and `shape`, like `t` (numpy's own size checks: a ValueError or
+/// MemoryError for a shape too large, never a wrapped size). bfloat16 gets a torch tensor when `t` is
+/// one (numpy arrays of it cannot become tensors), else ml_dtypes' numpy array.
+pub(crate) fn zeros<'py>(
+    py: Python<'py>,
+    dtype: DType,
+    shape: &[usize],
+    t: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if dtype == DType::BF16 && !is_tensor(t)? {
+        let descr = ml_bfloat16(py).ok_or_else(|| PyTypeError::new_err("bfloat16 arrays need ml_dtypes"))?;
+        return py.import("numpy")?.call_method1("zeros", (shape.to_vec(), descr));
+    }
     if dtype == DType::BF16 {
         let torch = py.import("torch")?;
         let kw = pyo3::types::PyDict::new(py);

@@ -11,6 +11,7 @@ use super::collectives::{self as c, Obj, Prepared};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::run_blocking;
 use crate::backend::Backend;
+use crate::reduce::Scale;
 use crate::transport::thread::ThreadBackend;
 
 /// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
@@ -45,7 +46,7 @@ impl PyBackend {
     /// All-reduce `buf` in place.
     #[pyo3(signature = (buf, op=None))]
     fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>) -> PyResult<()> {
-        self.run(py, c::all_reduce(buf, op))
+        self.run(py, c::all_reduce(buf, op, None, Scale::NONE))
     }
     /// Copy global rank `src`'s `buf` into every member's `buf`.
     fn broadcast(&self, py: Python<'_>, buf: &Obj, src: usize) -> PyResult<()> {
@@ -73,7 +74,7 @@ impl PyBackend {
     /// Reduce `buf` into `dst`'s `buf`.
     #[pyo3(signature = (buf, dst, op=None))]
     fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<()> {
-        self.run(py, c::reduce(buf, dst, op))
+        self.run(py, c::reduce(buf, dst, op, None, Scale::NONE))
     }
     /// Block until every member arrives.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {

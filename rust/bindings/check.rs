@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::call::{self, Call};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::Result;
+use crate::reduce::Scale;
 use crate::work::Lanes;
 
 /// `(dtype, count, root, op)` of a valid call, by the core's codes (`root` a group index; `count` the
@@ -115,9 +116,17 @@ impl PyCallCheck {
     fn group_rank(&self, rank: usize) -> PyResult<usize> {
         Ok(call::group_rank(&self.group.members, rank)?)
     }
-    #[pyo3(signature = (buf, op=None))]
-    fn all_reduce(&self, buf: &Obj, op: Option<&Obj>) -> PyResult<Checked> {
-        self.check(c::all_reduce(buf, op))
+    #[pyo3(signature = (buf, op=None, out=None, prescale_factor=1.0, postscale_factor=1.0))]
+    fn all_reduce(
+        &self,
+        buf: &Obj,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        prescale_factor: f64,
+        postscale_factor: f64,
+    ) -> PyResult<Checked> {
+        let scale = Scale { pre: prescale_factor, post: postscale_factor };
+        self.check(c::all_reduce(buf, op, out, scale))
     }
     fn broadcast(&self, buf: &Obj, src: usize) -> PyResult<Checked> {
         self.check(c::broadcast(buf, src))
@@ -135,9 +144,18 @@ impl PyCallCheck {
     fn scatter(&self, send: Option<&Obj>, recv: &Obj, src: usize) -> PyResult<Checked> {
         self.check(c::scatter(send, recv, src))
     }
-    #[pyo3(signature = (buf, dst, op=None))]
-    fn reduce(&self, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<Checked> {
-        self.check(c::reduce(buf, dst, op))
+    #[pyo3(signature = (buf, dst, op=None, out=None, prescale_factor=1.0, postscale_factor=1.0))]
+    fn reduce(
+        &self,
+        buf: &Obj,
+        dst: usize,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        prescale_factor: f64,
+        postscale_factor: f64,
+    ) -> PyResult<Checked> {
+        let scale = Scale { pre: prescale_factor, post: postscale_factor };
+        self.check(c::reduce(buf, dst, op, out, scale))
     }
     fn send(&self, buf: &Obj, dst: usize) -> PyResult<Checked> {
         self.check(c::send(buf, dst, 0))

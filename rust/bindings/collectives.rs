@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use super::array::{readable, writable, Array};
 use super::op::parse_op;
 use super::work::Job;
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 use crate::work::Lane;
 
 /// A call ready to run: its lane, the borrowed arrays (kept until the job has finished), the job.
@@ -27,9 +27,13 @@ impl<'py> Prepared<'py> {
     fn collective(arrays: Vec<Array<'py>>, job: Job) -> Self {
         Prepared { lane: Lane::Collectives, arrays, job }
     }
-    pub fn all_reduce(buf: Array<'py>, op: ReduceOp) -> Self {
-        let raw = buf.raw;
-        Self::collective(vec![buf], Box::new(move |c| c.all_reduce(unsafe { raw.buf_mut() }, op)))
+    /// Out of place when `send` is given.
+    pub fn all_reduce(send: Option<Array<'py>>, recv: Array<'py>, op: ReduceOp, scale: Scale) -> Self {
+        let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
+        let job: Job = Box::new(move |c| {
+            c.all_reduce_into(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, op, scale)
+        });
+        Self::collective(send.into_iter().chain([recv]).collect(), job)
     }
     pub fn broadcast(buf: Array<'py>, root: usize) -> Self {
         let raw = buf.raw;
@@ -54,10 +58,30 @@ impl<'py> Prepared<'py> {
     }
 }
 
-/// `all_reduce(buf, op)`.
-pub(crate) fn all_reduce<'py>(buf: &Obj<'py>, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
+/// `buf` only read and `out` written, or `buf` in place when `out` is None (or `buf` itself).
+fn input_and_output<'py>(
+    buf: &Obj<'py>,
+    out: Option<&Obj<'py>>,
+) -> PyResult<(Option<Array<'py>>, Array<'py>)> {
+    match out {
+        Some(out) if !out.is(buf) => {
+            let send = readable(buf, "buf")?;
+            Ok((Some(send), writable(out, "out")?))
+        }
+        _ => Ok((None, writable(buf, "buf")?)),
+    }
+}
+
+/// `all_reduce(buf, op, out=None, prescale_factor, postscale_factor)`.
+pub(crate) fn all_reduce<'py>(
+    buf: &Obj<'py>,
+    op: Option<&Obj<'py>>,
+    out: Option<&Obj<'py>>,
+    scale: Scale,
+) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
-    Ok(Prepared::all_reduce(writable(buf, "buf")?, op))
+    let (send, recv) = input_and_output(buf, out)?;
+    Ok(Prepared::all_reduce(send, recv, op, scale))
 }
 
 /// `broadcast(buf, root)`.
@@ -100,12 +124,21 @@ pub(crate) fn scatter<'py>(send: Option<&Obj<'py>>, recv: &Obj<'py>, src: usize)
     Ok(Prepared::collective(send.into_iter().chain(std::iter::once(recv)).collect(), job))
 }
 
-/// `reduce(buf, dst, op)`.
-pub(crate) fn reduce<'py>(buf: &Obj<'py>, dst: usize, op: Option<&Obj<'py>>) -> PyResult<Prepared<'py>> {
+/// `reduce(buf, dst, op, out=None, prescale_factor, postscale_factor)`.
+pub(crate) fn reduce<'py>(
+    buf: &Obj<'py>,
+    dst: usize,
+    op: Option<&Obj<'py>>,
+    out: Option<&Obj<'py>>,
+    scale: Scale,
+) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
-    let buf = writable(buf, "buf")?;
-    let raw = buf.raw;
-    Ok(Prepared::collective(vec![buf], Box::new(move |c| c.reduce(unsafe { raw.buf_mut() }, dst, op))))
+    let (send, recv) = input_and_output(buf, out)?;
+    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
+    let job: Job = Box::new(move |c| {
+        c.reduce_into(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, dst, op, scale)
+    });
+    Ok(Prepared::collective(send.into_iter().chain([recv]).collect(), job))
 }
 
 /// `barrier()`.

@@ -19,6 +19,7 @@ use super::exceptions::abort_on_bad_arguments;
 use super::op::parse_op;
 use super::work::{queued, run_blocking, PyWork};
 use crate::group::ProcessGroup;
+use crate::reduce::Scale;
 
 /// What every collective method returns: None, a new array, or a `Work` (with `async_op=True`).
 type Ret = PyResult<Py<PyAny>>;
@@ -143,10 +144,22 @@ impl PyProcessGroup {
         }
     }
 
-    /// Reduce `buf` across the group in place.
-    #[pyo3(signature = (buf, op=None, *, async_op=false))]
-    fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
-        self.run(py, async_op, c::all_reduce(buf, op), None)
+    /// Reduce `buf` across the group in place, or into `out` (then `buf` is only read); each input
+    /// times `prescale_factor`, the result times `postscale_factor` (floating-point dtypes).
+    #[pyo3(signature = (buf, op=None, *, out=None, prescale_factor=1.0, postscale_factor=1.0, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Obj,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        prescale_factor: f64,
+        postscale_factor: f64,
+        async_op: bool,
+    ) -> Ret {
+        let scale = Scale { pre: prescale_factor, post: postscale_factor };
+        self.run(py, async_op, c::all_reduce(buf, op, out, scale), None)
     }
     /// Copy global rank `src`'s `buf` (default: the group's first rank) into every member's.
     #[pyo3(signature = (buf, src=None, *, async_op=false))]
@@ -180,10 +193,23 @@ impl PyProcessGroup {
     fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize, async_op: bool) -> Ret {
         self.run(py, async_op, c::scatter(send, recv, src), None)
     }
-    /// Reduce `buf` into global rank `dst`'s `buf`; the other members' buffers are left unchanged.
-    #[pyo3(signature = (buf, dst, op=None, *, async_op=false))]
-    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>, async_op: bool) -> Ret {
-        self.run(py, async_op, c::reduce(buf, dst, op), None)
+    /// Reduce `buf` into global rank `dst`'s `buf` (or its `out`, then `buf` is only read); the other
+    /// members' buffers are left unchanged. Factors as in `all_reduce`.
+    #[pyo3(signature = (buf, dst, op=None, *, out=None, prescale_factor=1.0, postscale_factor=1.0, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Obj,
+        dst: usize,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        prescale_factor: f64,
+        postscale_factor: f64,
+        async_op: bool,
+    ) -> Ret {
+        let scale = Scale { pre: prescale_factor, post: postscale_factor };
+        self.run(py, async_op, c::reduce(buf, dst, op, out, scale), None)
     }
     /// Block until every member arrives.
     #[pyo3(signature = (*, async_op=false))]
@@ -212,11 +238,25 @@ impl PyProcessGroup {
         self.run(py, async_op, c::recv(buf, src, tag), None)
     }
 
-    /// A new array: `t` reduced across the group.
-    #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn all_reduce_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
+    /// A new array (or `out`, filled): `t` reduced across the group. Factors as in `all_reduce`.
+    #[pyo3(signature = (t, op=None, *, out=None, prescale_factor=1.0, postscale_factor=1.0, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Obj,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        prescale_factor: f64,
+        postscale_factor: f64,
+        async_op: bool,
+    ) -> Ret {
+        let scale = Scale { pre: prescale_factor, post: postscale_factor };
+        if let Some(out) = out {
+            return self.run(py, async_op, c::all_reduce(t, op, Some(out), scale), Some(out.clone()));
+        }
         let (op, out) = self.checked(parse_op(op).and_then(|op| Ok((op, copy_of(t)?))))?;
-        let call = writable(&out, "t").map(|a| Prepared::all_reduce(a, op));
+        let call = writable(&out, "t").map(|a| Prepared::all_reduce(None, a, op, scale));
         self.run(py, async_op, call, Some(like(out.clone(), t)?))
     }
     /// A new array: `src`'s `t` (default: the group's first rank).
@@ -227,18 +267,33 @@ impl PyProcessGroup {
         let call = writable(&out, "t").map(|a| Prepared::broadcast(a, root));
         self.run(py, async_op, call, Some(like(out.clone(), t)?))
     }
-    /// A new array of shape `(size, *t.shape)`: every member's `t`, in group order.
-    #[pyo3(signature = (t, *, async_op=false))]
-    fn all_gather_tensor(&self, py: Python<'_>, t: &Obj, async_op: bool) -> Ret {
+    /// A new array of shape `(size, *t.shape)` (or `out`, filled, of as many elements): every
+    /// member's `t`, in group order.
+    #[pyo3(signature = (t, *, out=None, async_op=false))]
+    fn all_gather_tensor(&self, py: Python<'_>, t: &Obj, out: Option<&Obj>, async_op: bool) -> Ret {
+        if let Some(out) = out {
+            return self.run(py, async_op, c::all_gather(t, out), Some(out.clone()));
+        }
         let s = self.checked(readable(t, "t"))?;
         let shape: Vec<usize> = std::iter::once(self.inner.size()).chain(s.shape.iter().copied()).collect();
-        let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
+        let out = self.checked(zeros(py, s.raw.dtype, &shape, t))?;
         let call = Prepared::all_gather(s, writable(&out, "out")?);
         self.run(py, async_op, Ok(call), Some(like(out.clone(), t)?))
     }
-    /// A new array: this member's chunk of `t` reduced across the group (dimension 0 split in `size`).
-    #[pyo3(signature = (t, op=None, *, async_op=false))]
-    fn reduce_scatter_tensor(&self, py: Python<'_>, t: &Obj, op: Option<&Obj>, async_op: bool) -> Ret {
+    /// A new array (or `out`, filled, of as many elements): this member's chunk of `t` reduced across
+    /// the group (dimension 0 split in `size`).
+    #[pyo3(signature = (t, op=None, *, out=None, async_op=false))]
+    fn reduce_scatter_tensor(
+        &self,
+        py: Python<'_>,
+        t: &Obj,
+        op: Option<&Obj>,
+        out: Option<&Obj>,
+        async_op: bool,
+    ) -> Ret {
+        if let Some(out) = out {
+            return self.run(py, async_op, c::reduce_scatter(t, out, op), Some(out.clone()));
+        }
         let (op, s) = self.checked(parse_op(op).and_then(|op| Ok((op, readable(t, "t")?))))?;
         let n = self.inner.size();
         let first = s.shape.first().copied().unwrap_or(0);
@@ -249,7 +304,7 @@ impl PyProcessGroup {
             ))));
         }
         let shape: Vec<usize> = std::iter::once(first / n).chain(s.shape[1..].iter().copied()).collect();
-        let out = self.checked(zeros(py, s.raw.dtype, &shape))?;
+        let out = self.checked(zeros(py, s.raw.dtype, &shape, t))?;
         let call = Prepared::reduce_scatter(s, writable(&out, "out")?, op);
         self.run(py, async_op, Ok(call), Some(like(out.clone(), t)?))
     }

@@ -14,6 +14,7 @@ use super::args::timeout_from;
 use super::array::{dtype_of, view};
 use super::backend::PyBackend;
 use crate::backend::{Backend, SharedMem};
+use crate::dtype::DType;
 use crate::transport::shm::{JobSecret, SegmentToken, ShmBackend, ShmOptions, DEFAULT_ARENA};
 
 /// Joins the multi-process world on this host, through a shared-memory segment.
@@ -138,5 +139,10 @@ pub(crate) fn segment_array<'py>(
     let owner = Bound::new(descr.py(), SegmentMemory { _mem: mem })?.into_any();
     // SAFETY: `ptr` holds `bytes` = product(shape) * dtype.size() bytes, 64-byte aligned, owned by
     // `owner` alone, which the array keeps as its base (so the memory outlives the array).
-    unsafe { view(owner, dtype, ptr, shape, true) }.map(Some)
+    let arr = unsafe { view(owner, dtype, ptr, shape, true) }?;
+    // bfloat16's bits are int16 (see `array`): the caller asked for ml_dtypes' type.
+    if dtype == DType::BF16 {
+        return arr.call_method1("view", (descr,)).map(Some);
+    }
+    Ok(Some(arr))
 }

@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 use super::args::{dtype_arg, timeout_arg, timeout_from};
 use super::op::parse_op;
 use crate::dtype::DType;
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{mismatch, CollKind, Signature};
 use crate::transport::shm::{SegmentHeader, DIR, MAGIC, PREFIX, VERSION};
 
@@ -89,8 +89,9 @@ fn code<T>(what: &str, code: i64, from: impl Fn(u8) -> Option<T>) -> PyResult<Op
     found.map(Some).ok_or_else(|| PyValueError::new_err(format!("{code} is not a {what} code")))
 }
 
-/// A signature as `(seq, kind, dtype, count, root, op)`, -1 for a field not set.
-type SigTuple = (u64, u8, i64, u64, i64, i64);
+/// A signature as `(seq, kind, dtype, count, root, op, prescale, postscale)`, -1 for a code not set
+/// (factors 1.0 when not scaled).
+type SigTuple = (u64, u8, i64, u64, i64, i64, f64, f64);
 
 /// The message of the mismatch error the native worlds raise for members whose calls are `signatures`
 /// (in group order; None for a member that has not entered the call), or None when they all agree.
@@ -109,7 +110,7 @@ pub(crate) fn describe_mismatch(
     let calls = signatures
         .into_iter()
         .map(|s| {
-            let Some((seq, kind, dtype, count, root, op)) = s else {
+            let Some((seq, kind, dtype, count, root, op, pre, post)) = s else {
                 return Ok(None);
             };
             let kind = code("kind", kind.into(), CollKind::from_code)?.expect("not -1");
@@ -118,7 +119,8 @@ pub(crate) fn describe_mismatch(
                 r => Some(u32::try_from(r).map_err(|_| PyValueError::new_err(format!("{r} is not a rank")))?),
             };
             let (dtype, op) = (code("dtype", dtype, DType::from_code)?, code("op", op, ReduceOp::from_code)?);
-            Ok(Some(Signature { seq, count, root, kind, dtype, op }))
+            let scale = Scale { pre, post };
+            Ok(Some(Signature { seq, count, root, kind, dtype, op, scale }))
         })
         .collect::<PyResult<Vec<_>>>()?;
     Ok(mismatch(&members, &calls).map(|e| e.to_string()))

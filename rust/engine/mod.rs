@@ -317,7 +317,7 @@ impl<S: Store> Engine<S> {
             let inputs: Vec<*const u8> = (0..n).map(|j| s.oneshot(j, k).cast_const()).collect();
             // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
             // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
-            unsafe { algo::oneshot::reduce(call.dtype, red, &inputs, call.mine.recv, call.count) };
+            unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, &inputs, call.mine.recv, call.count) };
             return (Ok(()), false);
         }
         let route = match s.route(&pages, sig, call.root) {
@@ -354,6 +354,7 @@ impl<S: Store> Engine<S> {
                     kind: sig.kind,
                     dtype: call.dtype,
                     op: red,
+                    scale: sig.scale,
                     n,
                     me,
                     root: call.root.unwrap_or(0),

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
+use super::wire;
 use crate::algo::Route;
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
@@ -38,7 +39,7 @@ pub(crate) struct Ctrl {
 /// segment offsets in the shm world). Plain numbers only: peers decode and check them, never trust them.
 #[derive(Clone, Copy, Default, Debug)]
 pub(crate) struct Published {
-    pub sig: [u64; 4],
+    pub sig: [u64; wire::WORDS],
     pub send: u64,
     pub recv: u64,
 }
@@ -47,19 +48,19 @@ pub(crate) struct Published {
 /// its member rewrites it; the `arrive` counter orders the words for the protocol.
 #[repr(C)]
 #[derive(Default)]
-pub(crate) struct Page([AtomicU64; 6]);
+pub(crate) struct Page([AtomicU64; wire::WORDS + 2]);
 
 impl Page {
     pub(crate) fn store(&self, p: &Published) {
-        let words = [p.sig[0], p.sig[1], p.sig[2], p.sig[3], p.send, p.recv];
+        let words = p.sig.iter().chain([&p.send, &p.recv]);
         for (w, v) in self.0.iter().zip(words) {
-            w.store(v, Relaxed);
+            w.store(*v, Relaxed);
         }
     }
 
     pub(crate) fn load(&self) -> Published {
-        let w: [u64; 6] = std::array::from_fn(|i| self.0[i].load(Relaxed));
-        Published { sig: [w[0], w[1], w[2], w[3]], send: w[4], recv: w[5] }
+        let w = |i: usize| self.0[i].load(Relaxed);
+        Published { sig: std::array::from_fn(w), send: w(wire::WORDS), recv: w(wire::WORDS + 1) }
     }
 }
 
@@ -161,7 +162,7 @@ mod tests {
     #[test]
     fn a_page_gives_back_what_was_published() {
         let page = Page::default();
-        let p = Published { sig: [1, u64::MAX, 3, 4], send: 5, recv: u64::MAX - 1 };
+        let p = Published { sig: [1, u64::MAX, 3, 4, 7, 8], send: 5, recv: u64::MAX - 1 };
         page.store(&p);
         let got = page.load();
         assert_eq!((got.sig, got.send, got.recv), (p.sig, p.send, p.recv));

@@ -2,18 +2,22 @@
 //! unknown code is `None`, which the caller reports as a corrupt page.
 
 use crate::dtype::DType;
-use crate::reduce::ReduceOp;
+use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
 
 const NONE: u64 = u64::MAX;
 
-pub(crate) fn encode(s: &Signature) -> [u64; 4] {
+/// Words of an encoded signature.
+pub(crate) const WORDS: usize = 6;
+
+pub(crate) fn encode(s: &Signature) -> [u64; WORDS] {
     let codes = s.kind as u64 | (s.dtype.map_or(0, |d| d as u64) << 8) | (s.op.map_or(0, |o| o as u64) << 16);
-    [s.seq, s.count, s.root.map_or(NONE, u64::from), codes]
+    let (pre, post) = (s.scale.pre.to_bits(), s.scale.post.to_bits());
+    [s.seq, s.count, s.root.map_or(NONE, u64::from), codes, pre, post]
 }
 
-pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
-    let [seq, count, root, codes] = w;
+pub(crate) fn decode(w: [u64; WORDS]) -> Option<Signature> {
+    let [seq, count, root, codes, pre, post] = w;
     let byte = |shift: u32| (codes >> shift) as u8;
     let opt = |code: u8| (code != 0).then_some(code);
     let root = match root {
@@ -33,6 +37,7 @@ pub(crate) fn decode(w: [u64; 4]) -> Option<Signature> {
             None => None,
             Some(c) => Some(ReduceOp::from_code(c)?),
         },
+        scale: Scale { pre: f64::from_bits(pre), post: f64::from_bits(post) },
     })
 }
 
@@ -46,12 +51,17 @@ mod tests {
             Signature::new(CollKind::Barrier, 1, 0),
             Signature::new(CollKind::AllReduce, 7, 1023).dtype(DType::F16).op(ReduceOp::Average),
             Signature::new(CollKind::Scatter, u64::MAX - 1, 5).dtype(DType::I64).root(63),
+            Signature::new(CollKind::AllReduce, 2, 9)
+                .dtype(DType::C128)
+                .op(ReduceOp::BXor)
+                .scale(Scale { pre: 0.5, post: -3.0 }),
         ];
         for s in sigs {
             assert_eq!(decode(encode(&s)), Some(s));
         }
-        assert_eq!(decode([1, 1, NONE, 99]), None);
-        assert_eq!(decode([1, 1, NONE, 1 | 99 << 8]), None);
-        assert_eq!(decode([1, 1, 1 << 40, 1]), None);
+        let one = 1f64.to_bits();
+        assert_eq!(decode([1, 1, NONE, 99, one, one]), None);
+        assert_eq!(decode([1, 1, NONE, 1 | 99 << 8, one, one]), None);
+        assert_eq!(decode([1, 1, 1 << 40, 1, one, one]), None);
     }
 }

@@ -107,6 +107,11 @@ impl Buffer {
 }
 
 /// Rank `rank`'s input.
+/// The operators that reduce float32 (every one but the bitwise ones).
+pub fn float_ops() -> impl Iterator<Item = ReduceOp> {
+    ReduceOp::ALL.into_iter().filter(|op| op.check(DType::F32).is_ok())
+}
+
 pub fn input(rank: usize, len: usize) -> Vec<f32> {
     (0..len).map(|i| ((rank * 7919 + i * 31) % 1013) as f32 * 0.37 - 100.0).collect()
 }

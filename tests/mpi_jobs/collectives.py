@@ -169,7 +169,7 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
     readonly = np.zeros(8, np.float32)
     readonly.flags.writeable = False
     raises(TypeError, pg.all_reduce, np.zeros(3, dtype=object), match="not supported")
-    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=np.complex64), match="not supported")
+    raises(TypeError, pg.all_reduce, np.zeros(3, dtype=np.longdouble), match="not supported")
     raises(TypeError, pg.all_reduce, np.zeros(3, dtype=">f4"), match="not supported")
     raises(TypeError, pg.all_reduce, [1.0, 2.0], match="numpy.ndarray")
     raises(TypeError, pg.all_reduce, a, 2.5, match="ReduceOp")
@@ -194,8 +194,7 @@ def check_bad_input(pg: MpiProcessGroup) -> None:
         # The largest tag MPI allows is the group's own (new_group's arrival check).
         reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         raises(ValueError, pg.recv, a, (pg.rank() + 1) % n, reserved, match=f"[0, {reserved - 1}]")
-    raises(TypeError, pg.empty, 3, np.complex128, match="cannot carry")
-    raises(TypeError, pg.all_reduce, np.zeros(3, bool), match="cannot carry bool")
+    raises(TypeError, pg.empty, 3, np.longdouble, match="cannot carry")
     buf = np.ones(4, np.float32)
     pg.all_reduce(buf)
     expect_same(buf, np.full(4, n, np.float32), "all_reduce after bad calls")

@@ -8,9 +8,15 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   tensors, used in place through their memory (``t.detach().numpy()``, zero-copy); the *_tensor
   operations return a tensor when given one.
 - AVERAGE (also ReduceOp.AVG, "avg", "mean") is MPI SUM followed by a division by the group size
-  (floating dtypes only).
-- float16: MPI has no float16 arithmetic, so reductions widen to float32, reduce, and round to float16
-  once; operations that only move bytes send the 16-bit patterns unchanged.
+  (floating and complex dtypes only). BAND/BOR/BXOR are MPI's; on bool (MPI C_BOOL) every op is MPI's
+  logical one (SUM and MAX LOR, PRODUCT and MIN LAND, BXOR LXOR), as the core defines them.
+- float16 and bfloat16 (ml_dtypes' numpy arrays; torch's bfloat16 tensors have no numpy view, so not
+  here): MPI has no 16-bit float arithmetic, so reductions widen to float32, reduce, and round once;
+  operations that only move bytes send the 16-bit patterns unchanged.
+- prescale_factor/postscale_factor: the input is multiplied into the reduction buffer (for out=, into
+  out; off a reduce's root, into a scratch copy) once the signatures agree, the result after MPI (and
+  after AVERAGE's division); complex numbers part by part, as the core. out= without a prescale factor
+  is MPI's own Allreduce(send, recv) / Reduce(send, recv).
 - Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
   cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
   operation and calls MPI_Abort: the whole job dies. Creating a communicator (`init_mpi_process_group`,
@@ -18,8 +24,8 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
   therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
 - Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
-  sequence number) with one small float64 SUM-allreduce, the same MPI call on every rank (a persistent
-  one with MPI 4; see `check_signatures` in mpi.check); on disagreement every rank
+  scaling factors, sequence number) with one small float64 SUM-allreduce, the same MPI call on every
+  rank (a persistent one with MPI 4; see `check_signatures` in mpi.check); on disagreement every rank
   raises CollectiveMismatchError naming the ranks that differ, no data moves, and the group stays usable.
   A rank whose arguments are invalid takes part with an "invalid" signature and raises its
   TypeError/ValueError, so its peers fail at once instead of timing out. Without the check, mismatched

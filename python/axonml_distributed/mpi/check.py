@@ -13,13 +13,25 @@ from axonml_distributed.exceptions import CollectiveMismatchError
 from axonml_distributed.mpi.args import Describe
 from axonml_distributed.mpi.queue import OpQueue, mpi_error
 
-# A call signature: valid, kind, dtype, count, root, op, seq, with the core's codes (`root` is a global
-# rank, `count` the elements of each member's part) so that the core describes a mismatch. Unset fields
-# are -1 (count 0); a rank whose own arguments were invalid sends valid = 0 and only kind and seq, so
-# that peers fail at once instead of waiting for it.
-SIGNATURE_FIELDS = 7
-# A signature without its sequence number: (valid, kind, dtype, count, root, op).
-Static = tuple[int, int, int, int, int, int]
+# A call signature: valid, kind, dtype, count, root, op, prescale, postscale, seq, with the core's codes
+# (`root` is a global rank, `count` the elements of each member's part; the factors as the bits of their
+# float64) so that the core describes a mismatch. Unset fields are -1 (count 0, factors 1.0); a rank
+# whose own arguments were invalid sends valid = 0 and only kind and seq, so that peers fail at once
+# instead of waiting for it.
+SIGNATURE_FIELDS = 9
+# A signature without its sequence number: (valid, kind, dtype, count, root, op, prescale, postscale).
+Static = tuple[int, int, int, int, int, int, int, int]
+_F64 = struct.Struct("=d")
+_U64 = struct.Struct("=Q")
+_I64 = struct.Struct("=q")
+
+
+def factor_bits(factor: float) -> int:
+    """A scaling factor as the bits of its float64 (what signatures compare)."""
+    return int(_U64.unpack(_F64.pack(factor))[0])
+
+
+ONE = factor_bits(1.0)
 
 # The check is one SUM-allreduce of a fixed number of float64 values, the same MPI call on every rank
 # whatever its signature (ranks that disagree must not make different MPI calls). Each signature field
@@ -28,7 +40,7 @@ Static = tuple[int, int, int, int, int, int]
 # variance is zero). Both sums are exact integers in float64 while n*f^2 < 2^53, i.e. up to 2^21 ranks;
 # and every rank draws the same conclusion (if any two components differ, no rank's test passes).
 # Components per field of `Static` (count and root may be large; the others are small codes):
-STATIC_CHUNKS = (1, 1, 1, 4, 2, 1)
+STATIC_CHUNKS = (1, 1, 1, 4, 2, 1, 5, 5)
 STATIC_COMPONENTS = sum(STATIC_CHUNKS)
 # Small all_reduces ride along with the check: a blocking SUM or AVERAGE all_reduce of at most FUSE_SLOTS
 # float32 or float64 elements, with nothing pending, puts its data in the payload slots (as float64) and
@@ -99,13 +111,24 @@ class SignatureCheck:
         return entry
 
 
-def signature(valid: int, kind: int, dtype: int, count: int, root: int, op: int) -> Static:
+def signature(
+    valid: int, kind: int, dtype: int, count: int, root: int, op: int, pre: float = 1.0, post: float = 1.0
+) -> Static:
     """A call signature without its sequence number."""
-    return (valid, kind, dtype, count, root, op)
+    scaled = pre != 1.0 or post != 1.0
+    return (
+        valid,
+        kind,
+        dtype,
+        count,
+        root,
+        op,
+        *((factor_bits(pre), factor_bits(post)) if scaled else (ONE, ONE)),
+    )
 
 
 def invalid_signature(kind: int) -> Static:
-    return (0, kind, -1, 0, -1, -1)
+    return (0, kind, -1, 0, -1, -1, ONE, ONE)
 
 
 def check_signatures(
@@ -158,7 +181,8 @@ def check_signatures(
         flat[...] = check.payloads[count]  # float32: the only rounding
         return True
     # Failure path only: gather everyone's signature so the error can name who differs.
-    mine = (*static, seq)
+    # The factors' bits as int64 (the same 64 bits), to travel in one int64 array.
+    mine = (*static[:6], *(_I64.unpack(_U64.pack(b))[0] for b in static[6:]), seq)
     every = np.empty((len(ranks), SIGNATURE_FIELDS), dtype=np.int64)
     own = np.array(mine, dtype=np.int64)
     queue.wait_request(queue.comm.Iallgather([own, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
@@ -172,7 +196,14 @@ def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
     as the native worlds word their CollectiveMismatchError; members whose own arguments were invalid,
     which the core's worlds never publish, are named after it."""
     signatures = every.tolist()
-    calls = [(seq, kind, dtype, count, root, op) for _, kind, dtype, count, root, op, seq in signatures]
+
+    def factor(bits: int) -> float:
+        return float(_F64.unpack(_I64.pack(bits))[0])
+
+    calls = [
+        (seq, kind, dtype, count, root, op, factor(pre), factor(post))
+        for _, kind, dtype, count, root, op, pre, post, seq in signatures
+    ]
     message = describe_mismatch(calls, ranks)
     assert message is not None  # the check failed, so two signatures differ
     invalid = [rank for rank, sig in zip(ranks, signatures, strict=True) if not sig[0]]

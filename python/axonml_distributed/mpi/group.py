@@ -17,10 +17,21 @@ from axonml_distributed._core import KIND_CODES, CallCheck, checked_timeout, val
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi import plans
-from axonml_distributed.mpi.args import CARRIED, FLOAT16_CODE, Op, Result, carrier, checkable, is_int, mpi_op
+from axonml_distributed.mpi.args import (
+    CARRIED,
+    WIDENED_CODES,
+    Op,
+    Result,
+    carrier,
+    checkable,
+    finish_result,
+    is_int,
+    mpi_op,
+)
 from axonml_distributed.mpi.check import (
     FUSABLE_DTYPES,
     FUSE_SLOTS,
+    ONE,
     SignatureCheck,
     check_signatures,
     invalid_signature,
@@ -138,18 +149,29 @@ class MpiProcessGroup:
 
     # --- collectives -------------------------------------------------------------------------------
 
-    def all_reduce(self, buf: Buf, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
+    def all_reduce(
+        self,
+        buf: Buf,
+        op: OpArg = None,
+        *,
+        out: Buf | None = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        async_op: bool = False,
+    ) -> MpiWork | None:
         buf = numpy_view(buf)
         queue = self._member_queue("all_reduce")
+        plain = out is None and prescale_factor == 1.0 and postscale_factor == 1.0
         with queue.lock:
-            if not async_op and queue.idle():
+            if not async_op and plain and queue.idle():
                 direct = self._direct_all_reduce(buf, op)
                 if direct is not None:
                     self._all_reduce_now(queue, buf, *direct)
                     return None
+            into = numpy_view(out)
 
             def plan(comm: MPI.Intracomm) -> Call:
-                return plans.all_reduce(self, comm, buf, op, None)
+                return plans.all_reduce(self, comm, buf, op, None, into, prescale_factor, postscale_factor)
 
             return _inplace(self._issue(queue, "all_reduce", plan, async_op))
 
@@ -189,11 +211,23 @@ class MpiProcessGroup:
             self._collective("scatter", lambda comm: plans.scatter(self, comm, send, recv, src), async_op)
         )
 
-    def reduce(self, buf: Buf, dst: int, op: OpArg = None, *, async_op: bool = False) -> MpiWork | None:
-        buf = numpy_view(buf)
-        return _inplace(
-            self._collective("reduce", lambda comm: plans.reduce(self, comm, buf, dst, op), async_op)
-        )
+    def reduce(
+        self,
+        buf: Buf,
+        dst: int,
+        op: OpArg = None,
+        *,
+        out: Buf | None = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        async_op: bool = False,
+    ) -> MpiWork | None:
+        buf, into = numpy_view(buf), numpy_view(out)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.reduce(self, comm, buf, dst, op, into, prescale_factor, postscale_factor)
+
+        return _inplace(self._collective("reduce", plan, async_op))
 
     def barrier(self, *, async_op: bool = False) -> MpiWork | None:
         return _inplace(self._collective("barrier", plans.barrier, async_op))
@@ -232,10 +266,23 @@ class MpiProcessGroup:
     # --- returning variants (the output is allocated inside the plan, so a bad input still takes part
     # in the signature check and peers fail at once) ---------------------------------------------------
 
-    def all_reduce_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
+    def all_reduce_tensor(
+        self,
+        t: Buf,
+        op: OpArg = None,
+        *,
+        out: Buf | None = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        async_op: bool = False,
+    ) -> Any:
+        factors = (prescale_factor, postscale_factor)
+
         def plan(comm: MPI.Intracomm) -> Call:
-            out = np.array(numpy_view(t), order="C")
-            return plans.all_reduce(self, comm, out, op, like(t)(out))
+            if out is not None:
+                return plans.all_reduce(self, comm, numpy_view(t), op, out, numpy_view(out), *factors)
+            new = np.array(numpy_view(t), order="C")
+            return plans.all_reduce(self, comm, new, op, like(t)(new), None, *factors)
 
         return self._collective("all_reduce", plan, async_op)
 
@@ -249,24 +296,30 @@ class MpiProcessGroup:
 
         return self._collective("broadcast", plan, async_op)
 
-    def all_gather_tensor(self, t: Buf, *, async_op: bool = False) -> Any:
+    def all_gather_tensor(self, t: Buf, *, out: Buf | None = None, async_op: bool = False) -> Any:
         def plan(comm: MPI.Intracomm) -> Call:
+            if out is not None:
+                return plans.all_gather(self, comm, numpy_view(t), numpy_view(out), out)
             send = np.ascontiguousarray(numpy_view(t))
-            out = np.empty((self.size(), *send.shape), send.dtype)
-            return plans.all_gather(self, comm, send, out, like(t)(out))
+            new = np.empty((self.size(), *send.shape), send.dtype)
+            return plans.all_gather(self, comm, send, new, like(t)(new))
 
         return self._collective("all_gather", plan, async_op)
 
-    def reduce_scatter_tensor(self, t: Buf, op: OpArg = None, *, async_op: bool = False) -> Any:
+    def reduce_scatter_tensor(
+        self, t: Buf, op: OpArg = None, *, out: Buf | None = None, async_op: bool = False
+    ) -> Any:
         def plan(comm: MPI.Intracomm) -> Call:
+            if out is not None:
+                return plans.reduce_scatter(self, comm, numpy_view(t), numpy_view(out), op, out)
             send = np.ascontiguousarray(numpy_view(t))
             if send.ndim == 0 or send.shape[0] % self.size():
                 raise ValueError(
                     f"reduce_scatter_tensor: dim 0 of shape {send.shape} does not divide by the group size "
                     f"{self.size()}"
                 )
-            out = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
-            return plans.reduce_scatter(self, comm, send, out, op, like(t)(out))
+            new = np.empty((send.shape[0] // self.size(), *send.shape[1:]), send.dtype)
+            return plans.reduce_scatter(self, comm, send, new, op, like(t)(new))
 
         return self._collective("reduce_scatter", plan, async_op)
 
@@ -328,7 +381,7 @@ class MpiProcessGroup:
             raise
         if self._check:
             root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
-            mine = signature(1, code, call.dtype, call.count, root, call.op)
+            mine = signature(1, code, call.dtype, call.count, root, call.op, call.pre, call.post)
             check_signatures(queue, mine, seq, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 
@@ -342,21 +395,21 @@ class MpiProcessGroup:
         describe = self._describe_current_all_reduce
         if self._check:
             count = buf.size
-            mine = (1, ALL_REDUCE_CODE, code, count, -1, rop.code)  # signature(...), spelled out
+            mine = (1, ALL_REDUCE_CODE, code, count, -1, rop.code, ONE, ONE)  # signature(...), spelled out
             if rop.sums and count <= FUSE_SLOTS and code in FUSABLE_DTYPES:
                 # Small enough to ride along with the check: one MPI call instead of two, when every
                 # rank's data rode along (see FUSE_SLOTS in mpi.check).
                 flat = buf if buf.ndim == 1 else buf.reshape(-1)
                 if check_signatures(queue, mine, queue.seq, self._ranks, describe, flat):
                     if rop.average:
-                        np.divide(buf, len(self._ranks), out=buf)
+                        finish_result(buf, len(self._ranks), 1.0)
                     return
             else:
                 check_signatures(queue, mine, queue.seq, self._ranks, describe)
         req = queue.comm.Iallreduce(MPI.IN_PLACE, [buf, dt], rop.mpi_op)
         queue.wait_request(req, buf.nbytes, describe)
         if rop.average:
-            np.divide(buf, len(self._ranks), out=buf)
+            finish_result(buf, len(self._ranks), 1.0)
 
     def _describe(self, kind: str, seq: int) -> str:
         return f"{kind} (seq {seq}) in MPI group {self._ranks}"
@@ -378,11 +431,11 @@ class MpiProcessGroup:
 
     def _direct_all_reduce(self, buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, Op] | None:
         """dtype code, MPI datatype and op of an all_reduce that MPI performs on `buf` itself, or None:
-        for float16 (reduced in a float32 copy) and for invalid arguments, which the general path
-        reports after taking part in the signature check."""
+        for float16 and bfloat16 (reduced in a float32 copy) and for invalid arguments, which the
+        general path reports after taking part in the signature check."""
         try:
             code, _, _, op_code = self._calls.all_reduce(checkable(buf), op)
-            return None if code == FLOAT16_CODE else (code, carrier(code), mpi_op(op_code))
+            return None if code in WIDENED_CODES else (code, carrier(code), mpi_op(op_code, code))
         except (TypeError, ValueError):
             return None
 

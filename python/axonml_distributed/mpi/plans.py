@@ -17,7 +17,15 @@ import numpy as np
 from mpi4py import MPI
 
 from axonml_distributed._types import OpArg
-from axonml_distributed.mpi.args import Finish, Result, carrier, checkable, mpi_op, reduction_buffer
+from axonml_distributed.mpi.args import (
+    WIDENED,
+    Finish,
+    Result,
+    carrier,
+    checkable,
+    mpi_op,
+    reduction_buffer,
+)
 
 if TYPE_CHECKING:
     from axonml_distributed.mpi.group import MpiProcessGroup
@@ -38,14 +46,44 @@ class Call:
     count: int = 0
     root: int = -1
     op: int = -1
+    pre: float = 1.0
+    post: float = 1.0
 
 
-def all_reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, op: OpArg, result: Result) -> Call:
-    code, count, _, op_code = g._calls.all_reduce(checkable(buf), op)
-    rop = mpi_op(op_code)
-    data, dt, finish = reduction_buffer(buf, carrier(code), rop, g.size(), copy_in=True, write_back=True)
-    start = partial(comm.Iallreduce, MPI.IN_PLACE, [data, dt], rop.mpi_op)
-    return Call(start, buf.nbytes, finish, result, code, count, -1, op_code)
+def _after(prepare: Callable[[], None] | None, start: Callable[[], MPI.Request]) -> Callable[[], MPI.Request]:
+    """`start`, preceded by `prepare` when there is one (it runs once the signatures agree)."""
+    if prepare is None:
+        return start
+
+    def started() -> MPI.Request:
+        prepare()
+        return start()
+
+    return started
+
+
+def all_reduce(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    buf: np.ndarray,
+    op: OpArg,
+    result: Result,
+    out: np.ndarray | None = None,
+    pre: float = 1.0,
+    post: float = 1.0,
+) -> Call:
+    code, count, _, op_code = g._calls.all_reduce(
+        checkable(buf), op, None if out is None else checkable(out), pre, post
+    )
+    rop = mpi_op(op_code, code)
+    # out=: MPI reads buf and writes out (Allreduce(send, recv)), unless the input is prepared first.
+    target, send = (buf, None) if out is None or out is buf else (out, buf)
+    data, dt, prepare, finish = reduction_buffer(
+        target, carrier(code), rop, g.size(), True, True, send, pre, post
+    )
+    source = MPI.IN_PLACE if prepare is not None or send is None else [send, dt]
+    start = _after(prepare, partial(comm.Iallreduce, source, [data, dt], rop.mpi_op))
+    return Call(start, target.nbytes, finish, result, code, count, -1, op_code, pre, post)
 
 
 def broadcast(
@@ -69,8 +107,8 @@ def reduce_scatter(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
 ) -> Call:
     code, count, _, op_code = g._calls.reduce_scatter(checkable(send), checkable(recv), op)
-    rop = mpi_op(op_code)
-    data, dt, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
+    rop = mpi_op(op_code, code)
+    data, dt, _, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
     start = partial(comm.Ireduce_scatter_block, [source, dt], [data, dt], rop.mpi_op)
     return Call(start, send.nbytes, finish, result, code, count, -1, op_code)
@@ -96,15 +134,37 @@ def scatter(
     return Call(start, recv.nbytes * g.size(), dtype=code, count=count, root=root)
 
 
-def reduce(g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, dst: int, op: OpArg) -> Call:
-    code, count, root, op_code = g._calls.reduce(checkable(buf), dst, op)
-    rop = mpi_op(op_code)
-    # MPI leaves non-root buffers untouched, and so do we.
+def reduce(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    buf: np.ndarray,
+    dst: int,
+    op: OpArg,
+    out: np.ndarray | None = None,
+    pre: float = 1.0,
+    post: float = 1.0,
+) -> Call:
+    code, count, root, op_code = g._calls.reduce(
+        checkable(buf), dst, op, None if out is None else checkable(out), pre, post
+    )
+    rop = mpi_op(op_code, code)
     is_root = g.rank() == dst
-    data, dt, finish = reduction_buffer(buf, carrier(code), rop, g.size(), copy_in=True, write_back=is_root)
-    send_spec, recv_spec = (MPI.IN_PLACE, [data, dt]) if is_root else ([data, dt], None)
-    start = partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root)
-    return Call(start, buf.nbytes, finish, None, code, count, root, op_code)
+    target, send = (buf, None) if out is None or out is buf else (out, buf)
+    if not is_root:
+        # MPI leaves non-root buffers untouched, and so do we: the input is only read (prescaled, if at
+        # all, into a scratch copy), and out is not written.
+        scratch = pre != 1.0 and buf.dtype not in WIDENED
+        target, send = (np.empty_like(buf) if scratch else buf), buf
+    data, dt, prepare, finish = reduction_buffer(
+        target, carrier(code), rop, g.size(), True, is_root, send, pre, post
+    )
+    source = [data, dt] if prepare is not None or send is None else [send, dt]
+    if is_root:
+        send_spec, recv_spec = (MPI.IN_PLACE if source[0] is data else source), [data, dt]
+    else:
+        send_spec, recv_spec = source, None
+    start = _after(prepare, partial(comm.Ireduce, send_spec, recv_spec, rop.mpi_op, root))
+    return Call(start, buf.nbytes, finish, None, code, count, root, op_code, pre, post)
 
 
 def barrier(comm: MPI.Intracomm) -> Call:

@@ -289,4 +289,3 @@ def mpi_error(describe: str, exc: MPI.Exception) -> DistributedError:
     if exc.Get_error_class() == MPI.ERR_TRUNCATE:
         return CollectiveMismatchError(message)
     return DistributedError(message)
-

@@ -33,10 +33,6 @@ _ALL_TO_ALL = (
     "all_to_all / all_to_all_single are not implemented by the axonml backend yet: they come with the "
     "collectives issue (all-to-all in the core); use gloo for them until then"
 )
-_BITWISE = (
-    "the axonml backend does not implement {op} yet: BAND, BOR and BXOR come with the collectives issue "
-    "(bitwise reductions in the core); use gloo for them until then"
-)
 _SUM = dist.ReduceOp.SUM
 _OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -44,8 +40,10 @@ _OPS = {
     dist.ReduceOp.MIN: ReduceOp.MIN,
     dist.ReduceOp.MAX: ReduceOp.MAX,
     dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
 }
-_BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 INLINE_IN_BACKWARD = 1 << 20
 # torch's id of the backward pass running on this thread, -1 outside one (a private API: without it,
 # every asynchronous all-reduce goes to the lane).
@@ -58,20 +56,21 @@ def _async(opts: Any) -> bool:
     return opts is None or getattr(opts, "asyncOp", True) is not False
 
 
-def _op(op: Any, dtype: torch.dtype) -> tuple[ReduceOp, torch.Tensor | None]:
-    """Our op for torch's `op` (a ``dist.ReduceOp``), and for PREMUL_SUM the factor to scale by first."""
+def _op(op: Any) -> tuple[ReduceOp, float]:
+    """Our op for torch's `op` (a ``dist.ReduceOp``), and the factor to scale each input by first
+    (PREMUL_SUM's; 1.0 for the others)."""
     if op == _SUM:  # the common case first: torch's op enum hashes slowly
-        return ReduceOp.SUM, None
+        return ReduceOp.SUM, 1.0
     kind = op.op
     if kind == dist.ReduceOp.PREMUL_SUM:
-        factor = op.factor if isinstance(op.factor, torch.Tensor) else torch.tensor(op.factor)
-        return ReduceOp.SUM, factor.to(dtype)
+        return ReduceOp.SUM, float(op.factor)
     ours = _OPS.get(kind)
     if ours is None:
-        if kind in _BITWISE_OPS:
-            raise ValueError(_BITWISE.format(op=kind))
-        raise ValueError(f"the axonml backend does not implement {kind} (use SUM, PRODUCT, MIN, MAX, AVG)")
-    return ours, None
+        raise ValueError(
+            f"the axonml backend does not implement {kind} (use SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, "
+            "BXOR or PREMUL_SUM)"
+        )
+    return ours, 1.0
 
 
 def _dense(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
@@ -100,8 +99,9 @@ def _stage(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.detach() for t in tensors]) if tensors else torch.empty(0)
 
 
-def _scaled(t: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
-    return t if factor is None else t * factor
+def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """For the collectives whose core call takes no factor (reduce_scatter): a scaled copy."""
+    return t if factor == 1.0 else t * factor
 
 
 class AxonmlProcessGroup(dist.ProcessGroup):
@@ -194,11 +194,10 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
         natives, finishes = [], []
         for t in tensors:
-            ours, factor = _op(op, t.dtype)
+            ours, factor = _op(op)
             buf, back = _dense(t)
-            if factor is not None:
-                buf.mul_(factor)
-            natives.append(self._native.all_reduce(buf, ours, async_op=detached))
+            # PREMUL_SUM's factor is the core's prescale factor: applied as each input is read.
+            natives.append(self._native.all_reduce(buf, ours, prescale_factor=factor, async_op=detached))
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
@@ -268,7 +267,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         op = (opts or dist.ReduceScatterOptions()).reduceOp
         natives, finishes = [], []
         for out, ins in zip(outputs, input_lists, strict=True):
-            ours, factor = _op(op, out.dtype)
+            ours, factor = _op(op)
             buf, back = _dense(out)
             send = _scaled(_stage(ins), factor)
             natives.append(self._native.reduce_scatter(send, buf, ours, async_op=detached))
@@ -278,7 +277,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Work | None:
-        ours, factor = _op((opts or dist.ReduceScatterOptions()).reduceOp, output.dtype)
+        ours, factor = _op((opts or dist.ReduceScatterOptions()).reduceOp)
         buf, back = _dense(output)
         send = _scaled(_dense(input)[0], factor)
         native = self._native.reduce_scatter(send, buf, ours, async_op=_async(opts))
@@ -299,12 +298,10 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         root, here = self._root(opts)
         natives, finishes = [], []
         for t in tensors:
-            ours, factor = _op(opts.reduceOp, t.dtype)
+            ours, factor = _op(opts.reduceOp)
             buf, back = _dense(t)
-            if factor is not None:  # scale a copy: off the root the tensor stays as it was
-                buf = buf * factor
-                back = (lambda t=t, buf=buf: t.copy_(buf)) if here else None
-            natives.append(self._native.reduce(buf, root, ours, async_op=detached))
+            # The core scales as it reads: off the root the tensor stays as it was.
+            natives.append(self._native.reduce(buf, root, ours, prescale_factor=factor, async_op=detached))
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 

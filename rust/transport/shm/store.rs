@@ -67,7 +67,7 @@ impl ShmStore {
     /// its arena, or misaligned for the dtype) is an error.
     fn direct(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Peer>>> {
         let n = self.members.len();
-        let align = sig.dtype.map_or(1, |d| d.size());
+        let align = sig.dtype.map_or(1, |d| d.align());
         let resolve = |j: usize, off: u64, bytes: usize| -> Result<Option<*mut u8>> {
             match (bytes, off) {
                 (0, _) => Ok(Some(std::ptr::null_mut())),
@@ -95,7 +95,7 @@ impl ShmStore {
     /// An address no correct peer publishes (wrapping around, misaligned) is an error.
     fn cma(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Member>>> {
         let n = self.members.len();
-        let align = sig.dtype.map_or(1, |d| d.size());
+        let align = sig.dtype.map_or(1, |d| d.align());
         let mut members = Vec::with_capacity(n);
         for (j, page) in pages.iter().enumerate() {
             let rank = self.members[j];
