@@ -40,7 +40,8 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
-use crate::algo::{self, spans, staged::Staged, Route};
+use crate::algo::layout::{self, Fault, Plan};
+use crate::algo::{self, pairwise, spans, staged::Staged, Route};
 use crate::call::{self, Call};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
@@ -207,13 +208,17 @@ impl<S: Store> Engine<S> {
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
         let bytes = call.count * call.dtype.size();
-        let (sb, rb) = spans(&sig, n, call.root == Some(me));
+        let (sb, rb) = call.layout.as_ref().map_or_else(|| spans(&sig, n, call.root == Some(me)), |l| l.span);
         let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
         let ctrl = s.ctrl(me);
         if oneshot {
             // SAFETY: this member's input holds `bytes`; its one-shot buffer `k % 2` was last read by
             // peers for call k − 2, and every peer has since arrived at k − 1.
             unsafe { algo::oneshot::publish(call.mine.send, s.oneshot(me, k), bytes) };
+        }
+        if let Some(l) = &call.layout {
+            // SAFETY: as for the one-shot buffer; the layout has at most 2n words (`layout::words`).
+            unsafe { std::ptr::copy_nonoverlapping(l.words.as_ptr(), s.layout(me, k), l.words.len()) };
         }
         let page = Published {
             sig: wire::encode(&sig),
@@ -288,8 +293,12 @@ impl<S: Store> Engine<S> {
         if let Some(details) = describe_mismatch(&calls) {
             return (Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })), false);
         }
+        let plan = match self.plan(call, sig, k, calls) {
+            Ok(plan) => plan,
+            Err(e) => return (Err(self.fail(e)), false),
+        };
         let bytes = call.count * call.dtype.size();
-        if sig.kind == CollKind::Barrier || bytes == 0 {
+        if sig.kind == CollKind::Barrier || plan.as_ref().map_or(bytes == 0, Plan::is_empty) {
             return (Ok(()), false);
         }
         let red = sig.op.unwrap_or(ReduceOp::Sum);
@@ -300,7 +309,11 @@ impl<S: Store> Engine<S> {
             unsafe { algo::oneshot::reduce(call.dtype, red, &inputs, call.mine.recv, call.count) };
             return (Ok(()), false);
         }
-        let route = match s.route(&pages, sig, call.root) {
+        let spans: Vec<(usize, usize)> = match &plan {
+            Some(p) => p.spans.clone(),
+            None => (0..n).map(|j| spans(sig, n, call.root == Some(j))).collect(),
+        };
+        let route = match s.route(&pages, sig, &spans) {
             Ok(route) => route,
             Err(e) => return (Err(self.fail(e)), false),
         };
@@ -314,8 +327,22 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: every member validated its buffers for this signature, all agree on it, and
                 // each keeps its buffers until every member stored its done (drain).
-                unsafe { algo::direct(call, red, &peers, me) };
+                unsafe { algo::direct(call, red, &peers, me, plan.as_ref()) };
                 (Ok(()), true)
+            }
+            Route::Staged { bufs, chunk } if plan.is_some() => {
+                let ctrl = s.ctrl(me);
+                let publish = |step: u64| {
+                    ctrl.step.store(step, Release);
+                    s.notify();
+                };
+                let sync = |step: u64| self.wait_all(|c| &c.step, step, op);
+                let (send, recv) = (call.mine.send, call.mine.recv);
+                let plan = plan.as_ref().expect("checked by the guard");
+                let staged =
+                    pairwise::Staged { plan, dtype: call.dtype, op: red, me, send, recv, bufs: &bufs, chunk };
+                // SAFETY: as below, for the plan every member shares.
+                (unsafe { staged.run(&mut local.round, publish, sync) }, false)
             }
             Route::Staged { bufs, chunk } => {
                 let staged = Staged {
@@ -342,6 +369,37 @@ impl<S: Store> Engine<S> {
                 // a member may leave the pipeline without waiting for the others.
                 (unsafe { staged.run(&mut local.round, publish, sync) }, false)
             }
+        }
+    }
+
+    /// The plan of a pairwise collective (`algo::layout`), from the layouts every member published for
+    /// call `k`; `None` for the other kinds. Members whose layouts disagree all fail alike, with the
+    /// mismatch naming them; `calls` are the (agreeing) signatures.
+    fn plan(
+        &self,
+        call: &Call,
+        sig: &Signature,
+        k: u64,
+        calls: Vec<(usize, Signature)>,
+    ) -> Result<Option<Plan>> {
+        let s = &self.store;
+        if sig.kind != CollKind::AllToAll && !sig.kind.has_layout() {
+            return Ok(None);
+        }
+        let w = layout::words(sig.kind, s.members().len());
+        // SAFETY: every member wrote its `w` words (the signatures agree on the kind) before arriving;
+        // the buffer is rewritten only for call k + 2 (see the one-shot buffers).
+        let layouts: Vec<&[u64]> = (0..s.members().len())
+            .map(|j| unsafe { std::slice::from_raw_parts(s.layout(j, k), w) })
+            .collect();
+        match Plan::new(sig, call.dtype.size(), call.root, &layouts, s.members()) {
+            Ok(plan) => Ok(Some(plan)),
+            Err(Fault::Disagree(details)) => {
+                Err(Error::Mismatch { group: s.members().to_vec(), details, calls })
+            }
+            Err(Fault::Overflow) => Err(Error::invalid(format!(
+                "{sig}: a member published sizes that overflow (corrupted segment?)"
+            ))),
         }
     }
 
