@@ -273,8 +273,9 @@ def check_all_to_all(pg: Any) -> list[str]:
                 recv = placed(pg, np.zeros(n * count, dtype), segment)
                 pg.all_to_all_single(placed(pg, inputs[me], segment), recv)
                 expect_same(recv, expected, f"all_to_all_single equal {case}")
-        # Rows of one element (1-D: splits count elements), of three, and large 1-D pieces.
-        for case, width, scale in ((0, 0, 1), (1, 3, 1), (2, 0, 2579)):
+        # Rows of one element (1-D: splits count elements), of three, and large 1-D pieces (the last
+        # ones longer than a pipeline round of the shm world: several rounds).
+        for case, width, scale in ((0, 0, 1), (1, 3, 1), (2, 0, 2579), (3, 0, 100_003)):
             rows = split_matrix(n, case) * scale
 
             def rows_of(j: int, rows: np.ndarray = rows, width: int = width, case: int = case) -> np.ndarray:
@@ -296,11 +297,12 @@ def check_uneven(pg: Any) -> list[str]:
     and op, ordinary and `pg.empty` arrays, against numpy's concatenation and the reference reduce."""
     n, me = pg.size(), pg.group_rank(pg.rank())
     for segment in (False, True):
-        for case in range(3):
-            counts = [int(c) for c in split_matrix(n, case)[0] * (1 if case < 2 else 2500)]
+        # The last case's pieces are longer than a pipeline round of the shm world: several rounds.
+        for case, scale in ((0, 1), (1, 1), (2, 2500), (3, 300_007)):
+            counts = [int(c) for c in split_matrix(n, case)[0] * scale]
             total = sum(counts)
             at = np.cumsum([0, *counts])
-            for dtype in dtypes(pg):
+            for dtype in dtypes(pg) if case < 3 else [np.float32]:
                 name = f"v-{case}-{np.dtype(dtype).name}-{segment}"
                 inputs = all_inputs(n, name, (total,), dtype)
                 pieces = [inputs[j][: counts[j]] for j in range(n)]
@@ -316,7 +318,7 @@ def check_uneven(pg: Any) -> list[str]:
                     whole = inputs[pg.group_rank(root)]
                     pg.scatter_v(placed(pg, whole, segment) if pg.rank() == root else None, out, counts, root)
                     expect_same(out, whole[at[me] : at[me + 1]], f"scatter_v {name} src {root}")
-                for op in OP_NAMES:
+                for op in OP_NAMES if case < 3 else ["SUM"]:
                     if op == "AVERAGE" and dtype not in FLOATS:
                         continue
                     values = all_inputs(n, f"{name}-{op}", (total,), dtype, op)
@@ -337,6 +339,43 @@ def check_split_mismatch(pg: Any) -> list[str]:
     message = raises(CollectiveMismatchError, pg.all_to_all_single, send, recv, outs, [1] * n)
     expect_same(recv, np.ones(n + 1, np.float32), "the buffer of a mismatched all_to_all_single")
     return [message]
+
+
+def check_pairwise_mistakes(pg: Any) -> list[str]:
+    """Argument mistakes of all_to_all and the collectives with per-member sizes, made alike on every
+    rank: the core's exception and message in every world (as `check_argument_mistakes`)."""
+    n, me = pg.size(), pg.rank()
+    f32 = np.zeros
+    mistakes: list[tuple[str, Callable[[], object]]] = [
+        ("a2a indivisible", lambda: pg.all_to_all(f32(n * 3 + 1, np.float32), f32(n * 3 + 1, np.float32))),
+        ("a2a recv size", lambda: pg.all_to_all(f32(n * 3, np.float32), f32(n * 3 + 1, np.float32))),
+        ("a2a dtype", lambda: pg.all_to_all(f32(n, np.float32), f32(n, np.float64))),
+        ("a2av rows", lambda: pg.all_to_all_single(f32((n + 1, 2), np.float32), f32((n + 1, 2), np.float32))),
+        ("a2av entries", lambda: pg.all_to_all_single(f32(n, np.float32), f32(n, np.float32), [n], [n])),
+        (
+            "a2av sum",
+            lambda: pg.all_to_all_single(f32(n, np.float32), f32(n, np.float32), [1] * n, [2] * n),
+        ),
+        ("agv entries", lambda: pg.all_gather_v(f32(1, np.float32), f32(1, np.float32), [1])),
+        ("agv send", lambda: pg.all_gather_v(f32(2, np.float32), f32(n, np.float32), [1] * n)),
+        ("gv root recv", lambda: pg.gather_v(f32(1, np.float32), None, [1] * n, me)),
+        ("sv root send", lambda: pg.scatter_v(None, f32(1, np.float32), [1] * n, me)),
+        (
+            "rsv AVERAGE of integers",
+            lambda: pg.reduce_scatter_v(f32(n, np.int32), f32(1, np.int32), [1] * n, ReduceOp.AVERAGE),
+        ),
+        ("rsv recv", lambda: pg.reduce_scatter_v(f32(n, np.float32), f32(2, np.float32), [1] * n)),
+    ]
+    messages = []
+    for name, make in mistakes:
+        try:
+            make()
+        except (TypeError, ValueError) as exc:
+            text = str(exc).replace(f"rank {me} ", "rank <me> ")
+            messages.append(f"{name}: {type(exc).__name__}: {text}")
+        else:
+            raise AssertionError(f"{name}: no error")
+    return messages
 
 
 def check_counts_mismatch(pg: Any) -> list[str]:
@@ -364,4 +403,7 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "counts_mismatch": check_counts_mismatch,
 }
 # Checks of a world's errors, compared across worlds (tests/test_conformance.py).
-ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {"argument_mistakes": check_argument_mistakes}
+ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {
+    "argument_mistakes": check_argument_mistakes,
+    "pairwise_mistakes": check_pairwise_mistakes,
+}
