@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -221,19 +222,18 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
         detached = _async(opts)
-        natives, finishes = [], []
+        natives: list[Any] = []
+        finishes: list[Callable[[], object] | None] = []
         for outs, t in zip(output_lists, inputs, strict=True):
             if any(o.shape != t.shape for o in outs):  # uneven sizes: all_gather_v
                 counts = [o.numel() for o in outs]
                 flat = torch.empty(sum(counts), dtype=t.dtype)
                 natives.append(self._native.all_gather_v(_dense(t)[0], flat, counts, async_op=detached))
-                finishes.append(lambda outs=outs, flat=flat, counts=counts: _unstage(outs, flat, counts))
+                finishes.append(partial(_unstage, outs, flat, counts))
                 continue
             staged = torch.empty((len(outs), *t.shape), dtype=t.dtype)
             natives.append(self._native.all_gather(_dense(t)[0], staged, async_op=detached))
-            finishes.append(
-                lambda outs=outs, staged=staged: [o.copy_(s) for o, s in zip(outs, staged, strict=True)]
-            )
+            finishes.append(partial(_unstage, outs, staged.view(-1), [t.numel()] * len(outs)))
         return self._done("coll", natives, output_lists, _chain(*finishes))
 
     def allgather_coalesced(
