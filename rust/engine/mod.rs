@@ -3,10 +3,12 @@
 //! For the k-th collective of a communicator (each member keeps its own count, so k agrees as long as
 //! members call the same collectives):
 //! 1. publish: write the call's signature and buffers into page `k % 2` of this member's control block
-//!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`), store `arrive = k`
-//!    and wake the communicator's event;
-//! 2. wait until every member's `arrive >= k`, then compare the signatures: any difference aborts the
-//!    world and every member fails with the same mismatch, before any buffer is touched;
+//!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`; for a collective
+//!    with per-member sizes, its layout into layout buffer `k % 2`), store `arrive = k` and wake the
+//!    communicator's event;
+//! 2. wait until every member's `arrive >= k`, then compare the signatures (and the layouts, which
+//!    make the plan of a pairwise collective, `algo::layout`): any difference aborts the world and
+//!    every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), or
 //!    staged (pipelined through staging buffers, when peers cannot address every buffer);
