@@ -45,8 +45,9 @@ pub(crate) unsafe fn direct(plan: &Plan, dtype: DType, op: ReduceOp, peers: &[Pe
 
 /// A pairwise collective on private buffers, as seen by member `me`. Round g uses pipeline buffer
 /// `g % 2` of every member and the steps of `algo::staged` (3g+1 staged, 3g+3 done with the round):
-/// each sender stages the round's window of its piece for receiver i into region i of its buffer (one
-/// region of the whole buffer when the pieces are `shared`), then each receiver copies (or reduces)
+/// each sender stages the round's window of its piece for each other receiver into that receiver's
+/// region of its buffer (n − 1 regions: its own piece is never staged; one region of the whole buffer
+/// when the pieces are `shared`), then each receiver copies (or reduces)
 /// its window of every sender's piece out.
 pub(crate) struct Staged<'a> {
     pub plan: &'a Plan,
@@ -67,7 +68,7 @@ impl Staged<'_> {
         if self.plan.shared {
             self.chunk
         } else {
-            (self.chunk / self.plan.n) & !63
+            (self.chunk / (self.plan.n - 1).max(1)) & !63
         }
     }
 
@@ -93,9 +94,10 @@ impl Staged<'_> {
             }
             let (b, lo) = ((g % 2) as usize, r * region);
             let window = |at: usize| plan.len[at].saturating_sub(lo).min(region);
-            let slot = |i: usize| if plan.shared { 0 } else { i * region };
-            // SAFETY: regions of `region` bytes at `slot(i)` fit in a pipeline buffer.
-            let stage = |j: usize, i: usize| unsafe { self.bufs[j][b].add(slot(i)) };
+            // Sender j's region for receiver i (≠ j): the receivers other than j, in order.
+            let slot = |j: usize, i: usize| if plan.shared { 0 } else { (i - usize::from(i > j)) * region };
+            // SAFETY: n − 1 regions of `region` bytes fit in a pipeline buffer.
+            let stage = |j: usize, i: usize| unsafe { self.bufs[j][b].add(slot(j, i)) };
             // SAFETY (`copy` and the adds below): every window lies within its piece, every piece within
             // its buffer's span, and holds at most `region` bytes; the steps order staging against the
             // peers' reads. Own pieces are taken from `send`, never staged.
