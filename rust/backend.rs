@@ -65,6 +65,29 @@ pub trait Backend: Send + Sync {
     /// arrive in time, every member that did fails with a timeout naming all the missing ones, and the
     /// world is aborted (as by any timeout). It matches `barrier` calls of other members.
     fn monitored_barrier(&self, timeout: Duration) -> Result<()>;
+    /// Part j of `send` (`members().len()` equal parts) to the j-th member; part i of `recv` (as long
+    /// as `send`) from the i-th.
+    fn all_to_all(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
+    /// all_to_all with sizes: `send_splits[j]` elements (in order) to the j-th member, `recv_splits[i]`
+    /// from the i-th; member j's `send_splits[i]` must equal member i's `recv_splits[j]`.
+    fn all_to_all_single(
+        &self,
+        send: Buf<'_>,
+        recv: BufMut<'_>,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<()>;
+    /// all_gather of `counts[i]` elements from the i-th member (`recv` holds their sum).
+    fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()>;
+    /// gather of `counts[i]` elements from the i-th member into `root`'s `recv` (`None` elsewhere).
+    fn gather_v(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, counts: &[usize], root: usize) -> Result<()>;
+    /// scatter of `counts[i]` elements of `root`'s `send` (`None` elsewhere) to the i-th member.
+    fn scatter_v(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, counts: &[usize], root: usize)
+        -> Result<()>;
+    /// Reduce `send` (the sum of `counts` elements) and keep the i-th piece (`counts[i]`) on the i-th
+    /// member.
+    fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp)
+        -> Result<()>;
     /// Send `buf` to global rank `dst`; returns once the receiver has it. Matched by (source, tag), in order.
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>;
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.

@@ -11,7 +11,7 @@ use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
 
 /// A validated collective: what this rank publishes and how much data each member contributes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Call {
     /// The fingerprint every member must agree on (its `seq` is filled in by the transport).
     pub sig: Signature,
@@ -25,6 +25,16 @@ pub(crate) struct Call {
     pub dtype: DType,
     /// How long this call's waits last, when not the world's timeout (`monitored_barrier`).
     pub timeout: Option<Duration>,
+    /// The collectives with per-member sizes: this member's layout (`algo::layout`).
+    pub layout: Option<Layout>,
+}
+
+/// One member's layout: the words it publishes (counts or split sizes, in elements) and the bytes of
+/// its own send and recv buffers they imply.
+#[derive(Clone, Debug)]
+pub(crate) struct Layout {
+    pub words: Vec<u64>,
+    pub span: (usize, usize),
 }
 
 /// Check a rank list for a world of `world_size`: not empty, in range, no duplicates. Returns it sorted.
@@ -185,6 +195,61 @@ macro_rules! checked_collectives {
         fn monitored_barrier(&self, timeout: std::time::Duration) -> $crate::error::Result<()> {
             self.$run(Ok($crate::call::Call { timeout: Some(timeout), ..$crate::call::barrier() }))
         }
+        fn all_to_all(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::all_to_all(self.members().len(), &send, &mut recv))
+        }
+        fn all_to_all_single(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            send_splits: &[usize],
+            recv_splits: &[usize],
+        ) -> $crate::error::Result<()> {
+            let n = self.members().len();
+            self.$run($crate::call::all_to_all_single(n, &send, &mut recv, send_splits, recv_splits))
+        }
+        fn all_gather_v(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            counts: &[usize],
+        ) -> $crate::error::Result<()> {
+            self.$run($crate::call::all_gather_v(self.members(), self.rank(), &send, &mut recv, counts))
+        }
+        fn gather_v(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: Option<$crate::dtype::BufMut<'_>>,
+            counts: &[usize],
+            root: usize,
+        ) -> $crate::error::Result<()> {
+            let (m, me) = (self.members(), self.rank());
+            self.$run($crate::call::gather_v(m, me, &send, recv.as_mut(), counts, root))
+        }
+        fn scatter_v(
+            &self,
+            send: Option<$crate::dtype::Buf<'_>>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            counts: &[usize],
+            root: usize,
+        ) -> $crate::error::Result<()> {
+            let (m, me) = (self.members(), self.rank());
+            self.$run($crate::call::scatter_v(m, me, send.as_ref(), &mut recv, counts, root))
+        }
+        fn reduce_scatter_v(
+            &self,
+            send: $crate::dtype::Buf<'_>,
+            mut recv: $crate::dtype::BufMut<'_>,
+            counts: &[usize],
+            op: $crate::reduce::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            let (m, me) = (self.members(), self.rank());
+            self.$run($crate::call::reduce_scatter_v(m, me, &send, &mut recv, counts, op))
+        }
     };
 }
 pub(crate) use checked_collectives;
@@ -197,6 +262,7 @@ fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut 
         count,
         dtype,
         timeout: None,
+        layout: None,
     }
 }
 
@@ -326,4 +392,152 @@ pub(crate) fn barrier() -> Call {
     let mut c = call(CollKind::Barrier, DType::F32, 0, std::ptr::null(), std::ptr::null_mut());
     c.sig.dtype = None;
     c
+}
+
+pub(crate) fn all_to_all(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Result<Call> {
+    expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
+    if send.len() % n != 0 {
+        return Err(Error::invalid(format!(
+            "all_to_all: the send buffer has {} elements, which the group size {n} does not divide",
+            send.len()
+        )));
+    }
+    need_len("the receive buffer", recv.len(), send.len(), "as many as the send buffer")?;
+    Ok(call(CollKind::AllToAll, send.dtype(), send.len() / n, send.as_ptr(), recv.as_mut_ptr()))
+}
+
+/// Elements in `v` (counts or splits), or an error when the sum overflows.
+fn total(what: &str, v: &[usize]) -> Result<usize> {
+    v.iter()
+        .try_fold(0usize, |a, &b| a.checked_add(b))
+        .ok_or_else(|| Error::invalid(format!("{what} {v:?} add up to more elements than memory holds")))
+}
+
+/// A per-member size vector (`what`) of a group of `n`: one entry per member, adding up to `len` when
+/// given. Returns its sum.
+fn sizes(kind: CollKind, what: &str, v: &[usize], n: usize) -> Result<usize> {
+    if v.len() != n {
+        return Err(Error::invalid(format!(
+            "{}: {what} has {} entries but the group has {n} members",
+            kind.name(),
+            v.len()
+        )));
+    }
+    total(what, v)
+}
+
+/// Bytes of `count` elements of `dtype` (checked: counts come from the caller).
+fn bytes(count: usize, dtype: DType) -> Result<usize> {
+    count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::invalid(format!("{count} x {dtype} is more bytes than memory holds")))
+}
+
+/// `c` with the layout `words` and the member's own spans (in elements, converted to bytes).
+fn with_layout(mut c: Call, words: impl IntoIterator<Item = usize>, span: (usize, usize)) -> Result<Call> {
+    let span = (bytes(span.0, c.dtype)?, bytes(span.1, c.dtype)?);
+    c.layout = Some(Layout { words: words.into_iter().map(|w| w as u64).collect(), span });
+    Ok(c)
+}
+
+pub(crate) fn all_to_all_single(
+    n: usize,
+    send: &Buf<'_>,
+    recv: &mut BufMut<'_>,
+    send_splits: &[usize],
+    recv_splits: &[usize],
+) -> Result<Call> {
+    let kind = CollKind::AllToAllSingle;
+    expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
+    let sent = sizes(kind, "input_split_sizes", send_splits, n)?;
+    let got = sizes(kind, "output_split_sizes", recv_splits, n)?;
+    need_len("the send buffer", send.len(), sent, "the sum of input_split_sizes")?;
+    need_len("the receive buffer", recv.len(), got, "the sum of output_split_sizes")?;
+    let c = call(kind, send.dtype(), 0, send.as_ptr(), recv.as_mut_ptr());
+    with_layout(c, send_splits.iter().chain(recv_splits).copied(), (sent, got))
+}
+
+/// The counts of a `_v` collective: checked, with this member's group index and their sum.
+fn counts_of(kind: CollKind, members: &[usize], me: usize, counts: &[usize]) -> Result<(usize, usize)> {
+    let sum = sizes(kind, "counts", counts, members.len())?;
+    Ok((index_of(members, me, "the calling")?, sum))
+}
+
+pub(crate) fn all_gather_v(
+    members: &[usize],
+    me: usize,
+    send: &Buf<'_>,
+    recv: &mut BufMut<'_>,
+    counts: &[usize],
+) -> Result<Call> {
+    let kind = CollKind::AllGatherV;
+    let (i, sum) = counts_of(kind, members, me, counts)?;
+    expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
+    need_len("the send buffer", send.len(), counts[i], "this member's count")?;
+    need_len("the receive buffer", recv.len(), sum, "the sum of the counts")?;
+    let c = call(kind, send.dtype(), sum, send.as_ptr(), recv.as_mut_ptr());
+    with_layout(c, counts.iter().copied(), (counts[i], sum))
+}
+
+pub(crate) fn gather_v(
+    members: &[usize],
+    me: usize,
+    send: &Buf<'_>,
+    recv: Option<&mut BufMut<'_>>,
+    counts: &[usize],
+    root: usize,
+) -> Result<Call> {
+    let kind = CollKind::GatherV;
+    let (i, sum) = counts_of(kind, members, me, counts)?;
+    need_len("the send buffer", send.len(), counts[i], "this member's count")?;
+    let (mut out, mut got) = (std::ptr::null_mut(), 0);
+    if me == root {
+        let recv = recv.ok_or_else(|| Error::invalid("gather_v: the root must pass a receive buffer"))?;
+        expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
+        need_len("the receive buffer", recv.len(), sum, "the sum of the counts")?;
+        (out, got) = (recv.as_mut_ptr(), sum);
+    }
+    let c = with_root(call(kind, send.dtype(), sum, send.as_ptr(), out), members, root)?;
+    with_layout(c, counts.iter().copied(), (counts[i], got))
+}
+
+pub(crate) fn scatter_v(
+    members: &[usize],
+    me: usize,
+    send: Option<&Buf<'_>>,
+    recv: &mut BufMut<'_>,
+    counts: &[usize],
+    root: usize,
+) -> Result<Call> {
+    let kind = CollKind::ScatterV;
+    let (i, sum) = counts_of(kind, members, me, counts)?;
+    need_len("the receive buffer", recv.len(), counts[i], "this member's count")?;
+    let (mut input, mut sent) = (std::ptr::null(), 0);
+    if me == root {
+        let send = send.ok_or_else(|| Error::invalid("scatter_v: the root must pass a send buffer"))?;
+        expect_dtype("the send buffer", send.dtype(), recv.dtype())?;
+        need_len("the send buffer", send.len(), sum, "the sum of the counts")?;
+        (input, sent) = (send.as_ptr(), sum);
+    }
+    let c = with_root(call(kind, recv.dtype(), sum, input, recv.as_mut_ptr()), members, root)?;
+    with_layout(c, counts.iter().copied(), (sent, counts[i]))
+}
+
+pub(crate) fn reduce_scatter_v(
+    members: &[usize],
+    me: usize,
+    send: &Buf<'_>,
+    recv: &mut BufMut<'_>,
+    counts: &[usize],
+    op: ReduceOp,
+) -> Result<Call> {
+    let kind = CollKind::ReduceScatterV;
+    op.check(send.dtype())?;
+    let (i, sum) = counts_of(kind, members, me, counts)?;
+    expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
+    need_len("the send buffer", send.len(), sum, "the sum of the counts")?;
+    need_len("the receive buffer", recv.len(), counts[i], "this member's count")?;
+    let mut c = call(kind, send.dtype(), sum, send.as_ptr(), recv.as_mut_ptr());
+    c.sig = c.sig.op(op);
+    with_layout(c, counts.iter().copied(), (sum, counts[i]))
 }

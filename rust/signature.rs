@@ -26,11 +26,23 @@ pub enum CollKind {
     Reduce = 7,
     /// barrier
     Barrier = 8,
+    /// all_to_all (equal parts)
+    AllToAll = 9,
+    /// all_to_all_single (per-member split sizes)
+    AllToAllSingle = 10,
+    /// all_gather_v (per-member counts)
+    AllGatherV = 11,
+    /// gather_v
+    GatherV = 12,
+    /// scatter_v
+    ScatterV = 13,
+    /// reduce_scatter_v
+    ReduceScatterV = 14,
 }
 
 impl CollKind {
     /// Every collective.
-    pub const ALL: [CollKind; 8] = [
+    pub const ALL: [CollKind; 14] = [
         CollKind::AllReduce,
         CollKind::Broadcast,
         CollKind::AllGather,
@@ -39,6 +51,12 @@ impl CollKind {
         CollKind::Scatter,
         CollKind::Reduce,
         CollKind::Barrier,
+        CollKind::AllToAll,
+        CollKind::AllToAllSingle,
+        CollKind::AllGatherV,
+        CollKind::GatherV,
+        CollKind::ScatterV,
+        CollKind::ReduceScatterV,
     ];
 
     /// The kind with this code (`kind as u8`), if any.
@@ -57,7 +75,26 @@ impl CollKind {
             CollKind::Scatter => "scatter",
             CollKind::Reduce => "reduce",
             CollKind::Barrier => "barrier",
+            CollKind::AllToAll => "all_to_all",
+            CollKind::AllToAllSingle => "all_to_all_single",
+            CollKind::AllGatherV => "all_gather_v",
+            CollKind::GatherV => "gather_v",
+            CollKind::ScatterV => "scatter_v",
+            CollKind::ReduceScatterV => "reduce_scatter_v",
         }
+    }
+
+    /// Whether each member publishes a layout (its counts or split sizes) beside its signature, which
+    /// the members compare before any data moves (`algo::layout`).
+    pub const fn has_layout(self) -> bool {
+        matches!(
+            self,
+            CollKind::AllToAllSingle
+                | CollKind::AllGatherV
+                | CollKind::GatherV
+                | CollKind::ScatterV
+                | CollKind::ReduceScatterV
+        )
     }
 }
 
@@ -68,7 +105,9 @@ impl CollKind {
 pub struct Signature {
     /// Per-group sequence number of this call (1 for the first collective in the group).
     pub seq: u64,
-    /// Elements each rank contributes (the per-rank part for all_gather/gather/scatter/reduce_scatter).
+    /// Elements each rank contributes (the per-rank part for all_gather/gather/scatter/reduce_scatter
+    /// and all_to_all; the sum of the counts for the `_v` collectives; 0 for all_to_all_single, whose
+    /// split sizes are compared as its layout).
     pub count: u64,
     /// Global rank of the root, for rooted collectives.
     pub root: Option<u32>,
@@ -112,8 +151,10 @@ impl Signature {
 impl fmt::Display for Signature {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}(#{}", self.kind.name(), self.seq)?;
-        if let Some(d) = self.dtype {
-            write!(f, ", {} x {d}", self.count)?;
+        match self.dtype {
+            Some(d) if self.kind == CollKind::AllToAllSingle => write!(f, ", {d}")?,
+            Some(d) => write!(f, ", {} x {d}", self.count)?,
+            None => {}
         }
         if let Some(op) = self.op {
             write!(f, ", op={op}")?;

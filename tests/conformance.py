@@ -20,13 +20,20 @@ from axonml_distributed.codec import encode
 from reference import (
     DTYPES,
     FLOATS,
+    NUMBERS,
     OP_NAMES,
     all_inputs,
     bfloat16,
     digest,
     expect_same,
     reduce_ref,
+    small_values,
 )
+
+
+def dtypes(pg: Any) -> list[type]:
+    """The dtypes the group's world carries: all of the core's, but bool over MPI."""
+    return NUMBERS if pg.backend().name() == "mpi" else DTYPES
 
 
 def sizes(n: int) -> list[int]:
@@ -404,6 +411,155 @@ def check_new_mistakes(pg: Any) -> list[str]:
     return messages
 
 
+# --- all_to_all and the collectives with per-member sizes ---------------------------------------------
+
+
+def placed(pg: Any, arr: np.ndarray, segment: bool) -> np.ndarray:
+    """`arr`, or a copy in the group's own memory (`pg.empty`: a segment array in the shm world)."""
+    if not segment:
+        return arr.copy()
+    out = pg.empty(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
+def split_matrix(n: int, case: int) -> np.ndarray:
+    """rows[j][i]: how many rows member j sends member i (zeros included, never all zero)."""
+    return np.array([[(3 * j + 5 * i + case) % 4 for i in range(n)] for j in range(n)]) + (case == 0)
+
+
+def check_all_to_all(pg: Any) -> list[str]:
+    """all_to_all (equal parts) and all_to_all_single (equal and uneven splits, 1-D and 2-D), every dtype
+    and odd size, ordinary and `pg.empty` arrays, against numpy's own slicing."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for segment in (False, True):
+        for dtype in dtypes(pg):
+            for count in sizes(n):
+                case = f"a2a-{np.dtype(dtype).name}-{count}-{segment}"
+                inputs = all_inputs(n, case, (n * count,), dtype)
+                recv = placed(pg, np.zeros(n * count, dtype), segment)
+                pg.all_to_all(placed(pg, inputs[me], segment), recv)
+                expected = np.concatenate([inputs[j].reshape(n, count)[me] for j in range(n)])
+                expect_same(recv, expected, f"all_to_all {case}")
+                recv = placed(pg, np.zeros(n * count, dtype), segment)
+                pg.all_to_all_single(placed(pg, inputs[me], segment), recv)
+                expect_same(recv, expected, f"all_to_all_single equal {case}")
+        # Rows of one element (1-D: splits count elements), of three, and large 1-D pieces (the last
+        # ones longer than a pipeline round of the shm world: several rounds).
+        for case, width, scale in ((0, 0, 1), (1, 3, 1), (2, 0, 2579), (3, 0, 100_003)):
+            rows = split_matrix(n, case) * scale
+
+            def rows_of(j: int, rows: np.ndarray = rows, width: int = width, case: int = case) -> np.ndarray:
+                shape = (int(rows[j].sum()), width) if width else (int(rows[j].sum()),)
+                return small_values(j, f"a2av-{case}", shape, np.float32)
+
+            at = [np.cumsum([0, *rows[j]]) for j in range(n)]
+            expected = np.concatenate([rows_of(j)[at[j][me] : at[j][me + 1]] for j in range(n)])
+            recv = placed(pg, np.zeros_like(expected), segment)
+            outs, ins = [int(r) for r in rows[:, me]], [int(r) for r in rows[me]]
+            work = pg.all_to_all_single(placed(pg, rows_of(me), segment), recv, outs, ins, async_op=True)
+            started(work).wait()
+            expect_same(recv, expected, f"all_to_all_single splits {case} {segment}")
+    return []
+
+
+def check_uneven(pg: Any) -> list[str]:
+    """all_gather_v, gather_v, scatter_v and reduce_scatter_v: uneven counts (zeros included), every dtype
+    and op, ordinary and `pg.empty` arrays, against numpy's concatenation and the reference reduce."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    for segment in (False, True):
+        # The last case's pieces are longer than a pipeline round of the shm world: several rounds.
+        for case, scale in ((0, 1), (1, 1), (2, 2500), (3, 300_007)):
+            counts = [int(c) for c in split_matrix(n, case)[0] * scale]
+            total = sum(counts)
+            at = np.cumsum([0, *counts])
+            for dtype in dtypes(pg) if case < 3 else [np.float32]:
+                name = f"v-{case}-{np.dtype(dtype).name}-{segment}"
+                inputs = all_inputs(n, name, (total,), dtype)
+                pieces = [inputs[j][: counts[j]] for j in range(n)]
+                recv = placed(pg, np.zeros(total, dtype), segment)
+                pg.all_gather_v(placed(pg, pieces[me], segment), recv, counts)
+                expect_same(recv, np.concatenate(pieces), f"all_gather_v {name}")
+                for root in pg.ranks():
+                    into = placed(pg, np.zeros(total, dtype), segment) if pg.rank() == root else None
+                    pg.gather_v(placed(pg, pieces[me], segment), into, counts, root)
+                    if into is not None:
+                        expect_same(into, np.concatenate(pieces), f"gather_v {name} dst {root}")
+                    out = placed(pg, np.zeros(counts[me], dtype), segment)
+                    whole = inputs[pg.group_rank(root)]
+                    pg.scatter_v(placed(pg, whole, segment) if pg.rank() == root else None, out, counts, root)
+                    expect_same(out, whole[at[me] : at[me + 1]], f"scatter_v {name} src {root}")
+                for op in OP_NAMES if case < 3 else ["SUM"]:
+                    if op == "AVERAGE" and dtype not in FLOATS:
+                        continue
+                    values = all_inputs(n, f"{name}-{op}", (total,), dtype, op)
+                    out = placed(pg, np.zeros(counts[me], dtype), segment)
+                    pg.reduce_scatter_v(placed(pg, values[me], segment), out, counts, getattr(ReduceOp, op))
+                    want = reduce_ref(values, op)[at[me] : at[me + 1]]
+                    expect_same(out, want, f"reduce_scatter_v {name} {op}")
+    return []
+
+
+def check_split_mismatch(pg: Any) -> list[str]:
+    """Split sizes that disagree fail every rank before any byte moves, naming the ranks: the same
+    message on every rank and in every world. Every rank expects one element more from the next rank
+    than that rank sends it."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    send, recv = np.ones(n, np.float32), np.ones(n + 1, np.float32)
+    outs = [2 if i == (me + 1) % n else 1 for i in range(n)]
+    message = raises(CollectiveMismatchError, pg.all_to_all_single, send, recv, outs, [1] * n)
+    expect_same(recv, np.ones(n + 1, np.float32), "the buffer of a mismatched all_to_all_single")
+    return [message]
+
+
+def check_pairwise_mistakes(pg: Any) -> list[str]:
+    """Argument mistakes of all_to_all and the collectives with per-member sizes, made alike on every
+    rank: the core's exception and message in every world (as `check_argument_mistakes`)."""
+    n, me = pg.size(), pg.rank()
+    f32 = np.zeros
+    mistakes: list[tuple[str, Callable[[], object]]] = [
+        ("a2a indivisible", lambda: pg.all_to_all(f32(n * 3 + 1, np.float32), f32(n * 3 + 1, np.float32))),
+        ("a2a recv size", lambda: pg.all_to_all(f32(n * 3, np.float32), f32(n * 3 + 1, np.float32))),
+        ("a2a dtype", lambda: pg.all_to_all(f32(n, np.float32), f32(n, np.float64))),
+        ("a2av rows", lambda: pg.all_to_all_single(f32((n + 1, 2), np.float32), f32((n + 1, 2), np.float32))),
+        ("a2av entries", lambda: pg.all_to_all_single(f32(n, np.float32), f32(n, np.float32), [n], [n])),
+        (
+            "a2av sum",
+            lambda: pg.all_to_all_single(f32(n, np.float32), f32(n, np.float32), [1] * n, [2] * n),
+        ),
+        ("agv entries", lambda: pg.all_gather_v(f32(1, np.float32), f32(1, np.float32), [1])),
+        ("agv send", lambda: pg.all_gather_v(f32(2, np.float32), f32(n, np.float32), [1] * n)),
+        ("gv root recv", lambda: pg.gather_v(f32(1, np.float32), None, [1] * n, me)),
+        ("sv root send", lambda: pg.scatter_v(None, f32(1, np.float32), [1] * n, me)),
+        (
+            "rsv AVERAGE of integers",
+            lambda: pg.reduce_scatter_v(f32(n, np.int32), f32(1, np.int32), [1] * n, ReduceOp.AVERAGE),
+        ),
+        ("rsv recv", lambda: pg.reduce_scatter_v(f32(n, np.float32), f32(2, np.float32), [1] * n)),
+    ]
+    messages = []
+    for name, make in mistakes:
+        try:
+            make()
+        except (TypeError, ValueError) as exc:
+            text = str(exc).replace(f"rank {me} ", "rank <me> ")
+            messages.append(f"{name}: {type(exc).__name__}: {text}")
+        else:
+            raise AssertionError(f"{name}: no error")
+    return messages
+
+
+def check_counts_mismatch(pg: Any) -> list[str]:
+    """Counts with the same sum that differ between ranks (rank 0 moves one element from the last
+    member to itself): a mismatch naming them, on every rank, before any byte moves."""
+    n, me = pg.size(), pg.group_rank(pg.rank())
+    counts = [2, *[1] * (n - 2), 0] if me == 0 else [1] * n
+    recv = np.ones(n, np.float32)
+    message = raises(CollectiveMismatchError, pg.all_gather_v, np.zeros(counts[me], np.float32), recv, counts)
+    expect_same(recv, np.ones(n, np.float32), "the buffer of a mismatched all_gather_v")
+    return [message]
+
+
 CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "reductions": check_reductions,
     "movers": check_movers,
@@ -414,11 +570,17 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "new_dtypes_and_ops": check_new_dtypes_and_ops,
     "scaling": check_scaling,
     "out_of_place": check_out_of_place,
+    # all_to_all and the collectives with per-member sizes
+    "all_to_all": check_all_to_all,
+    "uneven": check_uneven,
+    "split_mismatch": check_split_mismatch,
+    "counts_mismatch": check_counts_mismatch,
 }
 # Checks of a world's errors, compared across worlds (tests/test_conformance.py).
 ERROR_CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "argument_mistakes": check_argument_mistakes,
     "new_mistakes": check_new_mistakes,
+    "pairwise_mistakes": check_pairwise_mistakes,
 }
 
 

@@ -43,6 +43,11 @@ in_both_worlds! {
     abort_wakes_every_waiter_with_the_aborting_rank => common::abort_wakes_every_waiter_with_the_aborting_rank;
     a_group_over_every_rank_does_not_share_the_world_sequence =>
         common::a_group_over_every_rank_does_not_share_the_world_sequence;
+    // Pieces from none up to several pipeline rounds of the shm world.
+    pairwise_collectives_deliver_the_right_pieces_small =>
+        |w| common::pairwise_collectives_deliver_the_right_pieces(w, 7);
+    pairwise_collectives_deliver_the_right_pieces_large =>
+        |w| common::pairwise_collectives_deliver_the_right_pieces(w, 100_003);
 }
 
 // The drain check at each world's own scale: the shm world's arena holds 8 MiB, the thread world's

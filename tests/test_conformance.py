@@ -71,3 +71,11 @@ def test_a_mistake_reads_the_same_in_every_world(check: str, world: str) -> None
     expected = on_threads(check, 2)
     assert all(d == expected[0] for d in expected)
     assert WORLDS[world](check, 2)[0] == expected[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [pytest.param("shm"), pytest.param("mpi", marks=needs_mpi)])
+@pytest.mark.parametrize("check", ["split_mismatch", "counts_mismatch"])
+def test_a_layout_mismatch_reads_the_same_in_every_world(check: str, world: str) -> None:
+    # Split sizes or counts that disagree: the core's message, from the layouts every member published.
+    assert WORLDS[world](check, 3)[0] == on_threads(check, 3)[0]

@@ -163,7 +163,19 @@ def test_every_collective_and_dtype_under_torchrun(tmp_path: Path) -> None:
             got["new_group_all"], reduce_ref([data(j, 3, torch.float32) for j in range(WORLD)], "SUM")
         )
         assert same(got["new_subgroups"], data(r, 3, torch.float32))
-        assert "collectives issue" in got["all_to_all"]
+        # all_to_all_single, equal and with splits; all_to_all of lists; uneven all_gather / reduce_scatter.
+        parts = [data(j, WORLD * 3, torch.float32, seed=20) for j in range(WORLD)]
+        assert same(got["all_to_all_single"], torch.cat([p[3 * r : 3 * r + 3] for p in parts]))
+        sent = [sum(j + i + 1 for i in range(WORLD)) for j in range(WORLD)]
+        rows = [data(j, 2 * sent[j], torch.int64, seed=21).view(-1, 2) for j in range(WORLD)]
+        start = [sum(j + i + 1 for i in range(r)) for j in range(WORLD)]
+        want = torch.cat([rows[j][start[j] : start[j] + j + r + 1] for j in range(WORLD)])
+        assert same(got["all_to_all_single_splits"], want)
+        for j in range(WORLD):
+            assert same(got["all_to_all"][j], data(j, j + 1, torch.float32, seed=30 + r))
+            assert same(got["all_gather_uneven"][j], data(j, j + 1, torch.float64, seed=40))
+        rsv = [data(j, r + 1, torch.float32, seed=50 + r) for j in range(WORLD)]
+        assert same(got["reduce_scatter_uneven"], reduce_ref(rsv, "SUM"))
     assert all(
         same(a, b)
         for a, b in zip(res[0]["gather"], [data(j, 2, torch.int64) for j in range(WORLD)], strict=True)

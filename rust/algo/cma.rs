@@ -15,6 +15,7 @@
 
 use std::cell::RefCell;
 
+use super::layout::Plan;
 use super::owner::owned;
 use crate::call::Call;
 use crate::config::CMA_TILE;
@@ -44,18 +45,9 @@ pub(crate) struct Member {
     pub recv: Loc,
 }
 
-/// Whether this route runs `kind` (the others go through staging).
+/// Whether this route runs `kind` (the others, reduce_scatter_v, go through staging).
 pub(crate) fn handles(kind: CollKind) -> bool {
-    matches!(
-        kind,
-        CollKind::AllReduce
-            | CollKind::Reduce
-            | CollKind::ReduceScatter
-            | CollKind::Broadcast
-            | CollKind::AllGather
-            | CollKind::Gather
-            | CollKind::Scatter
-    )
+    !matches!(kind, CollKind::ReduceScatterV)
 }
 
 #[repr(C, align(64))]
@@ -128,7 +120,21 @@ fn write(from: *const u8, to: Loc, len: usize, op: &str) -> Result<()> {
 /// # Safety
 /// Every member validated its buffers for the same call and keeps them alive and untouched by itself
 /// until the done-sync; `members[me]` are this process's own buffers (`pid` None).
-pub(crate) unsafe fn run(call: &Call, op: ReduceOp, members: &[Member], me: usize, name: &str) -> Result<()> {
+pub(crate) unsafe fn run(
+    call: &Call,
+    op: ReduceOp,
+    members: &[Member],
+    me: usize,
+    plan: Option<&Plan>,
+    name: &str,
+) -> Result<()> {
+    if let Some(plan) = plan {
+        // The pairwise kinds but reduce_scatter_v (`handles`): read every piece from its sender.
+        let to = members[me].recv.addr as *mut u8;
+        return plan.pieces(me).try_for_each(|(j, src, dst, len)| {
+            read(members[j].send.at(src), to.wrapping_add(dst), len, name)
+        });
+    }
     let (e, count, n) = (call.dtype.size(), call.count, members.len());
     let (bytes, root) = (count * e, call.root.unwrap_or(0));
     let mine = members[me];
@@ -201,7 +207,14 @@ pub(crate) unsafe fn run(call: &Call, op: ReduceOp, members: &[Member], me: usiz
                 Ok(())
             })
         }
-        CollKind::Barrier => Ok(()),
+        // The pairwise kinds come with their plan (above).
+        CollKind::Barrier
+        | CollKind::AllToAll
+        | CollKind::AllToAllSingle
+        | CollKind::AllGatherV
+        | CollKind::GatherV
+        | CollKind::ScatterV
+        | CollKind::ReduceScatterV => Ok(()),
     }
 }
 

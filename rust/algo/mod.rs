@@ -4,15 +4,19 @@
 //! * [`direct`]: every buffer addressable by every member (the in-process world, or arrays inside a
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
-//! * `cma`: private buffers of processes, copied straight between them by the kernel.
+//! * `cma`: private buffers of processes, copied straight between them by the kernel;
+//! * `pairwise`: all_to_all and the collectives with per-member sizes, both ways, over the byte ranges
+//!   of a `layout::Plan`.
 //!
 //! Members touch disjoint memory; the engine's second sync ("done") keeps buffers alive until every
 //! peer has finished with them.
 
 pub(crate) mod cma;
 pub(crate) mod copy;
+pub(crate) mod layout;
 pub(crate) mod oneshot;
 pub(crate) mod owner;
+pub(crate) mod pairwise;
 pub(crate) mod staged;
 
 use crate::call::Call;
@@ -39,7 +43,8 @@ pub(crate) enum Route {
 }
 
 /// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it
-/// is the root (0 where the collective has no such buffer on it).
+/// is the root (0 where the collective has no such buffer on it). The collectives with a layout have
+/// theirs from its plan (`layout::Plan::spans`).
 pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) {
     let part = sig.count as usize * sig.dtype.map_or(0, |d| d.size());
     match sig.kind {
@@ -48,16 +53,33 @@ pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) 
         CollKind::ReduceScatter => (n * part, part),
         CollKind::Gather => (part, if is_root { n * part } else { 0 }),
         CollKind::Scatter => (if is_root { n * part } else { 0 }, part),
-        CollKind::Barrier => (0, 0),
+        CollKind::AllToAll => (n * part, n * part),
+        CollKind::Barrier
+        | CollKind::AllToAllSingle
+        | CollKind::AllGatherV
+        | CollKind::GatherV
+        | CollKind::ScatterV
+        | CollKind::ReduceScatterV => (0, 0),
     }
 }
 
-/// Member `index`'s share of `call` (reducing with `op`) on every member's buffers.
+/// Member `index`'s share of `call` (reducing with `op`) on every member's buffers; `plan` for the
+/// pairwise collectives.
 ///
 /// # Safety
-/// Every member validated its buffers for the same call, and keeps them alive and untouched by itself
-/// until the done-sync.
-pub(crate) unsafe fn direct(call: &Call, op: ReduceOp, peers: &[Peer], index: usize) {
+/// Every member validated its buffers for the same call (and plan), and keeps them alive and untouched
+/// by itself until the done-sync.
+pub(crate) unsafe fn direct(
+    call: &Call,
+    op: ReduceOp,
+    peers: &[Peer],
+    index: usize,
+    plan: Option<&layout::Plan>,
+) {
+    if let Some(plan) = plan {
+        // SAFETY: forwarded from the caller.
+        return unsafe { pairwise::direct(plan, call.dtype, op, peers, index) };
+    }
     let (dtype, count, root, scale) = (call.dtype, call.count, call.root, call.sig.scale);
     let (bytes, r) = (count * dtype.size(), root.unwrap_or(0));
     // SAFETY: forwarded from the caller.
@@ -70,7 +92,14 @@ pub(crate) unsafe fn direct(call: &Call, op: ReduceOp, peers: &[Peer], index: us
             CollKind::AllGather => copy::all_gather(peers, index, bytes),
             CollKind::Gather => copy::gather(peers, index, r, bytes),
             CollKind::Scatter => copy::scatter(peers, index, r, bytes),
-            CollKind::Barrier => {}
+            // The pairwise kinds always come with their plan (above).
+            CollKind::Barrier
+            | CollKind::AllToAll
+            | CollKind::AllToAllSingle
+            | CollKind::AllGatherV
+            | CollKind::GatherV
+            | CollKind::ScatterV
+            | CollKind::ReduceScatterV => {}
         }
     }
 }

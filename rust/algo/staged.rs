@@ -187,7 +187,14 @@ impl Staged<'_> {
                     }
                 }
             }
-            CollKind::Barrier => {}
+            // The pairwise kinds run `pairwise::Staged`.
+            CollKind::Barrier
+            | CollKind::AllToAll
+            | CollKind::AllToAllSingle
+            | CollKind::AllGatherV
+            | CollKind::GatherV
+            | CollKind::ScatterV
+            | CollKind::ReduceScatterV => {}
         }
         publish(3 * g + 3);
         Ok(())

@@ -80,6 +80,63 @@ impl PyBackend {
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, Ok(c::barrier()))
     }
+    /// Part j of `send` to the j-th member; part i of `recv` from the i-th.
+    fn all_to_all(&self, py: Python<'_>, send: &Obj, recv: &Obj) -> PyResult<()> {
+        self.run(py, c::all_to_all(send, recv))
+    }
+    /// all_to_all with split sizes (rows along the first axis; None: equal), as torch's.
+    #[pyo3(signature = (send, recv, output_split_sizes=None, input_split_sizes=None))]
+    fn all_to_all_single(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: &Obj,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> PyResult<()> {
+        let n = self.inner.members().len();
+        self.run(py, c::all_to_all_single(send, recv, output_split_sizes, input_split_sizes, n))
+    }
+    /// `counts[i]` elements from the i-th member, concatenated into `recv`.
+    fn all_gather_v(&self, py: Python<'_>, send: &Obj, recv: &Obj, counts: Vec<usize>) -> PyResult<()> {
+        self.run(py, c::all_gather_v(send, recv, counts))
+    }
+    /// `counts[i]` elements from the i-th member into `dst`'s `recv` (None elsewhere).
+    #[pyo3(signature = (send, recv, counts, dst))]
+    fn gather_v(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: Option<&Obj>,
+        counts: Vec<usize>,
+        dst: usize,
+    ) -> PyResult<()> {
+        self.run(py, c::gather_v(send, recv, counts, dst))
+    }
+    /// `counts[i]` elements of `src`'s `send` (None elsewhere) to the i-th member.
+    #[pyo3(signature = (send, recv, counts, src))]
+    fn scatter_v(
+        &self,
+        py: Python<'_>,
+        send: Option<&Obj>,
+        recv: &Obj,
+        counts: Vec<usize>,
+        src: usize,
+    ) -> PyResult<()> {
+        self.run(py, c::scatter_v(send, recv, counts, src))
+    }
+    /// Reduce `send`; the i-th piece (`counts[i]` elements) lands in the i-th member's `recv`.
+    #[pyo3(signature = (send, recv, counts, op=None))]
+    fn reduce_scatter_v(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: &Obj,
+        counts: Vec<usize>,
+        op: Option<&Obj>,
+    ) -> PyResult<()> {
+        self.run(py, c::reduce_scatter_v(send, recv, counts, op))
+    }
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]
     fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64) -> PyResult<()> {

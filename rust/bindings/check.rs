@@ -38,6 +38,8 @@ struct Group {
 struct Checker<'a> {
     g: &'a Group,
     found: OnceLock<Checked>,
+    /// The layout words of a collective with per-member sizes.
+    layout: OnceLock<Vec<u64>>,
 }
 
 impl Checker<'_> {
@@ -48,6 +50,9 @@ impl Checker<'_> {
     }
     fn keep(&self, call: Result<Call>) -> Result<()> {
         let c = call?;
+        if let Some(l) = c.layout {
+            let _ = self.layout.set(l.words);
+        }
         let code = |c: Option<u8>| c.map_or(-1, i64::from);
         let root = c.root.map_or(-1, |r| r as i64);
         let _ = self.found.set((
@@ -94,10 +99,16 @@ impl Backend for Checker<'_> {
 impl PyCallCheck {
     /// Run the prepared call's core checks; the arrays are released when this returns.
     fn check(&self, call: PyResult<Prepared<'_>>) -> PyResult<Checked> {
+        Ok(self.check_layout(call)?.0)
+    }
+
+    /// [`PyCallCheck::check`], with the call's layout words (in elements; empty without a layout).
+    fn check_layout(&self, call: PyResult<Prepared<'_>>) -> PyResult<(Checked, Vec<u64>)> {
         let Prepared { job, .. } = call?;
-        let checker = Checker { g: &self.group, found: OnceLock::new() };
+        let checker = Checker { g: &self.group, found: OnceLock::new(), layout: OnceLock::new() };
         job(&checker)?;
-        Ok(checker.found.into_inner().unwrap_or((-1, 0, -1, -1)))
+        let found = checker.found.into_inner().unwrap_or((-1, 0, -1, -1));
+        Ok((found, checker.layout.into_inner().unwrap_or_default()))
     }
 }
 
@@ -156,6 +167,52 @@ impl PyCallCheck {
     ) -> PyResult<Checked> {
         let scale = Scale { pre: prescale_factor, post: postscale_factor };
         self.check(c::reduce(buf, dst, op, out, scale))
+    }
+    fn all_to_all(&self, send: &Obj, recv: &Obj) -> PyResult<Checked> {
+        self.check(c::all_to_all(send, recv))
+    }
+    /// The call's fields and its layout (split sizes in elements: input, then output).
+    #[pyo3(signature = (send, recv, output_split_sizes=None, input_split_sizes=None))]
+    fn all_to_all_single(
+        &self,
+        send: &Obj,
+        recv: &Obj,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+    ) -> PyResult<(Checked, Vec<u64>)> {
+        let n = self.group.members.len();
+        self.check_layout(c::all_to_all_single(send, recv, output_split_sizes, input_split_sizes, n))
+    }
+    fn all_gather_v(&self, send: &Obj, recv: &Obj, counts: Vec<usize>) -> PyResult<(Checked, Vec<u64>)> {
+        self.check_layout(c::all_gather_v(send, recv, counts))
+    }
+    fn gather_v(
+        &self,
+        send: &Obj,
+        recv: Option<&Obj>,
+        counts: Vec<usize>,
+        dst: usize,
+    ) -> PyResult<(Checked, Vec<u64>)> {
+        self.check_layout(c::gather_v(send, recv, counts, dst))
+    }
+    fn scatter_v(
+        &self,
+        send: Option<&Obj>,
+        recv: &Obj,
+        counts: Vec<usize>,
+        src: usize,
+    ) -> PyResult<(Checked, Vec<u64>)> {
+        self.check_layout(c::scatter_v(send, recv, counts, src))
+    }
+    #[pyo3(signature = (send, recv, counts, op=None))]
+    fn reduce_scatter_v(
+        &self,
+        send: &Obj,
+        recv: &Obj,
+        counts: Vec<usize>,
+        op: Option<&Obj>,
+    ) -> PyResult<(Checked, Vec<u64>)> {
+        self.check_layout(c::reduce_scatter_v(send, recv, counts, op))
     }
     fn send(&self, buf: &Obj, dst: usize) -> PyResult<Checked> {
         self.check(c::send(buf, dst, 0))

@@ -2,6 +2,7 @@
 //! parsed, the arrays validated and borrowed while attached, and the job that runs the call on them
 //! (detached, or queued on its lane).
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::array::{readable, writable, Array};
@@ -162,4 +163,107 @@ pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepar
 /// `recv(buf, src, tag)`.
 pub(crate) fn recv<'py>(buf: &Obj<'py>, src: usize, tag: u64) -> PyResult<Prepared<'py>> {
     Ok(Prepared::recv(writable(buf, "buf")?, src, tag))
+}
+
+/// `all_to_all(send, recv)`.
+pub(crate) fn all_to_all<'py>(send: &Obj<'py>, recv: &Obj<'py>) -> PyResult<Prepared<'py>> {
+    let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
+    let (s, r) = (send.raw, recv.raw);
+    let job: Job = Box::new(move |c| c.all_to_all(unsafe { s.buf() }, unsafe { r.buf_mut() }));
+    Ok(Prepared::collective(vec![send, recv], job))
+}
+
+/// torch's split sizes of `a` (rows along its first axis; None: `n` equal parts) in elements.
+fn split_elements(a: &Array<'_>, splits: Option<Vec<usize>>, n: usize, what: &str) -> PyResult<Vec<usize>> {
+    let rows = a.shape.first().copied().unwrap_or(1);
+    let row: usize = a.shape.iter().skip(1).product();
+    let splits = match splits {
+        Some(s) => s,
+        None if rows % n == 0 => vec![rows / n; n],
+        None => {
+            return Err(PyValueError::new_err(format!(
+                "all_to_all_single: {what} has {rows} rows along its first axis, which the group size {n} \
+                 does not divide: pass the split sizes"
+            )))
+        }
+    };
+    splits
+        .iter()
+        .map(|&s| s.checked_mul(row))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| PyValueError::new_err(format!("all_to_all_single: split sizes {splits:?} overflow")))
+}
+
+/// `all_to_all_single(send, recv, output_split_sizes, input_split_sizes)` in a group of `n`.
+pub(crate) fn all_to_all_single<'py>(
+    send: &Obj<'py>,
+    recv: &Obj<'py>,
+    output_split_sizes: Option<Vec<usize>>,
+    input_split_sizes: Option<Vec<usize>>,
+    n: usize,
+) -> PyResult<Prepared<'py>> {
+    let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
+    let ins = split_elements(&send, input_split_sizes, n, "send")?;
+    let outs = split_elements(&recv, output_split_sizes, n, "recv")?;
+    let (s, r) = (send.raw, recv.raw);
+    let job: Job =
+        Box::new(move |c| c.all_to_all_single(unsafe { s.buf() }, unsafe { r.buf_mut() }, &ins, &outs));
+    Ok(Prepared::collective(vec![send, recv], job))
+}
+
+/// `all_gather_v(send, recv, counts)`.
+pub(crate) fn all_gather_v<'py>(
+    send: &Obj<'py>,
+    recv: &Obj<'py>,
+    counts: Vec<usize>,
+) -> PyResult<Prepared<'py>> {
+    let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
+    let (s, r) = (send.raw, recv.raw);
+    let job: Job = Box::new(move |c| c.all_gather_v(unsafe { s.buf() }, unsafe { r.buf_mut() }, &counts));
+    Ok(Prepared::collective(vec![send, recv], job))
+}
+
+/// `gather_v(send, recv, counts, dst)`: `recv` only on `dst`.
+pub(crate) fn gather_v<'py>(
+    send: &Obj<'py>,
+    recv: Option<&Obj<'py>>,
+    counts: Vec<usize>,
+    dst: usize,
+) -> PyResult<Prepared<'py>> {
+    let send = readable(send, "send")?;
+    let recv = recv.map(|r| writable(r, "recv")).transpose()?;
+    let (s, r) = (send.raw, recv.as_ref().map(|r| r.raw));
+    let job: Job =
+        Box::new(move |c| c.gather_v(unsafe { s.buf() }, r.map(|r| unsafe { r.buf_mut() }), &counts, dst));
+    Ok(Prepared::collective(std::iter::once(send).chain(recv).collect(), job))
+}
+
+/// `scatter_v(send, recv, counts, src)`: `send` only on `src`.
+pub(crate) fn scatter_v<'py>(
+    send: Option<&Obj<'py>>,
+    recv: &Obj<'py>,
+    counts: Vec<usize>,
+    src: usize,
+) -> PyResult<Prepared<'py>> {
+    let send = send.map(|s| readable(s, "send")).transpose()?;
+    let recv = writable(recv, "recv")?;
+    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
+    let job: Job =
+        Box::new(move |c| c.scatter_v(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, &counts, src));
+    Ok(Prepared::collective(send.into_iter().chain(std::iter::once(recv)).collect(), job))
+}
+
+/// `reduce_scatter_v(send, recv, counts, op)`.
+pub(crate) fn reduce_scatter_v<'py>(
+    send: &Obj<'py>,
+    recv: &Obj<'py>,
+    counts: Vec<usize>,
+    op: Option<&Obj<'py>>,
+) -> PyResult<Prepared<'py>> {
+    let op = parse_op(op)?;
+    let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
+    let (s, r) = (send.raw, recv.raw);
+    let job: Job =
+        Box::new(move |c| c.reduce_scatter_v(unsafe { s.buf() }, unsafe { r.buf_mut() }, &counts, op));
+    Ok(Prepared::collective(vec![send, recv], job))
 }

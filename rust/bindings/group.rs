@@ -227,6 +227,78 @@ impl PyProcessGroup {
             timeout.map(timeout_arg).transpose().map(|t| t.map_or_else(c::barrier, c::monitored_barrier));
         self.run(py, false, call, None)
     }
+    /// Part j of `send` (`size` equal parts) to the j-th member; part i of `recv` from the i-th.
+    #[pyo3(signature = (send, recv, *, async_op=false))]
+    fn all_to_all(&self, py: Python<'_>, send: &Obj, recv: &Obj, async_op: bool) -> Ret {
+        self.run(py, async_op, c::all_to_all(send, recv), None)
+    }
+    /// all_to_all with split sizes (rows along the first axis; None: equal), as torch's.
+    #[pyo3(signature = (send, recv, output_split_sizes=None, input_split_sizes=None, *, async_op=false))]
+    fn all_to_all_single(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: &Obj,
+        output_split_sizes: Option<Vec<usize>>,
+        input_split_sizes: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> Ret {
+        let n = self.inner.size();
+        let call = c::all_to_all_single(send, recv, output_split_sizes, input_split_sizes, n);
+        self.run(py, async_op, call, None)
+    }
+    /// `counts[i]` elements from the i-th member, concatenated into `recv` (their sum).
+    #[pyo3(signature = (send, recv, counts, *, async_op=false))]
+    fn all_gather_v(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: &Obj,
+        counts: Vec<usize>,
+        async_op: bool,
+    ) -> Ret {
+        self.run(py, async_op, c::all_gather_v(send, recv, counts), None)
+    }
+    /// `counts[i]` elements from the i-th member, concatenated into `dst`'s `recv` (None elsewhere).
+    #[pyo3(signature = (send, recv, counts, dst, *, async_op=false))]
+    fn gather_v(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: Option<&Obj>,
+        counts: Vec<usize>,
+        dst: usize,
+        async_op: bool,
+    ) -> Ret {
+        self.run(py, async_op, c::gather_v(send, recv, counts, dst), None)
+    }
+    /// `counts[i]` elements of `src`'s `send` (None elsewhere) to the i-th member's `recv`.
+    #[pyo3(signature = (send, recv, counts, src, *, async_op=false))]
+    fn scatter_v(
+        &self,
+        py: Python<'_>,
+        send: Option<&Obj>,
+        recv: &Obj,
+        counts: Vec<usize>,
+        src: usize,
+        async_op: bool,
+    ) -> Ret {
+        self.run(py, async_op, c::scatter_v(send, recv, counts, src), None)
+    }
+    /// Reduce `send` (the sum of `counts` elements); the i-th piece (`counts[i]`) lands in the i-th
+    /// member's `recv`.
+    #[pyo3(signature = (send, recv, counts, op=None, *, async_op=false))]
+    fn reduce_scatter_v(
+        &self,
+        py: Python<'_>,
+        send: &Obj,
+        recv: &Obj,
+        counts: Vec<usize>,
+        op: Option<&Obj>,
+        async_op: bool,
+    ) -> Ret {
+        self.run(py, async_op, c::reduce_scatter_v(send, recv, counts, op), None)
+    }
     /// Send `buf` to global rank `dst`; returns once the receiver has it.
     #[pyo3(signature = (buf, dst, tag=0, *, async_op=false))]
     fn send(&self, py: Python<'_>, buf: &Obj, dst: usize, tag: u64, async_op: bool) -> Ret {

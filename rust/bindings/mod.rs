@@ -68,7 +68,9 @@ mod _core {
     #[pymodule_export]
     use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
     #[pymodule_export]
-    use super::tables::{check_op, checked_timeout, describe_mismatch, segment_name, validate_ranks};
+    use super::tables::{
+        check_op, checked_timeout, describe_layout_mismatch, describe_mismatch, segment_name, validate_ranks,
+    };
     #[pymodule_export]
     use super::work::PyWork;
     #[pymodule_export]

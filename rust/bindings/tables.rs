@@ -93,6 +93,44 @@ fn code<T>(what: &str, code: i64, from: impl Fn(u8) -> Option<T>) -> PyResult<Op
 /// (factors 1.0 when not scaled).
 type SigTuple = (u64, u8, i64, u64, i64, i64, f64, f64);
 
+fn signature_of((seq, kind, dtype, count, root, op, pre, post): SigTuple) -> PyResult<Signature> {
+    let kind = code("kind", kind.into(), CollKind::from_code)?.expect("not -1");
+    let root = match root {
+        -1 => None,
+        r => Some(u32::try_from(r).map_err(|_| PyValueError::new_err(format!("{r} is not a rank")))?),
+    };
+    let (dtype, op) = (code("dtype", dtype, DType::from_code)?, code("op", op, ReduceOp::from_code)?);
+    Ok(Signature { seq, count, root, kind, dtype, op, scale: Scale { pre, post } })
+}
+
+/// The mismatch error message the native worlds raise when the members of a call whose signature
+/// (every member's) is `signature` published `layouts` (in group order; see `CallCheck`), or None
+/// when they make one plan.
+#[pyfunction]
+pub(crate) fn describe_layout_mismatch(
+    signature: SigTuple,
+    layouts: Vec<Vec<u64>>,
+    members: Vec<usize>,
+) -> PyResult<Option<String>> {
+    use crate::algo::layout::{words, Fault, Plan};
+    let sig = signature_of(signature)?;
+    let w = words(sig.kind, members.len());
+    if layouts.len() != members.len() || layouts.iter().any(|l| l.len() != w) {
+        return Err(PyValueError::new_err(format!("give {} layouts of {w} words", members.len())));
+    }
+    let root = sig.root.map(|r| crate::call::index_of(&members, r as usize, "root")).transpose()?;
+    let elem = sig.dtype.map_or(1, DType::size);
+    let views: Vec<&[u64]> = layouts.iter().map(Vec::as_slice).collect();
+    Ok(match Plan::new(&sig, elem, root, &views, &members) {
+        Ok(_) => None,
+        Err(Fault::Disagree(details)) => {
+            let calls = members.iter().map(|&r| (r, sig)).collect();
+            Some(crate::error::Error::Mismatch { group: members, details, calls }.to_string())
+        }
+        Err(Fault::Overflow) => Some(format!("{sig}: the members' sizes overflow")),
+    })
+}
+
 /// The message of the mismatch error the native worlds raise for members whose calls are `signatures`
 /// (in group order; None for a member that has not entered the call), or None when they all agree.
 #[pyfunction]
@@ -107,21 +145,7 @@ pub(crate) fn describe_mismatch(
             members.len()
         )));
     }
-    let calls = signatures
-        .into_iter()
-        .map(|s| {
-            let Some((seq, kind, dtype, count, root, op, pre, post)) = s else {
-                return Ok(None);
-            };
-            let kind = code("kind", kind.into(), CollKind::from_code)?.expect("not -1");
-            let root = match root {
-                -1 => None,
-                r => Some(u32::try_from(r).map_err(|_| PyValueError::new_err(format!("{r} is not a rank")))?),
-            };
-            let (dtype, op) = (code("dtype", dtype, DType::from_code)?, code("op", op, ReduceOp::from_code)?);
-            let scale = Scale { pre, post };
-            Ok(Some(Signature { seq, count, root, kind, dtype, op, scale }))
-        })
-        .collect::<PyResult<Vec<_>>>()?;
+    let calls =
+        signatures.into_iter().map(|s| s.map(signature_of).transpose()).collect::<PyResult<Vec<_>>>()?;
     Ok(mismatch(&members, &calls).map(|e| e.to_string()))
 }

@@ -3,10 +3,12 @@
 //! For the k-th collective of a communicator (each member keeps its own count, so k agrees as long as
 //! members call the same collectives):
 //! 1. publish: write the call's signature and buffers into page `k % 2` of this member's control block
-//!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`), store `arrive = k`
-//!    and wake the communicator's event;
-//! 2. wait until every member's `arrive >= k`, then compare the signatures: any difference aborts the
-//!    world and every member fails with the same mismatch, before any buffer is touched;
+//!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`; for a collective
+//!    with per-member sizes, its layout into layout buffer `k % 2`), store `arrive = k` and wake the
+//!    communicator's event;
+//! 2. wait until every member's `arrive >= k`, then compare the signatures (and the layouts, which
+//!    make the plan of a pairwise collective, `algo::layout`): any difference aborts the world and
+//!    every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
 //!    (the same between processes, copied by the kernel), or staged (pipelined through staging
@@ -42,7 +44,8 @@ use std::time::{Duration, Instant};
 pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
-use crate::algo::{self, spans, staged::Staged, Route};
+use crate::algo::layout::{self, Fault, Plan};
+use crate::algo::{self, pairwise, spans, staged::Staged, Route};
 use crate::call::{self, Call};
 use crate::config::MAX_TIMEOUT;
 use crate::error::{Error, Result};
@@ -227,13 +230,17 @@ impl<S: Store> Engine<S> {
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
         let bytes = call.count * call.dtype.size();
-        let (sb, rb) = spans(&sig, n, call.root == Some(me));
+        let (sb, rb) = call.layout.as_ref().map_or_else(|| spans(&sig, n, call.root == Some(me)), |l| l.span);
         let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
         let ctrl = s.ctrl(me);
         if oneshot {
             // SAFETY: this member's input holds `bytes`; its one-shot buffer `k % 2` was last read by
             // peers for call k − 2, and every peer has since arrived at k − 1.
             unsafe { algo::oneshot::publish(call.mine.send, s.oneshot(me, k), bytes) };
+        }
+        if let Some(l) = &call.layout {
+            // SAFETY: as for the one-shot buffer; the layout has at most 2n words (`layout::words`).
+            unsafe { std::ptr::copy_nonoverlapping(l.words.as_ptr(), s.layout(me, k), l.words.len()) };
         }
         let page = Published {
             sig: wire::encode(&sig),
@@ -308,8 +315,12 @@ impl<S: Store> Engine<S> {
         if let Some(details) = describe_mismatch(&calls) {
             return (Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })), false);
         }
+        let plan = match self.plan(call, sig, k, calls) {
+            Ok(plan) => plan,
+            Err(e) => return (Err(self.fail(e)), false),
+        };
         let bytes = call.count * call.dtype.size();
-        if sig.kind == CollKind::Barrier || bytes == 0 {
+        if sig.kind == CollKind::Barrier || plan.as_ref().map_or(bytes == 0, Plan::is_empty) {
             return (Ok(()), false);
         }
         let red = sig.op.unwrap_or(ReduceOp::Sum);
@@ -320,7 +331,11 @@ impl<S: Store> Engine<S> {
             unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, &inputs, call.mine.recv, call.count) };
             return (Ok(()), false);
         }
-        let route = match s.route(&pages, sig, call.root) {
+        let spans: Vec<(usize, usize)> = match &plan {
+            Some(p) => p.spans.clone(),
+            None => (0..n).map(|j| spans(sig, n, call.root == Some(j))).collect(),
+        };
+        let route = match s.route(&pages, sig, &spans) {
             Ok(route) => route,
             Err(e) => return (Err(self.fail(e)), false),
         };
@@ -334,7 +349,7 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: every member validated its buffers for this signature, all agree on it, and
                 // each keeps its buffers until every member stored its done (drain).
-                unsafe { algo::direct(call, red, &peers, me) };
+                unsafe { algo::direct(call, red, &peers, me, plan.as_ref()) };
                 (Ok(()), true)
             }
             Route::Cma(members) => {
@@ -344,10 +359,24 @@ impl<S: Store> Engine<S> {
                     return (self.check_abort(op, true), true);
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
-                let moved = unsafe { algo::cma::run(call, red, &members, me, op) };
+                let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), op) };
                 // A copy fails when its peer has exited: then say that, as every other wait would.
                 let failed = |e| self.fail(s.check_alive(s.members(), op).err().unwrap_or(e));
                 (moved.map_err(failed), true)
+            }
+            Route::Staged { bufs, chunk } if plan.is_some() => {
+                let ctrl = s.ctrl(me);
+                let publish = |step: u64| {
+                    ctrl.step.store(step, Release);
+                    s.notify();
+                };
+                let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
+                let (send, recv) = (call.mine.send, call.mine.recv);
+                let plan = plan.as_ref().expect("checked by the guard");
+                let staged =
+                    pairwise::Staged { plan, dtype: call.dtype, op: red, me, send, recv, bufs: &bufs, chunk };
+                // SAFETY: as below, for the plan every member shares.
+                (unsafe { staged.run(&mut local.round, publish, sync) }, false)
             }
             Route::Staged { bufs, chunk } => {
                 let staged = Staged {
@@ -375,6 +404,37 @@ impl<S: Store> Engine<S> {
                 // a member may leave the pipeline without waiting for the others.
                 (unsafe { staged.run(&mut local.round, publish, sync) }, false)
             }
+        }
+    }
+
+    /// The plan of a pairwise collective (`algo::layout`), from the layouts every member published for
+    /// call `k`; `None` for the other kinds. Members whose layouts disagree all fail alike, with the
+    /// mismatch naming them; `calls` are the (agreeing) signatures.
+    fn plan(
+        &self,
+        call: &Call,
+        sig: &Signature,
+        k: u64,
+        calls: Vec<(usize, Signature)>,
+    ) -> Result<Option<Plan>> {
+        let s = &self.store;
+        if sig.kind != CollKind::AllToAll && !sig.kind.has_layout() {
+            return Ok(None);
+        }
+        let w = layout::words(sig.kind, s.members().len());
+        // SAFETY: every member wrote its `w` words (the signatures agree on the kind) before arriving;
+        // the buffer is rewritten only for call k + 2 (see the one-shot buffers).
+        let layouts: Vec<&[u64]> = (0..s.members().len())
+            .map(|j| unsafe { std::slice::from_raw_parts(s.layout(j, k), w) })
+            .collect();
+        match Plan::new(sig, call.dtype.size(), call.root, &layouts, s.members()) {
+            Ok(plan) => Ok(Some(plan)),
+            Err(Fault::Disagree(details)) => {
+                Err(Error::Mismatch { group: s.members().to_vec(), details, calls })
+            }
+            Err(Fault::Overflow) => Err(Error::invalid(format!(
+                "{sig}: a member published sizes that overflow (corrupted segment?)"
+            ))),
         }
     }
 

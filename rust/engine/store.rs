@@ -118,11 +118,17 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// Member `j`'s one-shot buffer for call `k` ([`Store::oneshot_bytes`] long; buffer `k % 2`).
     fn oneshot(&self, j: usize, k: u64) -> *mut u8;
 
+    /// Member `j`'s layout buffer for call `k` (buffer `k % 2`), of at least
+    /// `2 * members().len()` words: the layouts of the pairwise collectives (`algo::layout`), written
+    /// and read like one-shot buffers.
+    fn layout(&self, j: usize, k: u64) -> *mut u64;
+
     /// How peers find `bytes` at `ptr`, this member's buffer (a number for [`Published`]).
     fn share(&self, ptr: *const u8, bytes: usize) -> u64;
-    /// How the data of `sig` moves, given every member's page: straight between the published
-    /// buffers, or through staging. Fails when a page names a buffer no honest peer would publish.
-    fn route(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Route>;
+    /// How the data of `sig` moves, given every member's page and the bytes its send and recv buffers
+    /// span: straight between the published buffers, or through staging. Fails when a page names a
+    /// buffer no honest peer would publish.
+    fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route>;
 
     /// True once the world is aborted (a cheap `SeqCst` load, checked on every poll).
     fn aborted(&self) -> bool;

@@ -400,3 +400,41 @@ pub fn a_group_over_every_rank_does_not_share_the_world_sequence(w: &impl Worlds
     });
     assert_eq!(got, vec![(false, false), (false, false)], "crossed calls on two groups must fail, not match");
 }
+
+/// all_to_all_single with uneven splits (member j sends (j + i) * unit elements to member i: member 0
+/// sends itself none), all_gather_v and reduce_scatter_v (member i's piece (i + 1) * unit long),
+/// against slices of every member's input and the sequential reduction.
+pub fn pairwise_collectives_deliver_the_right_pieces(w: &impl Worlds, unit: usize) {
+    let n = 3;
+    let split = move |j: usize, i: usize| (j + i) * unit;
+    let counts: Vec<usize> = (0..n).map(|i| (i + 1) * unit).collect();
+    let total: usize = counts.iter().sum();
+    let c = counts.clone();
+    let got = w.run(n, LONG, move |pg| {
+        let (me, b) = (pg.rank(), pg.backend());
+        let ins: Vec<usize> = (0..n).map(|i| split(me, i)).collect();
+        let outs: Vec<usize> = (0..n).map(|j| split(j, me)).collect();
+        let send = input(me, ins.iter().sum());
+        let mut a2a = vec![0.0f32; outs.iter().sum()];
+        b.all_to_all_single(Buf::new(&send), BufMut::new(&mut a2a), &ins, &outs).unwrap();
+        let mut agv = vec![0.0f32; total];
+        b.all_gather_v(Buf::new(&input(me, c[me])), BufMut::new(&mut agv), &c).unwrap();
+        let mut rsv = vec![0.0f32; c[me]];
+        b.reduce_scatter_v(Buf::new(&input(me, total)), BufMut::new(&mut rsv), &c, ReduceOp::Sum).unwrap();
+        (a2a, agv, rsv)
+    });
+    let at = |i: usize| counts[..i].iter().sum::<usize>();
+    for (r, (a2a, agv, rsv)) in got.into_iter().enumerate() {
+        let want: Vec<f32> = (0..n)
+            .flat_map(|j| {
+                let start: usize = (0..r).map(|i| split(j, i)).sum();
+                input(j, (0..n).map(|i| split(j, i)).sum())[start..start + split(j, r)].to_vec()
+            })
+            .collect();
+        assert_eq!(bits(&a2a), bits(&want), "all_to_all_single on rank {r}");
+        let cat: Vec<f32> = (0..n).flat_map(|j| input(j, counts[j])).collect();
+        assert_eq!(bits(&agv), bits(&cat), "all_gather_v on rank {r}");
+        let full = reference(n, total, ReduceOp::Sum);
+        assert_eq!(bits(&rsv), bits(&full[at(r)..at(r) + counts[r]]), "reduce_scatter_v on rank {r}");
+    }
+}

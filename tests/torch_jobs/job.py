@@ -160,10 +160,25 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     m = data(rank, 3, torch.float32)
     dist.all_reduce(m, group=mine)
     out["new_subgroups"] = m
-    try:
-        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
-    except NotImplementedError as err:
-        out["all_to_all"] = str(err)
+    # all_to_all: equal parts; uneven splits of rows (rank r sends r + j + 1 rows of 2 to rank j); lists
+    # (rank r sends r + 1 elements to each); and uneven all_gather / reduce_scatter lists.
+    a2a = torch.empty(world * 3)
+    dist.all_to_all_single(a2a, data(rank, world * 3, torch.float32, seed=20))
+    out["all_to_all_single"] = a2a
+    splits = [rank + j + 1 for j in range(world)]
+    a2av = torch.empty(sum(splits), 2, dtype=torch.int64)
+    rows = data(rank, 2 * sum(splits), torch.int64, seed=21).view(-1, 2)
+    dist.all_to_all_single(a2av, rows, splits, splits)
+    out["all_to_all_single_splits"] = a2av
+    lists = [torch.empty(j + 1) for j in range(world)]
+    dist.all_to_all(lists, [data(rank, rank + 1, torch.float32, seed=30 + j) for j in range(world)])
+    out["all_to_all"] = lists
+    uneven = [torch.empty(j + 1, dtype=torch.float64) for j in range(world)]
+    dist.all_gather(uneven, data(rank, rank + 1, torch.float64, seed=40))
+    out["all_gather_uneven"] = uneven
+    rsv = torch.empty(rank + 1)
+    dist.reduce_scatter(rsv, [data(rank, j + 1, torch.float32, seed=50 + j) for j in range(world)])
+    out["reduce_scatter_uneven"] = rsv
     return out
 
 

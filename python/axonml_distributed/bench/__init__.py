@@ -5,6 +5,7 @@
     python -m axonml_distributed.bench --backend shm          # processes (see bench.procs)
     python -m axonml_distributed.bench --backend mpi          # MPI, ours against raw mpi4py (see bench.mpi)
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
+    python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.alltoall)
 
 The in-process world's figures are described in `bench.threads`.
 """
@@ -29,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
     p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's")
+    p.add_argument("--collectives", action="store_true", help="all_to_all and all_gather_v against MPICH")
     args, rest = p.parse_known_args(argv)
+    if args.collectives:
+        from axonml_distributed.bench import alltoall
+
+        return alltoall.main([a for a in argv or sys.argv[1:] if a != "--collectives"])
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from axonml_distributed._core import DTYPE_CODES, describe_mismatch
+from axonml_distributed._core import DTYPE_CODES, describe_layout_mismatch, describe_mismatch
 from axonml_distributed.exceptions import CollectiveMismatchError
 from axonml_distributed.mpi.args import Describe
 from axonml_distributed.mpi.queue import OpQueue, mpi_error
@@ -210,3 +210,22 @@ def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
     if invalid:
         message += f"; rank(s) {invalid} passed invalid arguments and raised their own error"
     return message
+
+
+def check_layouts(
+    queue: OpQueue,
+    sig: tuple[int, int, int, int, int, int],
+    layout: list[int],
+    ranks: list[int],
+    describe: Describe,
+) -> None:
+    """After the signatures agree, the layouts of a collective with per-member sizes (counts or split
+    sizes, the core's words; `sig` the agreed signature, (seq, kind, dtype, count, root, op)): every rank
+    gathers every member's and raises the core's CollectiveMismatchError when they do not make one
+    plan, as the native worlds do."""
+    mine = np.array(layout, dtype=np.int64)
+    every = np.empty((len(ranks), mine.size), dtype=np.int64)
+    queue.wait_request(queue.comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
+    message = describe_layout_mismatch(sig, every.tolist(), ranks)
+    if message is not None:
+        raise CollectiveMismatchError(message)

@@ -33,6 +33,7 @@ from axonml_distributed.mpi.check import (
     FUSE_SLOTS,
     ONE,
     SignatureCheck,
+    check_layouts,
     check_signatures,
     invalid_signature,
     signature,
@@ -247,6 +248,70 @@ class MpiProcessGroup:
         with queue.lock:
             await_peers(queue.comm, peers, seconds, describe, self._ranks)
 
+    def all_to_all(self, send: Buf, recv: Buf, *, async_op: bool = False) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
+        return _inplace(
+            self._collective("all_to_all", lambda comm: plans.all_to_all(self, comm, send, recv), async_op)
+        )
+
+    def all_to_all_single(
+        self,
+        send: Buf,
+        recv: Buf,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> MpiWork | None:
+        send, recv = numpy_view(send), numpy_view(recv)
+        outs = None if output_split_sizes is None else list(output_split_sizes)
+        ins = None if input_split_sizes is None else list(input_split_sizes)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.all_to_all_single(self, comm, send, recv, outs, ins)
+
+        return _inplace(self._collective("all_to_all_single", plan, async_op))
+
+    def all_gather_v(
+        self, send: Buf, recv: Buf, counts: Sequence[int], *, async_op: bool = False
+    ) -> MpiWork | None:
+        send, recv, counts = numpy_view(send), numpy_view(recv), list(counts)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.all_gather_v(self, comm, send, recv, counts)
+
+        return _inplace(self._collective("all_gather_v", plan, async_op))
+
+    def gather_v(
+        self, send: Buf, recv: Buf | None, counts: Sequence[int], dst: int, *, async_op: bool = False
+    ) -> MpiWork | None:
+        send, recv, counts = numpy_view(send), numpy_view(recv), list(counts)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.gather_v(self, comm, send, recv, counts, dst)
+
+        return _inplace(self._collective("gather_v", plan, async_op))
+
+    def scatter_v(
+        self, send: Buf | None, recv: Buf, counts: Sequence[int], src: int, *, async_op: bool = False
+    ) -> MpiWork | None:
+        send, recv, counts = numpy_view(send), numpy_view(recv), list(counts)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.scatter_v(self, comm, send, recv, counts, src)
+
+        return _inplace(self._collective("scatter_v", plan, async_op))
+
+    def reduce_scatter_v(
+        self, send: Buf, recv: Buf, counts: Sequence[int], op: OpArg = None, *, async_op: bool = False
+    ) -> MpiWork | None:
+        send, recv, counts = numpy_view(send), numpy_view(recv), list(counts)
+
+        def plan(comm: MPI.Intracomm) -> Call:
+            return plans.reduce_scatter_v(self, comm, send, recv, counts, op)
+
+        return _inplace(self._collective("reduce_scatter_v", plan, async_op))
+
     def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
         queue = self._member_queue("send")
@@ -383,6 +448,9 @@ class MpiProcessGroup:
             root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
             mine = signature(1, code, call.dtype, call.count, root, call.op, call.pre, call.post)
             check_signatures(queue, mine, seq, self._ranks, describe)
+            if call.layout is not None:
+                agreed = (seq, code, call.dtype, call.count, root, call.op)
+                check_layouts(queue, agreed, call.layout, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 
     def _all_reduce_now(self, queue: OpQueue, buf: np.ndarray, code: int, dt: MPI.Datatype, rop: Op) -> None:

@@ -48,6 +48,9 @@ class Call:
     op: int = -1
     pre: float = 1.0
     post: float = 1.0
+    # The collectives with per-member sizes: this member's layout words (the core's, see CallCheck),
+    # compared across members after the signature check.
+    layout: list[int] | None = None
 
 
 def _after(prepare: Callable[[], None] | None, start: Callable[[], MPI.Request]) -> Callable[[], MPI.Request]:
@@ -169,3 +172,90 @@ def reduce(
 
 def barrier(comm: MPI.Intracomm) -> Call:
     return Call(comm.Ibarrier, 0)
+
+
+# --- all_to_all and the collectives with per-member sizes (counts in elements, as the core's layouts) --
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    return np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).tolist() if counts else []
+
+
+def all_to_all(g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray) -> Call:
+    code, count, _, _ = g._calls.all_to_all(checkable(send), checkable(recv))
+    dt = carrier(code)
+    start = partial(comm.Ialltoall, [send, dt], [recv, dt])
+    return Call(start, send.nbytes, dtype=code, count=count)
+
+
+def all_to_all_single(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    send: np.ndarray,
+    recv: np.ndarray,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+) -> Call:
+    (code, count, _, _), words = g._calls.all_to_all_single(
+        checkable(send), checkable(recv), output_split_sizes, input_split_sizes
+    )
+    dt, n = carrier(code), g.size()
+    ins, outs = words[:n], words[n:]
+    send_spec = [send, (ins, _displacements(ins)), dt]
+    start = partial(comm.Ialltoallv, send_spec, [recv, (outs, _displacements(outs)), dt])
+    return Call(start, send.nbytes, dtype=code, count=count, layout=words)
+
+
+def all_gather_v(
+    g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, counts: list[int]
+) -> Call:
+    (code, count, _, _), words = g._calls.all_gather_v(checkable(send), checkable(recv), counts)
+    dt = carrier(code)
+    start = partial(comm.Iallgatherv, [send, dt], [recv, (words, _displacements(words)), dt])
+    return Call(start, recv.nbytes, dtype=code, count=count, layout=words)
+
+
+def gather_v(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    send: np.ndarray,
+    recv: np.ndarray | None,
+    counts: list[int],
+    dst: int,
+) -> Call:
+    (code, count, root, _), words = g._calls.gather_v(checkable(send), checkable(recv), counts, dst)
+    dt = carrier(code)
+    recv_spec = [recv, (words, _displacements(words)), dt] if g.rank() == dst else None
+    start = partial(comm.Igatherv, [send, dt], recv_spec, root)
+    return Call(start, send.nbytes * g.size(), dtype=code, count=count, root=root, layout=words)
+
+
+def scatter_v(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    send: np.ndarray | None,
+    recv: np.ndarray,
+    counts: list[int],
+    src: int,
+) -> Call:
+    (code, count, root, _), words = g._calls.scatter_v(checkable(send), checkable(recv), counts, src)
+    dt = carrier(code)
+    send_spec = [send, (words, _displacements(words)), dt] if g.rank() == src else None
+    start = partial(comm.Iscatterv, send_spec, [recv, dt], root)
+    return Call(start, recv.nbytes * g.size(), dtype=code, count=count, root=root, layout=words)
+
+
+def reduce_scatter_v(
+    g: MpiProcessGroup,
+    comm: MPI.Intracomm,
+    send: np.ndarray,
+    recv: np.ndarray,
+    counts: list[int],
+    op: OpArg,
+) -> Call:
+    (code, count, _, op_code), words = g._calls.reduce_scatter_v(checkable(send), checkable(recv), counts, op)
+    rop = mpi_op(op_code)
+    data, dt, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
+    source = send.astype(np.float32) if data is not recv else send
+    start = partial(comm.Ireduce_scatter, [source, dt], [data, dt], words, rop.mpi_op)
+    return Call(start, send.nbytes, finish, None, code, count, -1, op_code, words)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,10 +30,6 @@ from axonml_distributed.torch.work import Completer, Work
 
 BACKEND = "axonml"
 
-_ALL_TO_ALL = (
-    "all_to_all / all_to_all_single are not implemented by the axonml backend yet: they come with the "
-    "collectives issue (all-to-all in the core); use gloo for them until then"
-)
 _SUM = dist.ReduceOp.SUM
 _OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -97,6 +94,12 @@ def _chain(*steps: Callable[[], object] | None) -> Callable[[], object] | None:
 
 def _stage(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.detach() for t in tensors]) if tensors else torch.empty(0)
+
+
+def _unstage(outputs: Sequence[torch.Tensor], flat: torch.Tensor, counts: list[int]) -> None:
+    """Copy consecutive pieces of `flat` (`counts` elements each) into `outputs`."""
+    for o, piece in zip(outputs, flat.split(counts), strict=True):
+        o.copy_(piece.view(o.shape))
 
 
 def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -218,13 +221,18 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
         detached = _async(opts)
-        natives, finishes = [], []
+        natives: list[Any] = []
+        finishes: list[Callable[[], object] | None] = []
         for outs, t in zip(output_lists, inputs, strict=True):
+            if any(o.shape != t.shape for o in outs):  # uneven sizes: all_gather_v
+                counts = [o.numel() for o in outs]
+                flat = torch.empty(sum(counts), dtype=t.dtype)
+                natives.append(self._native.all_gather_v(_dense(t)[0], flat, counts, async_op=detached))
+                finishes.append(partial(_unstage, outs, flat, counts))
+                continue
             staged = torch.empty((len(outs), *t.shape), dtype=t.dtype)
             natives.append(self._native.all_gather(_dense(t)[0], staged, async_op=detached))
-            finishes.append(
-                lambda outs=outs, staged=staged: [o.copy_(s) for o, s in zip(outs, staged, strict=True)]
-            )
+            finishes.append(partial(_unstage, outs, staged.view(-1), [t.numel()] * len(outs)))
         return self._done("coll", natives, output_lists, _chain(*finishes))
 
     def allgather_coalesced(
@@ -269,6 +277,12 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         for out, ins in zip(outputs, input_lists, strict=True):
             ours, factor = _op(op)
             buf, back = _dense(out)
+            if any(x.shape != out.shape for x in ins):  # uneven sizes: reduce_scatter_v
+                counts = [x.numel() for x in ins]
+                send = _scaled(torch.cat([x.detach().reshape(-1) for x in ins]), factor)
+                natives.append(self._native.reduce_scatter_v(send, buf, counts, ours, async_op=detached))
+                finishes.append(back)
+                continue
             send = _scaled(_stage(ins), factor)
             natives.append(self._native.reduce_scatter(send, buf, ours, async_op=detached))
             finishes.append(back)
@@ -349,11 +363,31 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Work | None:
         return self._done("coll", [self._native.barrier(async_op=_async(opts))], None)
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> Work:
-        raise NotImplementedError(_ALL_TO_ALL)
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        """Lists of tensors of any sizes: one all_to_all_single over their concatenations."""
+        outs, ins = [o.numel() for o in outputs], [t.numel() for t in inputs]
+        send = torch.cat([t.detach().reshape(-1) for t in inputs])
+        flat = torch.empty(sum(outs), dtype=send.dtype)
+        native = self._native.all_to_all_single(send, flat, outs, ins, async_op=_async(opts))
+        return self._done("coll", [native], outputs, lambda: _unstage(outputs, flat, outs))
 
-    all_to_all_single = alltoall
-    alltoall_base = alltoall
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work | None:
+        # torch passes [] for an equal split, which the core spells None.
+        out, back = _dense(output)
+        outs, ins = list(output_split_sizes) or None, list(input_split_sizes) or None
+        native = self._native.all_to_all_single(_dense(input)[0], out, outs, ins, async_op=_async(opts))
+        return self._done("coll", [native], [output], back)
+
+    alltoall_base = all_to_all_single
 
     # -- point to point (no options: always a Work, which torch waits on) ---------------------------
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
 use crate::algo::cma::{self, Loc, Member};
-use crate::algo::{spans, Peer, Route};
+use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
 use crate::config::CMA_MIN;
 use crate::dtype::{Buf, BufMut};
@@ -65,8 +65,12 @@ impl ShmStore {
     /// Every member's buffers as local addresses, when all of them live in the segment (the zero-copy
     /// path); `None` if any member has a private buffer. An offset no correct peer publishes (outside
     /// its arena, or misaligned for the dtype) is an error.
-    fn direct(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Peer>>> {
-        let n = self.members.len();
+    fn direct(
+        &self,
+        pages: &[Published],
+        sig: &Signature,
+        spans: &[(usize, usize)],
+    ) -> Result<Option<Vec<Peer>>> {
         let align = sig.dtype.map_or(1, |d| d.align());
         let resolve = |j: usize, off: u64, bytes: usize| -> Result<Option<*mut u8>> {
             match (bytes, off) {
@@ -80,9 +84,8 @@ impl ShmStore {
                     .map_err(|why| Error::invalid(format!("{sig}: {why} (corrupted segment?)"))),
             }
         };
-        let mut peers = Vec::with_capacity(n);
-        for (j, page) in pages.iter().enumerate() {
-            let (s, r) = spans(sig, n, root == Some(j));
+        let mut peers = Vec::with_capacity(pages.len());
+        for (j, (page, &(s, r))) in pages.iter().zip(spans).enumerate() {
             let Some(send) = resolve(j, page.send, s)? else { return Ok(None) };
             let Some(recv) = resolve(j, page.recv, r)? else { return Ok(None) };
             peers.push(Peer { send: send.cast_const(), recv });
@@ -93,14 +96,17 @@ impl ShmStore {
     /// Every member's buffers as places to copy from and to (`algo::cma`), when every member published
     /// its private buffers for it (a member that may not, or a call below [`CMA_MIN`], publishes none).
     /// An address no correct peer publishes (wrapping around, misaligned) is an error.
-    fn cma(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Option<Vec<Member>>> {
-        let n = self.members.len();
+    fn cma(
+        &self,
+        pages: &[Published],
+        sig: &Signature,
+        spans: &[(usize, usize)],
+    ) -> Result<Option<Vec<Member>>> {
         let align = sig.dtype.map_or(1, |d| d.align());
-        let mut members = Vec::with_capacity(n);
-        for (j, page) in pages.iter().enumerate() {
+        let mut members = Vec::with_capacity(pages.len());
+        for (j, (page, &(s, r))) in pages.iter().zip(spans).enumerate() {
             let rank = self.members[j];
             let pid = (j != self.index).then(|| self.world.pid(rank) as i32);
-            let (s, r) = spans(sig, n, root == Some(j));
             let locate = |off: u64, bytes: usize| -> Result<Option<Loc>> {
                 let bad = |why: &str| {
                     Error::invalid(format!("{sig}: rank {rank} published {why} (corrupted segment?)"))
@@ -171,6 +177,12 @@ impl Store for ShmStore {
         unsafe { self.block(j).add((k % 2) as usize * self.world.layout.params.small) }
     }
 
+    fn layout(&self, j: usize, k: u64) -> *mut u64 {
+        // The one-shot buffers (at least 16 KiB, page-aligned) hold the 2 x 64 words of the largest
+        // world; no call uses both.
+        self.oneshot(j, k).cast()
+    }
+
     fn share(&self, ptr: *const u8, bytes: usize) -> u64 {
         if ptr.is_null() || bytes == 0 {
             NO_BUFFER
@@ -182,12 +194,12 @@ impl Store for ShmStore {
             NOT_SHARED
         }
     }
-    fn route(&self, pages: &[Published], sig: &Signature, root: Option<usize>) -> Result<Route> {
-        if let Some(peers) = self.direct(pages, sig, root)? {
+    fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
+        if let Some(peers) = self.direct(pages, sig, spans)? {
             return Ok(Route::Direct(peers));
         }
         if cma::handles(sig.kind) {
-            if let Some(members) = self.cma(pages, sig, root)? {
+            if let Some(members) = self.cma(pages, sig, spans)? {
                 return Ok(Route::Cma(members));
             }
         }

@@ -20,15 +20,19 @@ use crate::transport::wait::{may_spin, Event, Wait};
 /// Two one-shot buffers of a member (call k uses `k % 2`).
 type OneShot = [UnsafeCell<[u64; INLINE / 8]>; 2];
 
+/// Two layout buffers of a member (call k uses `k % 2`), of `2 * n` words each.
+type Layouts = [Box<[UnsafeCell<u64>]>; 2];
+
 /// The shared state of one communicator (the world, or one subgroup).
 struct Comm {
     members: Vec<usize>,
     ctrls: Box<[Ctrl]>,
     oneshot: Box<[OneShot]>,
+    layouts: Box<[Layouts]>,
     event: Event,
 }
 
-// SAFETY: one-shot buffers are written only by their member and read by peers only between that
+// SAFETY: one-shot and layout buffers are written only by their member and read by peers only between that
 // member's release store of `arrive` and the buffer's reuse two calls later (engine module docs).
 unsafe impl Sync for Comm {}
 
@@ -36,9 +40,11 @@ impl Comm {
     fn new(members: Vec<usize>) -> Self {
         let n = members.len();
         let oneshot = (0..n).map(|_| [UnsafeCell::new([0; INLINE / 8]), UnsafeCell::new([0; INLINE / 8])]);
+        let words = || (0..2 * n).map(|_| UnsafeCell::new(0)).collect();
         Comm {
             ctrls: (0..n).map(|_| Ctrl::default()).collect(),
             oneshot: oneshot.collect(),
+            layouts: (0..n).map(|_| [words(), words()]).collect(),
             members,
             event: Event::default(),
         }
@@ -189,10 +195,14 @@ impl Store for ThreadStore {
         self.comm.oneshot[j][(k % 2) as usize].get().cast()
     }
 
+    fn layout(&self, j: usize, k: u64) -> *mut u64 {
+        UnsafeCell::raw_get(self.comm.layouts[j][(k % 2) as usize].as_ptr())
+    }
+
     fn share(&self, ptr: *const u8, _bytes: usize) -> u64 {
         ptr.expose_provenance() as u64
     }
-    fn route(&self, pages: &[Published], _sig: &Signature, _root: Option<usize>) -> Result<Route> {
+    fn route(&self, pages: &[Published], _sig: &Signature, _spans: &[(usize, usize)]) -> Result<Route> {
         let addr = |a: u64| std::ptr::with_exposed_provenance_mut::<u8>(a as usize);
         Ok(Route::Direct(
             pages.iter().map(|p| Peer { send: addr(p.send).cast_const(), recv: addr(p.recv) }).collect(),
