@@ -95,6 +95,10 @@ def run_job(
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{script} {' '.join(args)} hung for {limit} s\nstdout:\n{out}\nstderr:\n{err}")
+    except BaseException:
+        # The test's own timeout (pytest-timeout) or Ctrl-C: leave no job spinning behind.
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - start
 
 
