@@ -51,8 +51,9 @@ pub const DEFAULT_ARENA: usize = 64 << 20;
 pub(crate) const SHM_CHUNK: usize = 1 << 20;
 /// The shm world's largest one-shot all_reduce, for worlds of up to 8 ranks.
 pub(crate) const SHM_ONESHOT: usize = 64 << 10;
-/// Collectives on private arrays of the shm world whose largest buffer has at least this many bytes
-/// copy straight between processes (`algo::cma`) when the kernel allows it; smaller ones are staged.
+/// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
+/// the kernel allows it and every member's every buffer has at least this many bytes (each buffer is
+/// judged alone, so a small part of a large call stages the whole call).
 pub(crate) const CMA_MIN: usize = 64 << 10;
 /// Bytes of each peer's tile a cross-memory reduction reads before reducing it (kept in cache).
 pub(crate) const CMA_TILE: usize = 128 << 10;

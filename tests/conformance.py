@@ -348,7 +348,8 @@ def check_out_of_place(pg: Any) -> list[str]:
     makers = {"ordinary": np.empty, "group": pg.empty}
     for (sname, make_in), (oname, make_out) in [(a, b) for a in makers.items() for b in makers.items()]:
         for dtype in (np.float32, np.complex128, np.int64):
-            for count in (1, 1023, n * 4096 + 3, 300_003):
+            # Past one-shot, and (float32 only, to keep the suite short) several pipeline rounds.
+            for count in (1, n * 4096 + 3) + ((300_003,) if dtype == np.float32 else ()):
                 case = f"out-{sname}-{oname}-{np.dtype(dtype).name}-{count}"
                 inputs = all_inputs(n, case, (count,), dtype)
                 send = make_in(count, dtype)
@@ -360,7 +361,7 @@ def check_out_of_place(pg: Any) -> list[str]:
                 if dtype != np.int64:
                     pg.all_reduce(send, ReduceOp.AVERAGE, out=out, prescale_factor=2.0)
                     expect_same(out, reduce_ref(inputs, "AVERAGE", 2.0), f"scaled all_reduce {case}")
-                for dst in pg.ranks():
+                for dst in (pg.ranks()[0], pg.ranks()[-1]):
                     out = make_out(count, dtype)
                     out[...] = 7
                     pg.reduce(send, dst, ReduceOp.MAX if dtype != np.complex128 else None, out=out)

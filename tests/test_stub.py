@@ -71,6 +71,12 @@ def test_dtype_and_kind_tables_name_every_collective_and_dtype() -> None:
         "scatter",
         "reduce",
         "barrier",
+        "all_to_all",
+        "all_to_all_single",
+        "all_gather_v",
+        "gather_v",
+        "scatter_v",
+        "reduce_scatter_v",
     }
     for table in (_core.DTYPE_CODES, _core.KIND_CODES):
         assert len(set(table.values())) == len(table)

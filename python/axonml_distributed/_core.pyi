@@ -68,11 +68,14 @@ def describe_mismatch(
     signatures: Sequence[tuple[int, int, int, int, int, int, float, float] | None], members: Sequence[int]
 ) -> str | None:
     """The message of the CollectiveMismatchError the native worlds raise, given each member's call as
-    `(seq, kind, dtype, count, root, op)` (codes from the tables above, -1 for a field not set; `root`
-    is a global rank) or None for a member that entered no call; None when every member agrees."""
+    `(seq, kind, dtype, count, root, op, prescale, postscale)` (codes from the tables above, -1 for a
+    field not set, factors 1.0 when not scaled; `root` is a global rank) or None for a member that
+    entered no call; None when every member agrees."""
 
 def describe_layout_mismatch(
-    signature: tuple[int, int, int, int, int, int], layouts: Sequence[Sequence[int]], members: Sequence[int]
+    signature: tuple[int, int, int, int, int, int, float, float],
+    layouts: Sequence[Sequence[int]],
+    members: Sequence[int],
 ) -> str | None:
     """The message of the CollectiveMismatchError the native worlds raise when the members of a call with
     per-member sizes, whose (agreed) signature is `signature`, published `layouts` (each member's layout

@@ -92,7 +92,12 @@ fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, op: &str) -> Re
         match got {
             n if n > 0 => done += n as usize,
             _ => {
-                let errno = std::io::Error::last_os_error();
+                // 0 bytes moved sets no errno: the peer's mapping ends there.
+                let errno = if got == 0 {
+                    "no bytes moved".to_string()
+                } else {
+                    std::io::Error::last_os_error().to_string()
+                };
                 let what = if read { "reading from" } else { "writing to" };
                 return Err(Error::invalid(format!(
                     "{op}: {what} rank {}'s buffer ({} bytes at {:#x}, pid {pid}) failed after {done} bytes: \

@@ -114,6 +114,10 @@ pub(crate) fn describe_layout_mismatch(
 ) -> PyResult<Option<String>> {
     use crate::algo::layout::{words, Fault, Plan};
     let sig = signature_of(signature)?;
+    if !sig.kind.has_layout() || members.is_empty() {
+        let e = format!("{} has no per-member layout, or the group no members", sig.kind.name());
+        return Err(PyValueError::new_err(e));
+    }
     let w = words(sig.kind, members.len());
     if layouts.len() != members.len() || layouts.iter().any(|l| l.len() != w) {
         return Err(PyValueError::new_err(format!("give {} layouts of {w} words", members.len())));

@@ -18,15 +18,15 @@ import argparse
 import functools
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from axonml_distributed.bench.common import human
-from axonml_distributed.bench.procs import _RESULT, _csv_ints, _fmt_time, _have, _launch, _time
+from axonml_distributed.bench.procs import _csv_ints, _fmt_time, _have, _launch, find_mpiexec
+from axonml_distributed.bench.procs_worker import RESULT, median_time
 
 
 def _inputs(size: int, n: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,13 +77,13 @@ def _worker_shm(sizes: list[int]) -> None:
                 mine[...] = src
                 call(mine, recv)
                 _check(op, recv, n, rank)
-                t = _time(functools.partial(call, mine, recv), size, pg.barrier)
+                t = median_time(functools.partial(call, mine, recv), size, pg.barrier)
                 worst = np.empty(n, np.float64)
                 pg.all_gather(np.array([t]), worst)
                 out.setdefault(f"ours {op}{where}", []).append(float(worst.max()))
                 del mine, recv
     if rank == 0:
-        print(_RESULT + json.dumps(out), flush=True)
+        print(RESULT + json.dumps(out), flush=True)
 
 
 def _worker_mpi(sizes: list[int]) -> None:
@@ -107,16 +107,10 @@ def _worker_mpi(sizes: list[int]) -> None:
         for op, (src, recv, call) in ops.items():
             call(src, recv)
             _check(op, recv, n, rank)
-            t = _time(functools.partial(call, src, recv), size, comm.Barrier)
+            t = median_time(functools.partial(call, src, recv), size, comm.Barrier)
             out.setdefault(f"mpich {op}", []).append(max(comm.allgather(t)))
     if rank == 0:
-        print(_RESULT + json.dumps(out), flush=True)
-
-
-def _mpiexec() -> str | None:
-    """The mpiexec beside the Python interpreter (the mpich wheel's), else the one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+        print(RESULT + json.dumps(out), flush=True)
 
 
 def _compare(n: int, sizes: list[int], repeat: int) -> dict[str, list[float]]:
@@ -124,7 +118,7 @@ def _compare(n: int, sizes: list[int], repeat: int) -> dict[str, list[float]]:
     arena_mib = 4 * (max(sizes) >> 20) + 16
     env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(arena_mib))
     launches = [[sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(n), *me, "shm"]]
-    mpiexec = _mpiexec()
+    mpiexec = find_mpiexec()
     if mpiexec and _have("mpi4py"):
         launches.append([mpiexec, "-n", str(n), sys.executable, *me, "mpi"])
     else:
@@ -132,7 +126,12 @@ def _compare(n: int, sizes: list[int], repeat: int) -> dict[str, list[float]]:
     runs: dict[str, list[list[float]]] = {}
     for _ in range(repeat):
         for cmd in launches:
-            for k, v in _launch(cmd, env).items():
+            got = _launch(cmd, env)
+            if isinstance(got, str):
+                print(f"[bench] {cmd[0]} ... not measured: {got}", file=sys.stderr)
+                continue
+            # This bench's workers print one flat list of times per name.
+            for k, v in cast(dict[str, list[float]], got).items():
                 runs.setdefault(k, []).append(v)
     res = {k: [float(np.median(col)) for col in zip(*v, strict=True)] for k, v in runs.items()}
     load = os.getloadavg()[0]

@@ -214,15 +214,15 @@ def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
 
 def check_layouts(
     queue: OpQueue,
-    sig: tuple[int, int, int, int, int, int],
+    sig: tuple[int, int, int, int, int, int, float, float],
     layout: list[int],
     ranks: list[int],
     describe: Describe,
 ) -> None:
     """After the signatures agree, the layouts of a collective with per-member sizes (counts or split
-    sizes, the core's words; `sig` the agreed signature, (seq, kind, dtype, count, root, op)): every rank
-    gathers every member's and raises the core's CollectiveMismatchError when they do not make one
-    plan, as the native worlds do."""
+    sizes, the core's words; `sig` the agreed signature, (seq, kind, dtype, count, root, op, prescale,
+    postscale)): every rank gathers every member's and raises the core's CollectiveMismatchError when
+    they do not make one plan, as the native worlds do."""
     mine = np.array(layout, dtype=np.int64)
     every = np.empty((len(ranks), mine.size), dtype=np.int64)
     queue.wait_request(queue.comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)

@@ -449,7 +449,7 @@ class MpiProcessGroup:
             mine = signature(1, code, call.dtype, call.count, root, call.op, call.pre, call.post)
             check_signatures(queue, mine, seq, self._ranks, describe)
             if call.layout is not None:
-                agreed = (seq, code, call.dtype, call.count, root, call.op)
+                agreed = (seq, code, call.dtype, call.count, root, call.op, call.pre, call.post)
                 check_layouts(queue, agreed, call.layout, self._ranks, describe)
         return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
 

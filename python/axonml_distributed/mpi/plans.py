@@ -254,8 +254,8 @@ def reduce_scatter_v(
     op: OpArg,
 ) -> Call:
     (code, count, _, op_code), words = g._calls.reduce_scatter_v(checkable(send), checkable(recv), counts, op)
-    rop = mpi_op(op_code)
-    data, dt, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
+    rop = mpi_op(op_code, code)
+    data, dt, _, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
     start = partial(comm.Ireduce_scatter, [source, dt], [data, dt], words, rop.mpi_op)
-    return Call(start, send.nbytes, finish, None, code, count, -1, op_code, words)
+    return Call(start, send.nbytes, finish, None, code, count, -1, op_code, layout=words)
