@@ -47,7 +47,7 @@ pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 use crate::algo::layout::{self, Fault, Plan};
 use crate::algo::{self, pairwise, spans, staged::Staged, Route};
 use crate::call::{self, Call};
-use crate::config::MAX_TIMEOUT;
+use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
@@ -360,8 +360,18 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
                 let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), op) };
-                // A copy fails when its peer has exited: then say that, as every other wait would.
-                let failed = |e| self.fail(s.check_alive(s.members(), op).err().unwrap_or(e));
+                // A copy fails when its peer has exited: then say that, as every other wait would
+                // (its exit may show a moment after its memory is gone).
+                let failed = |e| {
+                    let until = Instant::now() + CMA_DEATH_GRACE;
+                    loop {
+                        match s.check_alive(s.members(), op) {
+                            Err(dead) => break self.fail(dead),
+                            Ok(()) if Instant::now() >= until => break self.fail(e),
+                            Ok(()) => std::thread::sleep(Duration::from_millis(5)),
+                        }
+                    }
+                };
                 (moved.map_err(failed), true)
             }
             Route::Staged { bufs, chunk } if plan.is_some() => {
