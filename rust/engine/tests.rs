@@ -14,22 +14,39 @@ use crate::signature::{CollKind, Signature};
 use crate::transport::thread::store::{Shared, ThreadStore};
 use crate::transport::thread::ThreadBackend;
 
-/// A peer that saw every arrival and did its share, whose peer then failed its own arrival wait
-/// without doing its share (the arrival it missed came a moment too late), must not report success:
-/// its buffer lacks that peer's part of the result.
-#[test]
-fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
-    const COUNT: usize = 4096; // past one-shot, and each of the two members owns half
+/// Past one-shot, and each of the two members owns half.
+const COUNT: usize = 4096;
+
+/// A world of two: member 0 a real engine, member 1 played by hand, which has published an all_reduce
+/// of `theirs` (call 1) and arrived.
+fn member1_arrived(theirs: &mut [f32]) -> (ThreadBackend, ThreadStore) {
     let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
     let s1 = ThreadStore::world(&shared, 1);
     let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
-    let mut theirs = vec![2.0f32; COUNT];
-    // The hand-played member 1 publishes call 1 and arrives.
     let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
     let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4);
     s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
     s1.ctrl(1).arrive.store(1, SeqCst);
     s1.notify();
+    (mine, s1)
+}
+
+/// Wait (as member 1) until member 0 has done its share of call 1 and waits for ours.
+fn member0_did_its_share(s1: &ThreadStore) {
+    let t = Instant::now();
+    while s1.ctrl(0).done.load(SeqCst) < 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "member 0 never finished its share");
+        std::thread::yield_now();
+    }
+}
+
+/// A peer that saw every arrival and did its share, whose peer then failed its own arrival wait
+/// without doing its share (the arrival it missed came a moment too late), must not report success:
+/// its buffer lacks that peer's part of the result.
+#[test]
+fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
+    let mut theirs = vec![2.0f32; COUNT];
+    let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {
         let member0 = s.spawn(|| {
             let mut x = vec![1.0f32; COUNT];
@@ -38,11 +55,7 @@ fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
         });
         // Member 0 did its share and waits for member 1's done; member 1 now fails as a member whose
         // arrival wait timed out would: it aborts the world and leaves without doing its share.
-        let t = Instant::now();
-        while s1.ctrl(0).done.load(SeqCst) < 1 {
-            assert!(t.elapsed() < Duration::from_secs(10), "member 0 never finished its share");
-            std::thread::yield_now();
-        }
+        member0_did_its_share(&s1);
         s1.abort("rank 1 timed out", Cause::Other);
         s1.ctrl(1).done.store(1, SeqCst);
         s1.notify();
@@ -57,27 +70,15 @@ fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
 /// runs must wait for that call to finish with its buffers: a thread that left is not a dead process.
 #[test]
 fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
-    const COUNT: usize = 4096; // past one-shot, and each of the two members owns half
-    let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
-    let s1 = ThreadStore::world(&shared, 1);
-    let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
     let mut theirs = vec![2.0f32; COUNT];
-    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
-    let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4);
-    s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
-    s1.ctrl(1).arrive.store(1, SeqCst);
-    s1.notify();
+    let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {
         let member0 = s.spawn(|| {
             let mut x = vec![1.0f32; COUNT];
             let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
             (r, x)
         });
-        let t = Instant::now();
-        while s1.ctrl(0).done.load(SeqCst) < 1 {
-            assert!(t.elapsed() < Duration::from_secs(10), "member 0 never finished its share");
-            std::thread::yield_now();
-        }
+        member0_did_its_share(&s1);
         // Member 1 leaves with its share still to do; member 0 must not return meanwhile.
         s1.leave();
         std::thread::sleep(Duration::from_millis(300));
