@@ -676,3 +676,12 @@ def check_objects(pg: Any) -> list[str]:
 
 
 CHECKS["objects"] = check_objects
+
+# Checks that abort the world they run in (each ends with a mismatch on purpose): each needs a world of
+# its own.
+ABORTING = {"mismatch_message", "scaling", "split_mismatch", "counts_mismatch", "objects"}
+
+
+def run_checks(pg: Any, names: list[str]) -> list[list[str]]:
+    """The checks `names` one after another on one group, as a job makes its calls; each one's digests."""
+    return [(CHECKS | ERROR_CHECKS)[name](pg) for name in names]
