@@ -13,11 +13,6 @@ import numpy as np
 
 import axonml_distributed as ad
 
-try:
-    from ml_dtypes import bfloat16
-except ImportError:  # numpy arrays of bfloat16 need ml_dtypes
-    bfloat16 = None
-
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_]
 FLOATS = [np.float16, np.float32, np.float64]
 # The dtypes every world carries (MPI has no bool).
@@ -66,7 +61,7 @@ def reduce_ref(arrays: Any, op: Any, pre: float = 1.0, post: float = 1.0) -> np.
         op = getattr(ad.ReduceOp, op)
     arrays = list(arrays)
     dtype = arrays[0].dtype
-    half = dtype == np.float16 or (bfloat16 is not None and dtype == bfloat16)
+    half = np.dtype(dtype).name in ("float16", "bfloat16")
     work = [_scaled(a.astype(np.float32) if half else a, pre) for a in arrays]
     acc = work[0].copy()
     with np.errstate(all="ignore"):

@@ -31,6 +31,8 @@ scalars = (
     | st.text()
     | st.binary()
 )
+
+
 def random_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Random bytes of `dtype` (any bit pattern: NaN payloads, invalid bools excluded by the caller)."""
     size = (*shape, np.dtype(dtype).itemsize)
@@ -46,9 +48,11 @@ arrays = st.builds(
 )  # fmt: skip
 objects = st.recursive(
     scalars | arrays.filter(lambda a: a.dtype != bool),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 

@@ -44,6 +44,7 @@ def bucket_bytes(bucket_cap_mb: float) -> int:
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     return int(bucket_cap_mb * _MIB)
 
+
 def broadcast_arrays(pg: ProcessGroupLike, arrays: Sequence[np.ndarray], root: int | None = None) -> None:
     """Overwrite every array in place with global rank `root`'s (None: the group's first rank), moving raw
     bytes (so any dtype: bool masks, int16 counters...) in as few broadcasts as fit `_BROADCAST_CAP` each."""

@@ -35,22 +35,25 @@ _DIMS_MAX = 64  # numpy's own limit
 _NONE, _FALSE, _TRUE, _INT, _FLOAT, _STR, _BYTES, _LIST, _TUPLE, _DICT, _ARRAY = b"NFTifsbltda"
 
 
-def _dtypes() -> dict[int, np.dtype[Any]]:
-    names = [
-        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    ]  # fmt: skip
-    table = {code: np.dtype(name).newbyteorder("<") for code, name in enumerate(names, 1)}
+_NAMES = [
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]  # fmt: skip
+# Array dtypes by wire code (little-endian), and back by dtype name. bfloat16 is ml_dtypes' type, looked
+# up only when one is sent or arrives: importing ml_dtypes takes a second.
+_DTYPES = {code: np.dtype(name).newbyteorder("<") for code, name in enumerate(_NAMES, 1)}
+_BFLOAT16 = len(_NAMES) + 1
+_CODES = {dt.name: code for code, dt in _DTYPES.items()} | {"bfloat16": _BFLOAT16}
+
+
+def _dtype(code: int) -> np.dtype[Any] | None:
+    """The dtype of wire code `code`; None for an unknown code (or bfloat16 without ml_dtypes)."""
+    if code != _BFLOAT16:
+        return _DTYPES.get(code)
     try:
-        table[len(names) + 1] = np.dtype(importlib.import_module("ml_dtypes").bfloat16)
+        return np.dtype(importlib.import_module("ml_dtypes").bfloat16)
     except ImportError:
-        pass
-    return table
-
-
-# Array dtypes by wire code (little-endian), and back by dtype name.
-_DTYPES = _dtypes()
-_CODES = {dt.name: code for code, dt in _DTYPES.items()}
+        return None
 
 
 # The exact types carried: a subclass (an IntEnum, an OrderedDict, a numpy matrix) is refused, so that
@@ -115,9 +118,7 @@ class _Writer:
             self.length(_DICT, len(obj))
             for key, item in obj.items():
                 if type(key) is not str:
-                    raise TypeError(
-                        f"{path} has the key {key!r}, {_a(key)}: dict keys must be str"
-                    )
+                    raise TypeError(f"{path} has the key {key!r}, {_a(key)}: dict keys must be str")
                 self.blob(_STR, key.encode("utf-8", "surrogatepass"))
                 self.value(item, f"{path}[{key!r}]", depth + 1)
         else:
@@ -137,7 +138,7 @@ class _Writer:
             )
         self.add(bytes((_ARRAY, code, a.ndim)) + b"".join(_U64.pack(d) for d in a.shape))
         self.reserve(a.nbytes)
-        self.parts.append(np.ascontiguousarray(a, _DTYPES[code]).tobytes())
+        self.parts.append(np.ascontiguousarray(a, _dtype(code)).tobytes())
 
 
 def _a(obj: object) -> str:
@@ -240,7 +241,7 @@ class _Reader:
 
     def array(self) -> np.ndarray:
         code, ndim = self.take(2)
-        dtype = _DTYPES.get(code)
+        dtype = _dtype(code)
         if dtype is None:
             raise ValueError(f"invalid object payload: unknown array dtype code {code}")
         if ndim > _DIMS_MAX:

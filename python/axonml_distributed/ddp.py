@@ -77,6 +77,7 @@ def check_group(process_group: Any) -> Any:
         )
     return process_group
 
+
 class _Snapshot:
     """Checksums of the gradients (None for no gradient) and, when needed, of the parameters."""
 

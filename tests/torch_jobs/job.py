@@ -1,7 +1,8 @@
 """Jobs for tests/test_torch_backend.py, over the "axonml" torch.distributed backend.
 
-``job.py MODE OUT [INIT]``: MODE picks what to run, OUT is a directory each rank writes its
-``rank<r>.pt`` results (or its exception) to. Under torchrun (or with RANK/WORLD_SIZE/MASTER_ADDR/
+``job.py MODES OUT [INIT]``: MODES (comma-separated) pick what to run, one after another in the same
+processes, each with an init and a destroy of its own; OUT is a directory each rank writes each mode's
+``<mode>-rank<r>.pt`` results (or its exception) to. Under torchrun (or with RANK/WORLD_SIZE/MASTER_ADDR/
 MASTER_PORT set) it runs as one rank with env://; with INIT (a tcp:// or file:// URL) it starts its
 ranks with torch.multiprocessing.spawn.
 """
@@ -273,7 +274,7 @@ def raises(rank: int, world: int) -> dict[str, Any]:
     import time
 
     if rank == 1:
-        threading.Thread(target=time.sleep, args=(15,)).start()
+        threading.Thread(target=time.sleep, args=(8,)).start()  # longer than the test's bound
         error = ValueError("boom on rank 1")
         error.uncaught = True  # type: ignore[attr-defined]  # `run` records it, then lets it end the thread
         raise error
@@ -310,7 +311,14 @@ NOTES: dict[str, Any] = {}
 MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]}
 
 
-def run(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
+def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:
+    for mode in modes:
+        run_one(rank, world, mode, out, init)
+
+
+def run_one(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
+    NOTES.clear()
+    path = os.path.join(out, f"{mode}-rank{rank}.pt")
     try:
         if init is None:
             dist.init_process_group("axonml", timeout=TIMEOUT)
@@ -324,18 +332,20 @@ def run(rank: int, world: int, mode: str, out: str, init: str | None) -> None:
     except Exception as e:
         result = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e), **NOTES}
         if getattr(e, "uncaught", False):
-            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+            torch.save(result, path)
             raise
         traceback.print_exc()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if dist.is_initialized():  # so that the next mode can init
+            dist.destroy_process_group()
+    torch.save(result, path)
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
+    modes, out = sys.argv[1].split(","), sys.argv[2]
     if len(sys.argv) > 3:
-        mp.spawn(run, args=(2, mode, out, sys.argv[3]), nprocs=2, join=True)
+        mp.spawn(run, args=(2, modes, out, sys.argv[3]), nprocs=2, join=True)
     else:
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), mode, out, None)
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), modes, out, None)
 
 
 if __name__ == "__main__":

@@ -56,4 +56,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
-

@@ -135,5 +135,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = spawn(train, cfg.world_size, cfg, data)[0]
     assert summary is not None  # rank 0 always returns the summary
     return finish(summary, cfg)
-
-
