@@ -24,7 +24,16 @@ def test_the_table_shows_ratios_and_targets(capsys: pytest.CaptureFixture[str]) 
     assert "load average during the runs 1.00..2.00" in out
     toy = next(line for line in out.splitlines() if line.strip().startswith("toy"))
     assert "0.25x" in toy and "<= 0.5x" in toy and "0.50x" in toy and "not meas." in toy
+    assert "failed" in toy  # no local figure: said so
     assert "axonml backend not measured: import axonml_distributed.torch failed: no such module" in out
+
+
+def test_the_local_floor_is_shown_against_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_torch._report(2, {**RESULTS, "local/resnet18": 0.45}, [1.0], None)
+    resnet = next(
+        line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("resnet18")
+    )
+    assert resnet.rstrip().endswith("450.00 ms |      0.90x"), resnet
 
 
 def test_the_axonml_backend_columns_when_measured(capsys: pytest.CaptureFixture[str]) -> None:

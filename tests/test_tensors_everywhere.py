@@ -85,3 +85,31 @@ def test_tensor_helpers_keep_bfloat16_and_take_non_contiguous_tensors() -> None:
         assert dtype == torch.bfloat16 and out == [4.0] * 4
         assert b == torch.arange(8.0).reshape(2, 4).t().tolist()
         assert mine == 1.5 + r  # the input is left alone
+
+
+def test_a_view_with_a_storage_offset_reduces_only_its_own_elements() -> None:
+    def fn(pg: ad.ProcessGroup) -> list[float]:
+        base = torch.arange(8.0) * (pg.rank() + 1)
+        pg.all_reduce(base[2:5])
+        return base.tolist()
+
+    for r, got in enumerate(ad.spawn(fn, 2, timeout=30)):
+        want = torch.arange(8.0) * (r + 1)
+        want[2:5] = torch.arange(2.0, 5.0) * 3
+        assert got == want.tolist()
+
+
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+def test_a_lazily_conjugated_or_negated_view_is_refused_not_reduced_as_stored(lazy: str) -> None:
+    # Such a view's memory does not hold its values (torch applies the conjugation or negation on read).
+    def fn(pg: ad.ProcessGroup) -> None:
+        t = (
+            torch.tensor([1 + 2j], dtype=torch.complex64).conj()
+            if lazy == "conj"
+            else torch._neg_view(torch.ones(2))
+        )
+        pg.all_reduce(t)
+
+    with pytest.raises(ad.SpawnError) as e:
+        ad.spawn(fn, 1, timeout=30)
+    assert isinstance(e.value.__cause__, TypeError) and "no CPU numpy view" in str(e.value.__cause__)

@@ -1,6 +1,6 @@
-//! numpy arrays (and CPU torch tensors, through their zero-copy numpy view) in and out: dtype
-//! dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous, writable,
-//! aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
+//! numpy arrays (and CPU torch tensors, by their data pointer or through their zero-copy numpy view) in
+//! and out: dtype dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous,
+//! writable, aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
 //! we cannot use. numpy has no bfloat16 of its own: a bfloat16 tensor, or a numpy array of
 //! `ml_dtypes.bfloat16` (when ml_dtypes is loaded), travels as a zero-copy int16 view of its bits,
 //! tagged bfloat16.
@@ -12,6 +12,7 @@ use numpy::{
     PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -133,6 +134,9 @@ struct Torch {
     tensor: Py<PyType>,
     bfloat16: Py<PyAny>,
     int16: Py<PyAny>,
+    strided: Py<PyAny>,
+    /// torch's dtype objects, one per collective dtype (torch names them as the core does).
+    dtypes: Vec<(Py<PyAny>, DType)>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -148,6 +152,11 @@ fn torch(py: Python<'_>) -> PyResult<Option<&Torch>> {
         tensor: m.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
         bfloat16: m.getattr("bfloat16")?.unbind(),
         int16: m.getattr("int16")?.unbind(),
+        strided: m.getattr("strided")?.unbind(),
+        dtypes: DType::ALL
+            .iter()
+            .map(|&d| Ok((m.getattr(d.name())?.unbind(), d)))
+            .collect::<PyResult<_>>()?,
     };
     Ok(Some(TORCH.get_or_init(py, || t)))
 }
@@ -160,6 +169,46 @@ pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     match torch(obj.py())? {
         Some(t) => obj.is_instance(t.tensor.bind(obj.py())),
         None => Ok(false),
+    }
+}
+
+/// A plain CPU tensor's memory, taken by its data pointer: making a numpy view costs more than the rest
+/// of a small collective. None for anything else (not a tensor; another device or layout; a lazily
+/// conjugated or negated view, whose memory does not hold its values; not contiguous or aligned; empty):
+/// the numpy-view path takes those, or says why not. Like the view, it shares the memory of a tensor that
+/// requires grad (as `detach()` does).
+fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
+    if obj.cast::<PyUntypedArray>().is_ok() {
+        return Ok(None); // the common case, without looking for torch
+    }
+    let py = obj.py();
+    let Some(t) = torch(py)? else { return Ok(None) };
+    if !obj.is_instance(t.tensor.bind(py))?
+        || !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+        || !obj.getattr(intern!(py, "layout"))?.is(t.strided.bind(py))
+    {
+        return Ok(None);
+    }
+    let dt = obj.getattr(intern!(py, "dtype"))?;
+    let Some(dtype) = t.dtypes.iter().find(|(d, _)| d.bind(py).is(&dt)).map(|&(_, d)| d) else {
+        return Ok(None);
+    };
+    let truthy = |method| obj.call_method0(method)?.is_truthy();
+    if truthy(intern!(py, "is_conj"))?
+        || truthy(intern!(py, "is_neg"))?
+        || !truthy(intern!(py, "is_contiguous"))?
+    {
+        return Ok(None);
+    }
+    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
+    let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let ptr: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    match len {
+        Some(len) if len > 0 && ptr != 0 && ptr % dtype.align() == 0 => {
+            let raw = RawArray { dtype, ptr: ptr as *mut u8, len };
+            Ok(Some(Array { raw, obj: obj.clone(), shape, _guard: Box::new(()) }))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -242,6 +291,9 @@ fn misaligned(what: &str) -> PyErr {
 
 /// Borrow `obj` for reading and writing.
 pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
+    if let Some(t) = tensor_array(obj)? {
+        return Ok(t);
+    }
     let (arr, dtype) = untyped(obj, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {
@@ -255,6 +307,9 @@ pub(crate) fn writable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Arr
 
 /// Borrow `obj` for reading.
 pub(crate) fn readable<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Array<'py>> {
+    if let Some(t) = tensor_array(obj)? {
+        return Ok(t);
+    }
     let (arr, dtype) = untyped(obj, what)?;
     let shape = arr.shape().to_vec();
     with_type!(dtype, T => {

@@ -8,6 +8,8 @@ over ranks of each rank's median step) of:
 - ``gloo``: torch's DistributedDataParallel over torch.distributed's gloo backend;
 - ``ours``: our DistributedDataParallel on the same torch module (averaging inside backward);
 - ``explicit``: the loop written for our explicit API: backward, then ``sync_gradients(grads)``;
+- ``local``: the same step with no communication at all (each rank trains alone): the floor under every
+  contender's step, so ``local/gloo`` is the best ratio any backend could show on this machine;
 - ``axonml``: torch's DistributedDataParallel over the torch.distributed backend "axonml"
   (``import axonml_distributed.torch``), with ``dist.all_reduce`` of 8 B and 64 MiB against gloo's, when
   that module is importable; otherwise the table says why it was not measured.
@@ -141,6 +143,7 @@ def _worker_ours(steps: int) -> None:
         for mode, wrap, sync in (
             ("ours", ad.DistributedDataParallel, lambda m: None),
             ("explicit", _broadcast_then_plain(ad), grads),
+            ("local", lambda m: m, lambda m: None),
         ):
             t = _time_steps(torch, name, wrap, sync, steps)
             out[f"{mode}/{name}"] = float(ad.all_gather(torch.tensor([t])).max())
@@ -177,8 +180,10 @@ def _worker_torch(steps: int, backend: str) -> None:
         out[f"{backend}/{name}"] = worst(_time_steps(torch, name, ddp, lambda m: None, steps))
     for size in (8, 64 << 20):
         buf = torch.ones(size // 4)
-        iters = 200 if size < 1 << 20 else 10
-        for _ in range(5 if size < 1 << 20 else 2):
+        # As the OSU benchmarks do: warm-up calls first (after the models' training, the scheduler takes a
+        # few hundred small calls to settle the ranks on their cores), then many timed ones.
+        iters = 1000 if size < 1 << 20 else 10
+        for _ in range(200 if size < 1 << 20 else 2):
             dist.all_reduce(buf)
         dist.barrier()
         times = []
@@ -233,12 +238,13 @@ def _report(n: int, results: dict[str, float], loads: list[float], missing: str 
     print(f"\n{n} ranks; load average during the runs {load} ({os.cpu_count()} CPUs)")
     print("step time (max over ranks of the median step; median of the launches)")
     head = f"{'model':>9} | {'gloo DDP':>10} | {'our DDP':>10} | {'explicit':>10} | {'ours/gloo':>9} | "
-    head += f"{'target':>7} | {'ours/explicit':>13} | {'axonml DDP':>10} | {'axonml/gloo':>11}"
+    head += f"{'target':>7} | {'ours/explicit':>13} | {'axonml DDP':>10} | {'axonml/gloo':>11} | "
+    head += f"{'local':>10} | {'local/gloo':>10}"
     print(head)
     print("-" * len(head))
     for name, target in TARGETS.items():
         gloo, ours, explicit = get(f"gloo/{name}"), get(f"ours/{name}"), get(f"explicit/{name}")
-        axonml = get(f"axonml/{name}")
+        axonml, local = get(f"axonml/{name}"), get(f"local/{name}")
         cells = [
             f"{name:>9}",
             f"{_ms(gloo):>10}",
@@ -249,6 +255,8 @@ def _report(n: int, results: dict[str, float], loads: list[float], missing: str 
             f"{_ratio(ours, explicit):>13}",
             f"{'not meas.' if missing else _ms(axonml):>10}",
             f"{'-' if missing else _ratio(axonml, gloo):>11}",
+            f"{_ms(local):>10}",
+            f"{_ratio(local, gloo):>10}",
         ]
         print(" | ".join(cells))
     if missing:
