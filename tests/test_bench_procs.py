@@ -18,3 +18,15 @@ def test_the_bench_prints_ours_and_says_which_peers_it_could_not_measure(capsys,
     for coll in ("broadcast", "all_gather"):
         assert f"float32 {coll}, 2 ranks (quiet)" in out
     assert "256 KiB" in out and "shm-segment" in out
+    assert "numpy copy" in out and "bound" not in out  # the copy is shown; no peer to bound
+
+
+def test_the_copy_bound_is_each_peers_time_over_the_copy(capsys):
+    res = {
+        "shm": {"broadcast": [2e-3]},
+        "mpi4py MPICH": {"broadcast": [3e-3]},
+        procs.COPY: {"broadcast": [1.5e-3]},
+    }
+    procs._table(2, [1 << 20], "broadcast", "quiet", 1, res, {})
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.rstrip().endswith("1.50x |                2.00x"), row  # MPICH over ours, MPICH over the copy

@@ -9,7 +9,10 @@ with ``--peers mpi,gloo``, all in the same run; a peer that cannot be measured i
 ``--busy`` runs every launch twice, once alone and once with one CPU-bound process alongside, and adds
 the busy tables, with each figure's worst busy launch against its quiet median. ``--compare-python PY``
 also runs our workers under another interpreter (an older build, labelled "base"), interleaved.
-Figures and sizes are described in `bench.procs_worker`; busbw as nccl-tests define it.
+Each table also shows the copy bound (``numpy copy``: every rank copying, with numpy, the bytes it must
+bring in from its peers) and, per peer, the peer's time over it: the best ratio against that peer that a
+collective copying each byte once could show on this machine. Figures and sizes are described in
+`bench.procs_worker`; busbw as nccl-tests define it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from axonml_distributed.bench.common import human
-from axonml_distributed.bench.procs_worker import COLLECTIVES, RESULT
+from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, RESULT, busbw_factor
 
 WORKER = str(Path(__file__).with_name("procs_worker.py"))
 OURS = ("shm", "shm-segment")
@@ -41,10 +44,6 @@ def _sizes(max_mib: int) -> list[int]:
     if sizes[-1] != max_mib << 20:
         sizes.append(max_mib << 20)
     return sizes
-
-
-def _busbw_factor(coll: str, n: int) -> float:
-    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(coll, (n - 1) / n)
 
 
 def find_mpiexec() -> str | None:
@@ -210,21 +209,29 @@ def _table(
 ) -> None:
     labels = [k for k in res if coll in res[k]]
     ours = [k for k in labels if k.startswith(("shm", "base"))]
-    others = [k for k in labels if k not in ours]
+    others = [k for k in labels if k not in ours and k != COPY]
+    bound = [o for o in others if COPY in labels]
     print(
         f"float32 {coll}, {n} ranks ({mode}); time = max over ranks of the median op (median of {repeat} "
         f"launches); busbw as nccl-tests; ratio = peer time / our time"
+        + (
+            f"; bound = peer time / {COPY} time, the best ratio a copy-once collective could show"
+            if bound
+            else ""
+        )
         + ("; worst = slowest busy launch / quiet median" if worst else "")
     )
     head = f"{'size':>8} | " + " | ".join(f"{k:>22}" for k in labels)
     head += "".join(f" | {o[:14] + ' / ' + k:>26}" for k in ours for o in others)
+    head += "".join(f" | {'bound ' + o[:14]:>20}" for o in bound)
     head += "".join(f" | {'worst ' + k:>17}" for k in worst)
     print(head)
     print("-" * len(head))
-    f = _busbw_factor(coll, n)
+    f = busbw_factor(coll, n)
     for i, s in enumerate(sizes):
         cells = [f"{_fmt_time(t := res[k][coll][i]):>10} {s / t * f / 1e9:>7.2f} GB/s" for k in labels]
         ratios = [f"{res[o][coll][i] / res[k][coll][i]:>25.2f}x" for k in ours for o in others]
+        ratios += [f"{res[o][coll][i] / res[COPY][coll][i]:>19.2f}x" for o in bound]
         slow = [f"{w[i]:>16.2f}x" for w in worst.values()]
         print(f"{human(s):>8} | " + " | ".join(cells) + "".join(f" | {r}" for r in ratios + slow))
 

@@ -28,6 +28,17 @@ RESULT = "BENCH-RESULT "
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
+# The label of the copy bound: a numpy copy, on every rank at once, of the bytes each rank must bring in
+# from its peers (busbw factor x size, as nccl-tests count it). A collective that copies each byte once
+# cannot beat it, so a peer's time over it is the best ratio any implementation could show against that
+# peer on this machine.
+COPY = "numpy copy"
+
+
+def busbw_factor(coll: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(coll, (n - 1) / n)
+
+
 def iterations(size: int) -> int:
     return max(5, min(1000, (100 << 20) // max(size, 1)))
 
@@ -44,6 +55,12 @@ def median_time(op: Callable[[], Any], size: int, barrier: Callable[[], Any]) ->
         times.append(time.perf_counter() - t)
     barrier()
     return float(np.median(times))
+
+
+def copy_time(nbytes: int, barrier: Callable[[], Any]) -> float:
+    """Median seconds of a numpy copy of `nbytes` between two private arrays (see COPY)."""
+    src, dst = np.ones(max(1, nbytes // 4), np.float32), np.empty(max(1, nbytes // 4), np.float32)
+    return median_time(lambda: np.copyto(dst, src), nbytes, barrier)
 
 
 def pattern(count: int) -> np.ndarray:
@@ -89,6 +106,7 @@ def sweep(
     calls: dict[str, Callable[[Case], Callable[[], Any]]],
     barrier: Callable[[], Any],
     worst: Callable[[float], float],
+    copy_bound: bool = False,
 ) -> None:
     out: dict[str, dict[str, list[float]]] = {}
     for kind, alloc in kinds.items():
@@ -108,6 +126,10 @@ def sweep(
                 per[coll].append(worst(median_time(op, size, barrier)))
                 del case
         out[label + kind] = per
+    if copy_bound:
+        out[COPY] = {
+            c: [worst(copy_time(int(busbw_factor(c, n) * s), barrier)) for s in sizes] for c in colls
+        }
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
 
@@ -130,7 +152,7 @@ def shm(sizes: list[int], colls: list[str], label: str) -> None:
         "reduce_scatter": lambda c: lambda: pg.reduce_scatter(c.send, c.recv),
     }
     kinds = {"": lambda k: np.empty(k, np.float32), "-segment": lambda k: pg.empty(k, np.float32)}
-    sweep(label, sizes, colls, rank, n, kinds, calls, pg.barrier, worst)
+    sweep(label, sizes, colls, rank, n, kinds, calls, pg.barrier, worst, copy_bound=label == "shm")
 
 
 def mpi(sizes: list[int], colls: list[str], label: str) -> None:
