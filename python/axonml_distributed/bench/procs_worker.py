@@ -28,8 +28,9 @@ RESULT = "BENCH-RESULT "
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
-# The label of the copy bound: a numpy copy, on every rank at once, of the bytes each rank must bring in
-# from its peers (busbw factor x size, as nccl-tests count it). A collective that copies each byte once
+# The label of the copy bound: a numpy copy, on every rank at once (but a broadcast's root, which brings
+# nothing in), of the bytes each rank must bring in from its peers (busbw factor x size, as nccl-tests
+# count it). A collective that copies each byte once
 # cannot beat it, so a peer's time over it is the best ratio any implementation could show against that
 # peer on this machine.
 COPY = "numpy copy"
@@ -58,8 +59,9 @@ def median_time(op: Callable[[], Any], size: int, barrier: Callable[[], Any]) ->
 
 
 def copy_time(nbytes: int, barrier: Callable[[], Any]) -> float:
-    """Median seconds of a numpy copy of `nbytes` between two private arrays (see COPY)."""
-    src, dst = np.ones(max(1, nbytes // 4), np.float32), np.empty(max(1, nbytes // 4), np.float32)
+    """Median seconds of a numpy copy of `nbytes` between two private arrays (see COPY); with none to
+    copy, about 0, after the same barriers as the ranks that copy."""
+    src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
     return median_time(lambda: np.copyto(dst, src), nbytes, barrier)
 
 
@@ -127,9 +129,12 @@ def sweep(
                 del case
         out[label + kind] = per
     if copy_bound:
-        out[COPY] = {
-            c: [worst(copy_time(int(busbw_factor(c, n) * s), barrier)) for s in sizes] for c in colls
-        }
+
+        def bound(coll: str, size: int) -> float:
+            brings = 0 if coll == "broadcast" and rank == 0 else int(busbw_factor(coll, n) * size)
+            return worst(copy_time(brings, barrier))
+
+        out[COPY] = {c: [bound(c, s) for s in sizes] for c in colls}
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
 
