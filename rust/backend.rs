@@ -109,9 +109,9 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// Say that this rank will make no more calls (its thread or process is ending): peers waiting for
-    /// it then fail at once, naming it, instead of timing out. Worlds that detect dead peers
-    /// themselves (processes) need not do anything.
+    /// Say that this rank will make no more calls (its thread or process is ending), once what it
+    /// queued has run: peers waiting for it then fail at once, naming it, instead of timing out.
+    /// Worlds that detect dead peers themselves (processes) need not do anything.
     fn leave(&self) {}
 
     /// `bytes` of memory every member can address (a shared segment), for buffers whose collectives

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use crate::config::SLICE;
 use crate::error::{Error, Result};
@@ -95,18 +95,33 @@ fn start_worker() -> Sender<Job> {
 
 /// The lanes of one communicator (see the module docs).
 #[derive(Default)]
-pub struct Lanes {
+pub struct Lanes(Arc<Family>);
+
+/// One communicator's queues, and those of the communicators split from it (while they exist), so
+/// that a rank that leaves the world can first finish what it queued on any of them.
+#[derive(Default)]
+struct Family {
     queues: Mutex<HashMap<Lane, Queue>>,
+    children: Mutex<Vec<Weak<Family>>>,
 }
 
 impl Lanes {
+    /// The lanes of a communicator split from this one.
+    pub fn child(&self) -> Lanes {
+        let child = Lanes::default();
+        let mut children = lock(&self.0.children);
+        children.retain(|c| c.strong_count() > 0);
+        children.push(Arc::downgrade(&child.0));
+        child
+    }
+
     /// Queue `job` on `lane`, after every job queued there before it. `job` must not unwind
     /// ([`crate::ProcessGroup::submit`] catches panics).
     pub fn submit(&self, lane: Lane, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
         let work = Work::default();
         let handle = work.clone();
         let task: Job = Box::new(move || handle.finish(job()));
-        let mut queues = lock(&self.queues);
+        let mut queues = lock(&self.0.queues);
         let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
         if let Err(unsent) = q.tx.send(task) {
             // Only if the worker thread died: start another one for the job.
@@ -120,16 +135,18 @@ impl Lanes {
     /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
     /// `Work`; this fails only when interrupted.
     pub fn flush(&self, lane: Lane) -> Result<()> {
-        let last = lock(&self.queues).get(&lane).map(|q| q.last.clone());
+        let last = lock(&self.0.queues).get(&lane).map(|q| q.last.clone());
         match last.map(|w| w.wait()) {
             Some(Err(e @ Error::Interrupted { .. })) => Err(e),
             _ => Ok(()),
         }
     }
 
-    /// Wait for every lane.
+    /// Wait for every lane, and for every lane of the communicators split from this one.
     pub fn flush_all(&self) -> Result<()> {
-        let lanes: Vec<Lane> = lock(&self.queues).keys().copied().collect();
-        lanes.into_iter().try_for_each(|lane| self.flush(lane))
+        let lanes: Vec<Lane> = lock(&self.0.queues).keys().copied().collect();
+        lanes.into_iter().try_for_each(|lane| self.flush(lane))?;
+        let children: Vec<Arc<Family>> = lock(&self.0.children).iter().filter_map(Weak::upgrade).collect();
+        children.into_iter().try_for_each(|c| Lanes(c).flush_all())
     }
 }

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from axonml_distributed import bench
 from axonml_distributed.bench import procs
+from mpi_run import needs_mpi
 
 
 @pytest.mark.timeout(300)
@@ -30,3 +32,15 @@ def test_the_copy_bound_is_each_peers_time_over_the_copy(capsys):
     procs._table(2, [1 << 20], "broadcast", "quiet", 1, res, {})
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.rstrip().endswith("1.50x |                2.00x"), row  # MPICH over ours, MPICH over the copy
+
+
+@needs_mpi
+@pytest.mark.timeout(300)
+def test_all_to_all_and_all_gather_v_run_against_mpich(capsys):
+    # `bench --collectives`: each result is checked in the worker before it is timed (a wrong one ends it).
+    assert bench.main(["--collectives", "--ranks", "2", "--sizes", "262144", "--repeat", "1"]) == 0
+    out, err = capsys.readouterr()
+    for coll in ("all_to_all", "all_gather_v", "all_gather"):
+        table = out.partition(f"float32 {coll}, 2 ranks (quiet)")[2].partition("float32 ")[0]
+        assert "mpi4py MPICH / shm" in table and "256 KiB" in table, (coll, out, err)
+        assert "nan" not in table, table

@@ -151,10 +151,12 @@ impl PyBackend {
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
     }
-    /// Say that this rank will make no more calls: peers waiting for it raise PeerFailureError naming
-    /// it instead of timing out (`spawn` does this when a rank's function returns).
-    fn leave(&self) {
-        self.inner.leave()
+    /// Say that this rank will make no more calls, once what it queued (`async_op=True`) has run:
+    /// peers waiting for it then raise PeerFailureError naming it instead of timing out (`spawn` does
+    /// this when a rank's function returns).
+    fn leave(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.leave())
     }
     fn __repr__(&self) -> String {
         format!(

@@ -74,7 +74,11 @@ pub(crate) struct Engine<S> {
 
 impl<S: Store> Engine<S> {
     pub(crate) fn new(store: S) -> Self {
-        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes: Lanes::default() }
+        Engine::with_lanes(store, Lanes::default())
+    }
+
+    fn with_lanes(store: S, lanes: Lanes) -> Self {
+        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes }
     }
 
     pub(crate) fn store(&self) -> &S {
@@ -451,7 +455,7 @@ impl<S: Store> Engine<S> {
     fn split(&self, ranks: &[usize]) -> Result<Self> {
         let members = call::validate_ranks(ranks, self.store.world_size())?;
         let index = call::index_of(&members, self.store.rank(), "the calling")?;
-        Ok(Engine::new(self.store.split(members, index)?))
+        Ok(Engine::with_lanes(self.store.split(members, index)?, self.lanes.child()))
     }
 
     /// A send or receive: the peer checked, then the world's own point-to-point path.

@@ -5,7 +5,7 @@
     python -m axonml_distributed.bench --backend shm          # processes (see bench.procs)
     python -m axonml_distributed.bench --backend mpi          # MPI, ours against raw mpi4py (see bench.mpi)
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
-    python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.alltoall)
+    python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
 
 The in-process world's figures are described in `bench.threads`.
 """
@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives", action="store_true", help="all_to_all and all_gather_v against MPICH")
     args, rest = p.parse_known_args(argv)
     if args.collectives:
-        from axonml_distributed.bench import alltoall
+        from axonml_distributed.bench import procs
 
-        return alltoall.main([a for a in argv or sys.argv[1:] if a != "--collectives"])
+        given = [a for a in argv or sys.argv[1:] if a != "--collectives"]
+        return procs.main([*given, "--colls", "all_to_all,all_gather_v,all_gather"])
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 

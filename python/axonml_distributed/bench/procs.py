@@ -2,7 +2,9 @@
 
 ``python -m axonml_distributed.bench.procs [--ranks 2,4] [--max-mib 64] [--colls all_reduce,...]
 [--busy]`` (also reached as ``python -m axonml_distributed.bench --backend shm``) runs float32 all_reduce
-(SUM, in place), broadcast, all_gather and reduce_scatter through: our "shm" backend on ordinary numpy
+(SUM, in place), broadcast, all_gather and reduce_scatter (with ``--colls``, also all_to_all and
+all_gather_v with equal counts; ``python -m axonml_distributed.bench --collectives`` runs those two and
+all_gather) through: our "shm" backend on ordinary numpy
 arrays and on arrays from ``pg.empty`` (in the segment), mpi4py under mpiexec (the one beside the running
 Python first, as the PyPI ``mpich`` wheel installs it, then the one on PATH), and torch.distributed gloo
 with ``--peers mpi,gloo``, all in the same run; a peer that cannot be measured is named, with why.
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from axonml_distributed.bench.common import human
-from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, RESULT, busbw_factor
+from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, PAIRWISE, RESULT, busbw_factor
 
 WORKER = str(Path(__file__).with_name("procs_worker.py"))
 OURS = ("shm", "shm-segment")
@@ -95,7 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--sizes", type=_csv_ints, help="message bytes per rank, e.g. 8,67108864 (default below)")
     p.add_argument("--max-mib", type=int, default=64, help="default sizes: 8 B to this many MiB (default 64)")
-    p.add_argument("--colls", default=",".join(COLLECTIVES), help="comma-separated collectives (default all)")
+    p.add_argument(
+        "--colls",
+        default=",".join(COLLECTIVES),
+        help=f"comma-separated collectives: {', '.join(COLLECTIVES + PAIRWISE)} (default the first four)",
+    )
     p.add_argument("--peers", default="mpi", help="comma-separated peers to run (mpi, gloo; default mpi)")
     p.add_argument("--repeat", type=int, default=3, help="launches per peer, alternating (default 3)")
     p.add_argument("--busy", action="store_true", help="also run every launch beside a CPU-bound process")
@@ -105,8 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     sizes = sorted({max(4, s // 4 * 4) for s in args.sizes}) if args.sizes else _sizes(args.max_mib)
     colls = [c for c in args.colls.split(",") if c]
-    if bad := set(colls) - set(COLLECTIVES):
-        p.error(f"unknown collectives {sorted(bad)}; choose from {', '.join(COLLECTIVES)}")
+    if bad := set(colls) - set(COLLECTIVES + PAIRWISE):
+        p.error(f"unknown collectives {sorted(bad)}; choose from {', '.join(COLLECTIVES + PAIRWISE)}")
     if rest:
         print(f"[bench.procs] ignoring options that do not apply here: {' '.join(rest)}", file=sys.stderr)
     report = {n: _compare(n, sizes, colls, args) for n in args.ranks}

@@ -6,7 +6,8 @@ launcher. It imports nothing else of the bench, so an older build of the package
 be compared with the current one in the same run (``bench.procs --compare-python``).
 
 A size is the bytes of the larger buffer, as nccl-tests count it: the message of all_reduce and
-broadcast, all_gather's output, reduce_scatter's input (each rank's part is size / n). Each op is timed
+broadcast, all_gather's and all_gather_v's output (all_gather_v with equal counts), reduce_scatter's
+input, all_to_all's send (and receive); each rank's part is size / n. Each op is timed
 on its own after a warm-up; a figure is the max over ranks of each rank's median. Every result is
 checked once per size before timing.
 """
@@ -26,6 +27,8 @@ import numpy as np
 
 RESULT = "BENCH-RESULT "
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+# The collectives of issue 13 this bench also runs (`--colls`, and `bench --collectives`).
+PAIRWISE = ("all_to_all", "all_gather_v")
 
 
 # The label of the copy bound: a numpy copy, on every rank at once (but a broadcast's root, which brings
@@ -76,9 +79,11 @@ class Case:
         self.coll, self.rank, self.n = coll, rank, n
         count = max(n, size // 4 // n * n)
         part = count // n
-        small = part if coll == "all_gather" else count
-        self.send = alloc(small if coll != "reduce_scatter" else count)
-        self.recv = {"all_gather": alloc(count), "reduce_scatter": alloc(part)}.get(coll, self.send)
+        gathers = coll in ("all_gather", "all_gather_v")
+        self.send = alloc(part if gathers else count)
+        self.recv = alloc(count) if gathers or coll == "all_to_all" else alloc(part)
+        if coll in ("all_reduce", "broadcast"):
+            self.recv = self.send
         self.count, self.part = count, part
 
     def fill(self) -> None:
@@ -90,8 +95,10 @@ class Case:
             want = pattern(self.count) * n + n * (n - 1) / 2
         elif self.coll == "broadcast":
             want = pattern(self.count)
-        elif self.coll == "all_gather":
+        elif self.coll in ("all_gather", "all_gather_v"):
             want = np.concatenate([pattern(part) + j for j in range(n)])
+        elif self.coll == "all_to_all":
+            want = np.concatenate([pattern(self.count)[me * part : (me + 1) * part] + j for j in range(n)])
         else:
             want = pattern(self.count)[me * part : (me + 1) * part] * n + n * (n - 1) / 2
         if not np.array_equal(self.recv, want.astype(np.float32)):
@@ -117,6 +124,9 @@ def sweep(
             per[coll] = []
             for size in sizes:
                 case = Case(coll, size, rank, n, alloc)
+                if coll not in calls:
+                    per[coll].append(math.nan)  # this peer has no such collective
+                    continue
                 try:
                     op = calls[coll](case)
                     case.fill()
@@ -155,6 +165,8 @@ def shm(sizes: list[int], colls: list[str], label: str) -> None:
         "broadcast": lambda c: lambda: pg.broadcast(c.send, 0),
         "all_gather": lambda c: lambda: pg.all_gather(c.send, c.recv),
         "reduce_scatter": lambda c: lambda: pg.reduce_scatter(c.send, c.recv),
+        "all_to_all": lambda c: lambda: pg.all_to_all(c.send, c.recv),
+        "all_gather_v": lambda c: lambda: pg.all_gather_v(c.send, c.recv, [c.part] * n),
     }
     kinds = {"": lambda k: np.empty(k, np.float32), "-segment": lambda k: pg.empty(k, np.float32)}
     sweep(label, sizes, colls, rank, n, kinds, calls, pg.barrier, worst, copy_bound=label == "shm")
@@ -164,15 +176,21 @@ def mpi(sizes: list[int], colls: list[str], label: str) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
     calls: dict[str, Callable[[Case], Callable[[], Any]]] = {
         "all_reduce": lambda c: lambda: comm.Allreduce(MPI.IN_PLACE, c.send, MPI.SUM),
         "broadcast": lambda c: lambda: comm.Bcast(c.send, 0),
         "all_gather": lambda c: lambda: comm.Allgather(c.send, c.recv),
         "reduce_scatter": lambda c: lambda: comm.Reduce_scatter_block(c.send, c.recv, MPI.SUM),
+        "all_to_all": lambda c: lambda: comm.Alltoall(c.send, c.recv),
+        "all_gather_v": lambda c: (
+            lambda: comm.Allgatherv(
+                c.send, [c.recv, ([c.part] * n, [j * c.part for j in range(n)]), MPI.FLOAT]
+            )
+        ),
     }
     name = "mpi4py " + MPI.Get_library_version().split()[0]
     kinds = {name: lambda k: np.empty(k, np.float32)}
-    rank, n = comm.Get_rank(), comm.Get_size()
     sweep("", sizes, colls, rank, n, kinds, calls, comm.Barrier, lambda t: max(comm.allgather(t)))
 
 
@@ -195,6 +213,7 @@ def gloo(sizes: list[int], colls: list[str], label: str) -> None:
         "broadcast": lambda c: lambda: dist.broadcast(t(c.send), 0),
         "all_gather": lambda c: lambda: dist.all_gather_into_tensor(t(c.recv), t(c.send)),
         "reduce_scatter": lambda c: lambda: dist.reduce_scatter_tensor(t(c.recv), t(c.send)),
+        "all_to_all": lambda c: lambda: dist.all_to_all_single(t(c.recv), t(c.send)),
     }
     kinds = {"torch-gloo": lambda k: np.empty(k, np.float32)}
     sweep("", sizes, colls, rank, n, kinds, calls, dist.barrier, worst)
