@@ -208,18 +208,21 @@ def test_new_group_is_a_method_of_every_group() -> None:
     assert ad.spawn(fn, 3, timeout=30) == [None, [3.0, 3.0], [3.0, 3.0]]
 
 
-def test_what_a_rank_queued_before_returning_still_reaches_its_peer() -> None:
+@pytest.mark.parametrize("over", ["world", "group"])
+def test_what_a_rank_queued_before_returning_still_reaches_its_peer(over: str) -> None:
     # Rank 0 queues two sends on one lane and returns: the first waits for rank 2's receive (past the
     # eager limit), so the second is still queued when rank 0's function has returned. Returning
     # completes what the rank queued, as MPI_Finalize does; the peer must get both messages.
     big = 200_000
 
-    def fn(pg: ad.ProcessGroup) -> Any:
-        if pg.rank() == 0:
+    def fn(world: ad.ProcessGroup) -> Any:
+        # A group is a communicator split from the world's, with lanes of its own.
+        pg = world if over == "world" else ad.ProcessGroup.with_ranks(world.backend(), [0, 2])
+        if world.rank() == 0:
             pg.send(np.arange(big, dtype=np.int64), 2, tag=5, async_op=True)
             pg.send(np.array([7, 8], np.int64), 2, tag=5, async_op=True)
             return None
-        if pg.rank() == 1:
+        if world.rank() == 1:
             return None
         time.sleep(0.3)
         first, second = np.zeros(big, np.int64), np.zeros(2, np.int64)
