@@ -27,6 +27,9 @@ pub(crate) fn wait_budgets() -> (Duration, Duration) {
 }
 /// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
+/// A rank leaving the world (its `spawn` function returned) waits at most this long for what it queued
+/// to run, before its peers are told it left.
+pub(crate) const LEAVE_GRACE: Duration = Duration::from_secs(2);
 
 /// In the in-process world, all-reduces up to this many bytes go one-shot.
 pub const INLINE: usize = 256;

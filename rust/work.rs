@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Instant;
 
 use crate::config::SLICE;
 use crate::error::{Error, Result};
@@ -43,6 +44,20 @@ impl Work {
             }
         }
         r.clone().expect("checked above")
+    }
+
+    /// Wait for the job until `deadline` (or Ctrl-C); true if it has run.
+    fn wait_until(&self, deadline: Instant) -> bool {
+        let mut r = lock(&self.state.result);
+        while r.is_none() {
+            let now = Instant::now();
+            if now >= deadline || interrupted() {
+                return false;
+            }
+            let nap = (deadline - now).min(SLICE);
+            r = self.state.finished.wait_timeout(r, nap).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
     }
 
     /// True once the job has run.
@@ -95,23 +110,32 @@ fn start_worker() -> Sender<Job> {
 
 /// The lanes of one communicator (see the module docs).
 #[derive(Default)]
-pub struct Lanes(Arc<Family>);
+pub struct Lanes {
+    own: Arc<Family>,
+    /// The lanes of the world's communicator, where every communicator split from it (and from
+    /// those) is listed, so that a rank that leaves can first let what it queued on any of them run.
+    /// Empty for the world's own.
+    world: Weak<Family>,
+}
 
-/// One communicator's queues, and those of the communicators split from it (while they exist), so
-/// that a rank that leaves the world can first finish what it queued on any of them.
 #[derive(Default)]
 struct Family {
     queues: Mutex<HashMap<Lane, Queue>>,
-    children: Mutex<Vec<Weak<Family>>>,
+    /// Only the world's: the lanes of every communicator split from it, while they exist.
+    splits: Mutex<Vec<Weak<Family>>>,
 }
 
 impl Lanes {
     /// The lanes of a communicator split from this one.
     pub fn child(&self) -> Lanes {
-        let child = Lanes::default();
-        let mut children = lock(&self.0.children);
-        children.retain(|c| c.strong_count() > 0);
-        children.push(Arc::downgrade(&child.0));
+        let world =
+            if self.world.strong_count() > 0 { self.world.clone() } else { Arc::downgrade(&self.own) };
+        let child = Lanes { own: Arc::default(), world };
+        if let Some(w) = child.world.upgrade() {
+            let mut splits = lock(&w.splits);
+            splits.retain(|c| c.strong_count() > 0);
+            splits.push(Arc::downgrade(&child.own));
+        }
         child
     }
 
@@ -121,7 +145,7 @@ impl Lanes {
         let work = Work::default();
         let handle = work.clone();
         let task: Job = Box::new(move || handle.finish(job()));
-        let mut queues = lock(&self.0.queues);
+        let mut queues = lock(&self.own.queues);
         let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
         if let Err(unsent) = q.tx.send(task) {
             // Only if the worker thread died: start another one for the job.
@@ -135,18 +159,29 @@ impl Lanes {
     /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
     /// `Work`; this fails only when interrupted.
     pub fn flush(&self, lane: Lane) -> Result<()> {
-        let last = lock(&self.0.queues).get(&lane).map(|q| q.last.clone());
+        let last = lock(&self.own.queues).get(&lane).map(|q| q.last.clone());
         match last.map(|w| w.wait()) {
             Some(Err(e @ Error::Interrupted { .. })) => Err(e),
             _ => Ok(()),
         }
     }
 
-    /// Wait for every lane, and for every lane of the communicators split from this one.
+    /// Wait for every lane.
     pub fn flush_all(&self) -> Result<()> {
-        let lanes: Vec<Lane> = lock(&self.0.queues).keys().copied().collect();
-        lanes.into_iter().try_for_each(|lane| self.flush(lane))?;
-        let children: Vec<Arc<Family>> = lock(&self.0.children).iter().filter_map(Weak::upgrade).collect();
-        children.into_iter().try_for_each(|c| Lanes(c).flush_all())
+        let lanes: Vec<Lane> = lock(&self.own.queues).keys().copied().collect();
+        lanes.into_iter().try_for_each(|lane| self.flush(lane))
+    }
+
+    /// Wait, until `deadline` at most, for what was queued on these lanes and, for the world's, on
+    /// those of every communicator split from it: a rank leaving the world lets its queued sends
+    /// reach their peers, without waiting long for a job that waits for a peer that waits for it.
+    pub fn finish_queued(&self, deadline: Instant) {
+        let splits: Vec<Arc<Family>> = lock(&self.own.splits).iter().filter_map(Weak::upgrade).collect();
+        for family in std::iter::once(&self.own).chain(&splits) {
+            let last: Vec<Work> = lock(&family.queues).values().map(|q| q.last.clone()).collect();
+            if !last.iter().all(|w| w.wait_until(deadline)) {
+                return;
+            }
+        }
     }
 }

@@ -232,3 +232,20 @@ def test_what_a_rank_queued_before_returning_still_reaches_its_peer(over: str) -
 
     for _ in range(5):  # a race without the fix: it failed 4 runs of 10
         assert ad.spawn(fn, 3, timeout=30)[2] == (True, [7, 8])
+
+
+def test_a_queued_send_no_peer_receives_does_not_hold_the_world_after_its_rank_returned() -> None:
+    # Rank 0 queues a send that waits for rank 1's receive (past the eager limit) and returns; rank 1
+    # waits in a barrier for rank 0 instead. Rank 1 must hear that rank 0 left within the leaving
+    # rank's short grace, not after the world's timeout.
+    def fn(pg: ad.ProcessGroup) -> Any:
+        if pg.rank() == 0:
+            pg.send(np.zeros(200_000, np.int64), 1, tag=5, async_op=True)
+            return None
+        start = time.monotonic()
+        with pytest.raises(ad.PeerFailureError, match="rank 0"):
+            pg.barrier()
+        return time.monotonic() - start
+
+    waited = ad.spawn(fn, 2, timeout=60)[1]
+    assert waited < 20, waited

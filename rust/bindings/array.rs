@@ -193,20 +193,31 @@ fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
     let Some(dtype) = t.dtypes.iter().find(|(d, _)| d.bind(py).is(&dt)).map(|&(_, d)| d) else {
         return Ok(None);
     };
-    let truthy = |method| obj.call_method0(method)?.is_truthy();
-    if truthy(intern!(py, "is_conj"))?
-        || truthy(intern!(py, "is_neg"))?
-        || !truthy(intern!(py, "is_contiguous"))?
+    // Each must answer plainly (a tensor that cannot is not taken here).
+    let says =
+        |method, yes: bool| obj.call_method0(method).and_then(|v| v.is_truthy()).is_ok_and(|v| v == yes);
+    if !says(intern!(py, "is_conj"), false)
+        || !says(intern!(py, "is_neg"), false)
+        || !says(intern!(py, "is_contiguous"), true)
     {
         return Ok(None);
     }
-    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
+    // A tensor that has no plain memory of its own (a wrapper subclass, a nested tensor) fails these:
+    // the numpy-view path then says why it cannot be taken.
+    let (Ok(shape), Ok(ptr), Ok(storage)) = (
+        obj.getattr(intern!(py, "shape")).and_then(|s| s.extract::<Vec<usize>>()),
+        obj.call_method0(intern!(py, "data_ptr")).and_then(|p| p.extract::<usize>()),
+        obj.call_method0(intern!(py, "untyped_storage")),
+    ) else {
+        return Ok(None);
+    };
     let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-    let ptr: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
     match len {
+        // What is kept alive is the storage, not the tensor: `t.data = ...` or `t.set_(...)` while
+        // queued work still uses the memory must not free it.
         Some(len) if len > 0 && ptr != 0 && ptr % dtype.align() == 0 => {
             let raw = RawArray { dtype, ptr: ptr as *mut u8, len };
-            Ok(Some(Array { raw, obj: obj.clone(), shape, _guard: Box::new(()) }))
+            Ok(Some(Array { raw, obj: storage, shape, _guard: Box::new(()) }))
         }
         _ => Ok(None),
     }

@@ -3,10 +3,12 @@
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::{Cause, Engine, Store};
 use crate::backend::{Backend, SharedMem};
 use crate::call;
+use crate::config::LEAVE_GRACE;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
 use crate::work::Lanes;
@@ -90,9 +92,10 @@ impl<T: AsEngine> Backend for T {
         self.engine().store.abort(reason, Cause::Other);
     }
     fn leave(&self) {
-        // What this rank queued (an isend it never waited for) still runs first, as MPI_Finalize
-        // completes it; each job ends by its own timeout at the latest.
-        let _ = self.engine().lanes.flush_all();
+        // What this rank queued (an isend it never waited for) gets a moment to run first, so that its
+        // peers find it, as MPI_Finalize completes it; but a job that waits for a peer that waits for
+        // this rank must not hold that peer for its whole timeout.
+        self.engine().lanes.finish_queued(Instant::now() + LEAVE_GRACE);
         self.engine().store.leave();
     }
     fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
