@@ -233,3 +233,11 @@ def test_decoding_never_unpickles_or_imports(monkeypatch: pytest.MonkeyPatch) ->
     obj = {"a": [np.arange(3), (1, "x")], "b": b"\x80\x04"}
     assert same_object(decode(encode(obj)), obj)
     assert set(sys.modules) == before
+
+
+def test_a_bfloat16_array_without_ml_dtypes_is_a_clear_error(monkeypatch):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    payload = encode(np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16))
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # as if it were not installed
+    with pytest.raises(ValueError, match="bfloat16 array; decoding it needs ml_dtypes"):
+        decode(payload)

@@ -8,7 +8,8 @@ same types; arrays come back C-ordered, writable and native-endian.
 
 `decode` trusts nothing: every length is checked against the bytes that remain before anything is
 allocated, nesting is bounded, unknown tags, bad UTF-8, duplicate dict keys and trailing bytes are
-errors (ValueError), and nothing is ever executed or imported. Both sides refuse payloads over
+errors (ValueError), and nothing of the payload's choosing is ever executed or imported (a bfloat16
+array loads ml_dtypes, the one module that gives numpy that dtype). Both sides refuse payloads over
 `max_bytes` (64 MiB by default).
 
 The format: ``b"AXO" + version``, then one value. A value is a one-byte tag and its body; lengths and
@@ -242,6 +243,8 @@ class _Reader:
     def array(self) -> np.ndarray:
         code, ndim = self.take(2)
         dtype = _dtype(code)
+        if dtype is None and code == _BFLOAT16:
+            raise ValueError("the object payload holds a bfloat16 array; decoding it needs ml_dtypes")
         if dtype is None:
             raise ValueError(f"invalid object payload: unknown array dtype code {code}")
         if ndim > _DIMS_MAX:

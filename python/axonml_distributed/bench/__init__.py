@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from axonml_distributed.bench import procs
 
         given = [a for a in argv or sys.argv[1:] if a != "--collectives"]
-        return procs.main([*given, "--colls", "all_to_all,all_gather_v,all_gather"])
+        colls = [] if "--colls" in given else ["--colls", "all_to_all,all_gather_v,all_gather"]
+        return procs.main([*given, *colls])
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 
