@@ -20,8 +20,10 @@ def spawn(fn: Callable[..., T], world_size: int, *args: Any, timeout: float | No
     raises, the world is aborted (the other ranks' collectives fail at once instead of hanging) and
     `SpawnError` names the first rank that raised, with its exception chained. A rank whose function
     returns while peers still wait for it in a collective makes them raise `PeerFailureError` naming
-    it. ``timeout`` bounds every wait inside the world (seconds, default 300). Inside ``fn`` the rank's
-    group is also the default group, so comm functions and DDP called without a group use it.
+    it; what it queued with ``async_op=True`` and never waited for gets up to 2 s to run first (so an
+    unwaited send still reaches its peer). ``timeout`` bounds every wait inside the world (seconds,
+    default 300). Inside ``fn`` the rank's group is also the default group, so comm functions and DDP
+    called without a group use it.
     """
     backends = ThreadBackend.create_world(world_size, timeout=timeout)
     results: list[Any] = [None] * world_size
