@@ -62,7 +62,7 @@ pub(crate) const CMA_MIN: usize = 64 << 10;
 pub(crate) const CMA_TILE: usize = 128 << 10;
 /// How long a failed cross-memory copy waits for its peer's death to show (the kernel may tear a
 /// killed process's memory down before its exit is visible) before it blames the published address.
-pub(crate) const CMA_DEATH_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+pub(crate) const CMA_DEATH_GRACE: Duration = Duration::from_millis(500);
 /// Bytes per send/recv cell of the shm world (two per ordered pair of ranks), up to 8 ranks.
 pub(crate) const SHM_CELL: usize = 64 << 10;
 

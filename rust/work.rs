@@ -36,28 +36,21 @@ impl Work {
     /// Block until the job has run; returns its result (every call returns the same). Fails with
     /// [`Error::Interrupted`] when the interrupt hook fires (Ctrl-C) first; the job goes on.
     pub fn wait(&self) -> Result<()> {
-        let mut r = lock(&self.state.result);
-        while r.is_none() {
-            r = self.state.finished.wait_timeout(r, SLICE).unwrap_or_else(|e| e.into_inner()).0;
-            if r.is_none() && interrupted() {
-                return Err(Error::Interrupted { op: "a wait for queued work".into() });
-            }
-        }
-        r.clone().expect("checked above")
+        self.result_by(None)
+            .unwrap_or_else(|| Err(Error::Interrupted { op: "a wait for queued work".into() }))
     }
 
-    /// Wait for the job until `deadline` (or Ctrl-C); true if it has run.
-    fn wait_until(&self, deadline: Instant) -> bool {
+    /// The job's result once it has run; None if `deadline` (when given) or Ctrl-C comes first.
+    fn result_by(&self, deadline: Option<Instant>) -> Option<Result<()>> {
         let mut r = lock(&self.state.result);
         while r.is_none() {
-            let now = Instant::now();
-            if now >= deadline || interrupted() {
-                return false;
+            let nap = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
+            if nap.is_zero() || interrupted() {
+                return None;
             }
-            let nap = (deadline - now).min(SLICE);
             r = self.state.finished.wait_timeout(r, nap).unwrap_or_else(|e| e.into_inner()).0;
         }
-        true
+        r.clone()
     }
 
     /// True once the job has run.
@@ -166,12 +159,6 @@ impl Lanes {
         }
     }
 
-    /// Wait for every lane.
-    pub fn flush_all(&self) -> Result<()> {
-        let lanes: Vec<Lane> = lock(&self.own.queues).keys().copied().collect();
-        lanes.into_iter().try_for_each(|lane| self.flush(lane))
-    }
-
     /// Wait, until `deadline` at most, for what was queued on these lanes and, for the world's, on
     /// those of every communicator split from it: a rank leaving the world lets its queued sends
     /// reach their peers, without waiting long for a job that waits for a peer that waits for it.
@@ -179,7 +166,7 @@ impl Lanes {
         let splits: Vec<Arc<Family>> = lock(&self.own.splits).iter().filter_map(Weak::upgrade).collect();
         for family in std::iter::once(&self.own).chain(&splits) {
             let last: Vec<Work> = lock(&family.queues).values().map(|q| q.last.clone()).collect();
-            if !last.iter().all(|w| w.wait_until(deadline)) {
+            if !last.iter().all(|w| w.result_by(Some(deadline)).is_some()) {
                 return;
             }
         }

@@ -63,13 +63,28 @@ TOGETHER = [c for c in CHECKS if c not in ABORTING]
 
 
 @functools.cache
-def together(world: str, n: int) -> list[list[list[str]]] | None:
-    """Per rank, the digests of every check of TOGETHER from one world; None if that run failed, and each
-    test then runs its own check alone, to fail with its own error."""
+def run_together(world: str, n: int) -> list[list[list[str]]] | Exception:
+    """Per rank, the digests of every check of TOGETHER from one world, or why that run failed."""
     try:
         return WORLDS[world](TOGETHER, n)
-    except Exception:  # noqa: BLE001 - each check is re-run alone, and fails there
-        return None
+    except Exception as e:  # noqa: BLE001 - reported by the test below; each check is then re-run alone
+        return e
+
+
+def together(world: str, n: int) -> list[list[list[str]]] | None:
+    """The digests of `run_together`; None if that run failed, and each test then runs its own check
+    alone, to fail with its own error."""
+    ran = run_together(world, n)
+    return None if isinstance(ran, Exception) else ran
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=needs_mpi if w == "mpi" else ()) for w in WORLDS])
+def test_the_checks_run_one_after_another_in_one_world(world: str, n: int) -> None:
+    # A check that passes alone but fails after the others (one that leaves its world broken) fails here.
+    ran = run_together(world, n)
+    assert not isinstance(ran, Exception), f"the checks together on {world}, {n} ranks: {ran!r}"
 
 
 @pytest.mark.timeout(300)

@@ -178,13 +178,12 @@ pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 /// the numpy-view path takes those, or says why not. Like the view, it shares the memory of a tensor that
 /// requires grad (as `detach()` does).
 fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
-    if obj.cast::<PyUntypedArray>().is_ok() {
-        return Ok(None); // the common case, without looking for torch
+    if !is_tensor(obj)? {
+        return Ok(None);
     }
     let py = obj.py();
-    let Some(t) = torch(py)? else { return Ok(None) };
-    if !obj.is_instance(t.tensor.bind(py))?
-        || !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+    let t = torch(py)?.expect("a tensor means torch is loaded");
+    if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()?
         || !obj.getattr(intern!(py, "layout"))?.is(t.strided.bind(py))
     {
         return Ok(None);
