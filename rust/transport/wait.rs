@@ -1,16 +1,14 @@
 //! The one way a rank waits for its peers.
 //!
 //! Spin briefly (only when ranks do not outnumber cores: on an oversubscribed machine spinning starves the
-//! rank being waited for), then yield, then sleep on a futex in slices. The spin adapts: when spins keep
-//! running out (the peer has no core right now, e.g. both ranks were put on one), the process spins less,
-//! down to not at all, and an occasional full spin finds out when they succeed again. Each slice checks the deadline and
+//! rank being waited for), then yield, then sleep on a futex in slices. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rustix::thread::futex;
 
@@ -49,44 +47,6 @@ fn flags(shared: bool) -> futex::Flags {
 pub(crate) fn may_spin(ranks: usize) -> bool {
     static CORES: OnceLock<usize> = OnceLock::new();
     ranks <= *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// The spin budget waits use now, in nanoseconds (`u64::MAX`: not yet set from the configured budget).
-/// One per process: whether a peer is running is a property of the machine's load, not of one wait.
-static SPIN_NOW: AtomicU64 = AtomicU64::new(u64::MAX);
-/// Waits since the last full-budget spin.
-static SINCE_PROBE: AtomicU32 = AtomicU32::new(0);
-/// Every this many waits one spins the full budget, so a budget shrunk under load grows back.
-const PROBE_EVERY: u32 = 32;
-
-/// The spin budget for the next wait, out of the configured `full` one.
-fn spin_budget(full: Duration) -> Duration {
-    let full_ns = full.as_nanos() as u64;
-    let now = match SPIN_NOW.load(Relaxed) {
-        u64::MAX => full_ns,
-        ns => ns,
-    };
-    if now < full_ns && SINCE_PROBE.fetch_add(1, Relaxed) + 1 >= PROBE_EVERY {
-        SINCE_PROBE.store(0, Relaxed);
-        return full;
-    }
-    Duration::from_nanos(now)
-}
-
-/// Learn from how a spin ended: success after `took` keeps the budget at twice that (at least a
-/// quarter of `full`), running out halves it (below a microsecond it is zero).
-fn spin_outcome(full: Duration, took: Option<Duration>) {
-    let full_ns = full.as_nanos() as u64;
-    let now = match SPIN_NOW.load(Relaxed) {
-        u64::MAX => full_ns,
-        ns => ns,
-    };
-    let next = match took {
-        Some(t) => (t.as_nanos() as u64 * 2).max(full_ns / 4).max(now).min(full_ns),
-        None if now < 1000 => 0,
-        None => now / 2,
-    };
-    SPIN_NOW.store(next, Relaxed);
 }
 
 type InterruptHook = fn() -> bool;
@@ -136,21 +96,16 @@ impl Wait<'_> {
         mut slow: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
-        let (full_spin, yields) = wait_budgets();
+        let (spin, yields) = wait_budgets();
         if self.spin {
-            let spin = spin_budget(full_spin);
-            if !spin.is_zero() {
-                while start.elapsed() < spin {
-                    for _ in 0..64 {
-                        if ready() {
-                            spin_outcome(full_spin, Some(start.elapsed()));
-                            return Ok(());
-                        }
-                        std::hint::spin_loop();
+            while start.elapsed() < spin {
+                for _ in 0..64 {
+                    if ready() {
+                        return Ok(());
                     }
-                    quick().map_err(Stop::Failed)?;
+                    std::hint::spin_loop();
                 }
-                spin_outcome(full_spin, None);
+                quick().map_err(Stop::Failed)?;
             }
         }
         while start.elapsed() < yields {
