@@ -251,3 +251,60 @@ def w_groups(rank, n, ports, job, timeout, q):
 def test_creating_and_dropping_a_subgroup_100_times_works():
     res = ok(run_world(2, w_groups, timeout=20, limit=110))
     assert res[0] == res[1] == [float(2 * i + 1) for i in range(100)]
+
+
+def at_offset(size: int, dtype, offset: int) -> np.ndarray:
+    """An uninitialised array of `size` elements starting `offset` bytes past a page boundary."""
+    item = np.dtype(dtype).itemsize
+    raw = np.empty(size * item + 2 * 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096 + offset
+    return raw[start : start + size * item].view(dtype)
+
+
+def w_staged_at_offsets(rank, n, ports, job, timeout, q, chunk_kib):
+    """Every staged collective over many rounds, on arrays at page offsets that alias with naively
+    placed staging (16 bytes past a page) or with its skewed placement (near 2048), against numpy."""
+    os.environ["AXONML_SHM_CMA"] = "0"
+    os.environ["AXONML_SHM_CHUNK_KIB"] = str(chunk_kib)
+    pg = connect(rank, n, ports[0], timeout)
+    fails = []
+    size = 50_003
+    for case, offset in enumerate([0, 16, 2040, 2056, 4088]):
+        xs = [wide_values(r, case, size, np.float64) for r in range(n)]
+        big = [wide_values(r, 100 + case, n * size, np.float64) for r in range(n)]
+
+        def mine(values):
+            a = at_offset(values.size, np.float64, offset)
+            a[:] = values
+            return a
+
+        got = {}
+        x = mine(xs[rank])
+        pg.all_reduce(x)
+        got["all_reduce"] = (x, reduce_ref(xs, "SUM"))
+        x = mine(xs[rank])
+        pg.reduce(x, 1)
+        got["reduce"] = (x, reduce_ref(xs, "SUM") if rank == 1 else xs[rank])
+        out = mine(np.zeros(size))
+        pg.reduce_scatter(mine(big[rank]), out)
+        got["reduce_scatter"] = (out, reduce_ref(big, "SUM")[rank * size : (rank + 1) * size])
+        x = mine(xs[rank])
+        pg.broadcast(x, n - 1)
+        got["broadcast"] = (x, xs[n - 1])
+        out = mine(np.zeros(n * size))
+        pg.all_gather(mine(xs[rank]), out)
+        got["all_gather"] = (out, np.concatenate(xs))
+        out = mine(np.zeros(size))
+        pg.scatter(mine(big[0]) if rank == 0 else None, out, 0)
+        got["scatter"] = (out, big[0][rank * size : (rank + 1) * size])
+        for name, (have, want) in got.items():
+            if not same_bits(have, want):
+                fails.append(f"{name} at offset {offset}")
+    return fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chunk_kib", [64, 1024])
+def test_staged_collectives_are_exact_at_any_page_offset(chunk_kib):
+    # 3 ranks: the per-owner regions are not whole pages; 64 KiB rounds cut each call into many.
+    assert ok(run_world(3, w_staged_at_offsets, chunk_kib, timeout=30, limit=110)) == [[], [], []]

@@ -12,8 +12,13 @@
 //! staged copies (rank order), writes the result to its private buffer and its staging buffer, and then
 //! copies the other owners' results out. Per rank that moves (5 − 2/N)·S bytes, the floor for private
 //! buffers.
+//!
+//! Each piece sits in its staging region at the page offset it would have in a message starting at
+//! `STAGE_SKEW` (so copies in and out do not alias, `config::ALIAS_PERIOD`); a region keeps one
+//! period of room for that.
 
 use super::owner::owned;
+use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{reduce_raw, ReduceOp, Scale};
@@ -38,6 +43,25 @@ pub(crate) struct Staged<'a> {
     pub chunk: usize,
 }
 
+/// Room a staging space of `cap` bytes keeps for placing its pieces (none when it is too small to spare it).
+fn slack(cap: usize) -> usize {
+    if cap >= 2 * ALIAS_PERIOD {
+        ALIAS_PERIOD
+    } else {
+        0
+    }
+}
+
+/// Where a piece starting `at` bytes into its message goes in the staging space at `base` of `cap` bytes.
+fn place(base: *mut u8, cap: usize, at: usize) -> *mut u8 {
+    let pad = if slack(cap) == 0 {
+        0
+    } else {
+        STAGE_SKEW.wrapping_add(at).wrapping_sub(base as usize) % ALIAS_PERIOD
+    };
+    base.wrapping_add(pad)
+}
+
 impl Staged<'_> {
     /// Bytes of the per-owner region of a pipeline buffer (64-byte aligned).
     fn region(&self) -> usize {
@@ -47,10 +71,11 @@ impl Staged<'_> {
     /// Elements moved per round.
     fn per_round(&self) -> usize {
         let e = self.dtype.size();
+        let room = |cap: usize| (cap - slack(cap)) / e;
         match self.kind {
-            CollKind::AllReduce | CollKind::Reduce => self.n * (self.region() / e),
-            CollKind::ReduceScatter | CollKind::Scatter => self.region() / e,
-            _ => self.chunk / e,
+            CollKind::AllReduce | CollKind::Reduce => self.n * room(self.region()),
+            CollKind::ReduceScatter | CollKind::Scatter => room(self.region()),
+            _ => room(self.chunk),
         }
     }
 
@@ -96,8 +121,16 @@ impl Staged<'_> {
         let b = (g % 2) as usize;
         let region = self.region();
         let len = hi - lo;
-        // SAFETY: o < n regions of `region` bytes fit in a pipeline buffer.
-        let stage = |j: usize, o: usize| unsafe { self.bufs[j][b].add(o * region) };
+        // Member j's staging for owner o's piece, which starts at element `at` of its message; the
+        // whole-buffer kinds use owner 0's region, the whole buffer.
+        let cap = match self.kind {
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter | CollKind::Scatter => region,
+            _ => self.chunk,
+        };
+        // SAFETY: o < n regions of `region` bytes fit in a pipeline buffer, and a piece placed in one
+        // still fits (`per_round` left the placement's room).
+        let stage =
+            |j: usize, o: usize, at: usize| place(unsafe { self.bufs[j][b].add(o * region) }, cap, at * e);
         // SAFETY: called only on members that have the buffer, with element offsets below the
         // buffer's length for this call (the round's range of the part or message).
         let src = |el: usize| unsafe { self.send.add(el * e) };
@@ -114,16 +147,22 @@ impl Staged<'_> {
             CollKind::AllReduce | CollKind::Reduce => {
                 for o in (0..n).filter(|&o| o != me) {
                     let s = slice(o);
-                    copy(src(lo + s.start), stage(me, o), s.len());
+                    copy(src(lo + s.start), stage(me, o, lo + s.start), s.len());
                 }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let s = slice(me);
                 if !s.is_empty() {
                     let inputs: Vec<*const u8> = (0..n)
-                        .map(|j| if j == me { src(lo + s.start) } else { stage(j, me).cast_const() })
+                        .map(|j| {
+                            if j == me {
+                                src(lo + s.start)
+                            } else {
+                                stage(j, me, lo + s.start).cast_const()
+                            }
+                        })
                         .collect();
-                    let mut outputs = vec![stage(me, me)];
+                    let mut outputs = vec![stage(me, me, lo + s.start)];
                     if self.kind == CollKind::AllReduce || me == root {
                         outputs.push(dst(lo + s.start));
                     }
@@ -136,18 +175,24 @@ impl Staged<'_> {
                 if self.kind == CollKind::AllReduce || me == root {
                     for o in (0..n).filter(|&o| o != me) {
                         let s = slice(o);
-                        copy(stage(o, o), dst(lo + s.start), s.len());
+                        copy(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
                     }
                 }
             }
             CollKind::ReduceScatter => {
                 for o in (0..n).filter(|&o| o != me) {
-                    copy(src(o * self.count + lo), stage(me, o), len);
+                    copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
                 }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let inputs: Vec<*const u8> = (0..n)
-                    .map(|j| if j == me { src(me * self.count + lo) } else { stage(j, me).cast_const() })
+                    .map(|j| {
+                        if j == me {
+                            src(me * self.count + lo)
+                        } else {
+                            stage(j, me, me * self.count + lo).cast_const()
+                        }
+                    })
                     .collect();
                 // SAFETY: as above; the output is this member's own receive buffer.
                 unsafe { reduce_raw(self.dtype, self.op, self.scale, &inputs, &[dst(lo)], len) };
@@ -155,7 +200,7 @@ impl Staged<'_> {
             CollKind::Scatter => {
                 if me == root {
                     for o in (0..n).filter(|&o| o != me) {
-                        copy(src(o * self.count + lo), stage(me, o), len);
+                        copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
                     }
                 }
                 publish(3 * g + 1);
@@ -163,26 +208,26 @@ impl Staged<'_> {
                 if me == root {
                     copy(src(me * self.count + lo), dst(lo), len);
                 } else {
-                    copy(stage(root, me), dst(lo), len);
+                    copy(stage(root, me, me * self.count + lo), dst(lo), len);
                 }
             }
             CollKind::Broadcast => {
                 if me == root {
-                    copy(src(lo), stage(me, 0), len);
+                    copy(src(lo), stage(me, 0, lo), len);
                 }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if me != root {
-                    copy(stage(root, 0), dst(lo), len);
+                    copy(stage(root, 0, lo), dst(lo), len);
                 }
             }
             CollKind::AllGather | CollKind::Gather => {
-                copy(src(lo), stage(me, 0), len);
+                copy(src(lo), stage(me, 0, lo), len);
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if self.kind == CollKind::AllGather || me == root {
                     for j in 0..n {
-                        let from = if j == me { src(lo) } else { stage(j, 0).cast_const() };
+                        let from = if j == me { src(lo) } else { stage(j, 0, lo).cast_const() };
                         copy(from, dst(j * self.count + lo), len);
                     }
                 }
@@ -198,5 +243,32 @@ impl Staged<'_> {
         }
         publish(3 * g + 3);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placed_pieces_keep_their_skewed_page_offset_and_fit_their_region() {
+        for (chunk, n) in [(64 << 10, 3), (1 << 20, 2), (256 << 10, 64), (256 << 10, 33)] {
+            let region = (chunk / n) & !63;
+            for cap in [region, chunk] {
+                let room = cap - slack(cap);
+                assert!(room > 0, "chunk {chunk} n {n}");
+                for base in [0x10_0000usize, 0x10_0000 + 21_824, 0x10_0000 + 4032] {
+                    for at in [0, 8, 64, 4096 - 8, 123_456 * 8] {
+                        let pad = place(base as *mut u8, cap, at) as usize - base;
+                        assert!(pad + room <= cap, "chunk {chunk} n {n} base {base:#x} at {at}");
+                        if slack(cap) > 0 {
+                            assert_eq!((base + pad) % ALIAS_PERIOD, (STAGE_SKEW + at) % ALIAS_PERIOD);
+                        } else {
+                            assert_eq!(pad, 0);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! The one way a rank waits for its peers.
 //!
 //! Spin briefly (only when ranks do not outnumber cores: on an oversubscribed machine spinning starves the
-//! rank being waited for), then yield, then sleep on a futex in slices. Each slice checks the deadline and
+//! rank being waited for), then yield (long when every rank has a core, short when a yielding rank would
+//! compete with the ones it waits for), then sleep on a futex in slices. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
@@ -12,7 +13,7 @@ use std::time::Instant;
 
 use rustix::thread::futex;
 
-use crate::config::{wait_budgets, SLICE};
+use crate::config::{wait_budgets, SLICE, YIELD_OVERSUBSCRIBED};
 use crate::error::{Error, Result};
 
 /// A futex word peers bump when they publish progress, plus a count of sleepers. `repr(C)` so it can
@@ -69,7 +70,7 @@ pub(crate) struct Wait<'a> {
     pub event: &'a Event,
     /// True when the event lives in memory shared between processes.
     pub shared: bool,
-    /// Whether to busy-poll first.
+    /// Whether every rank has a core ([`may_spin`]): then busy-poll first, and yield longer.
     pub spin: bool,
     /// When to give up. Every wait has one, and every wait on a thread with an interrupt hook
     /// (Python's main thread) ends on Ctrl-C within a slice.
@@ -97,6 +98,7 @@ impl Wait<'_> {
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
         let (spin, yields) = wait_budgets();
+        let yields = if self.spin { yields } else { yields.min(YIELD_OVERSUBSCRIBED) };
         if self.spin {
             while start.elapsed() < spin {
                 for _ in 0..64 {
