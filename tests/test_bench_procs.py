@@ -34,6 +34,19 @@ def test_the_copy_bound_is_each_peers_time_over_the_copy(capsys):
     assert row.rstrip().endswith("1.50x |                2.00x"), row  # MPICH over ours, MPICH over the copy
 
 
+def test_the_copy_bound_counts_what_each_rank_must_write_into_its_output():
+    from axonml_distributed.bench.procs_worker import copy_bytes
+
+    mib = 1 << 20
+    # 4 ranks: an all_reduce brings in 2 x 3/4 of the message (reduce-scatter and all-gather), a
+    # reduce_scatter the 3 peers' quarters, a broadcast everything but on its root, and an out-of-place
+    # all_gather fills its whole output, its own quarter included.
+    assert copy_bytes("all_reduce", 64 * mib, 4, 1) == 96 * mib
+    assert copy_bytes("reduce_scatter", 64 * mib, 4, 1) == 48 * mib
+    assert [copy_bytes("broadcast", 64 * mib, 4, r) for r in range(4)] == [0] + [64 * mib] * 3
+    assert copy_bytes("all_gather", 64 * mib, 4, 3) == 64 * mib
+
+
 @needs_mpi
 @pytest.mark.timeout(300)
 def test_all_to_all_and_all_gather_v_run_against_mpich(capsys):

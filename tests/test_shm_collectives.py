@@ -273,7 +273,7 @@ def w_staged_at_offsets(rank, n, ports, job, timeout, q, chunk_kib):
         xs = [wide_values(r, case, size, np.float64) for r in range(n)]
         big = [wide_values(r, 100 + case, n * size, np.float64) for r in range(n)]
 
-        def mine(values):
+        def mine(values, offset=offset):
             a = at_offset(values.size, np.float64, offset)
             a[:] = values
             return a

@@ -32,15 +32,22 @@ PAIRWISE = ("all_to_all", "all_gather_v")
 
 
 # The label of the copy bound: a numpy copy, on every rank at once (but a broadcast's root, which brings
-# nothing in), of the bytes each rank must bring in from its peers (busbw factor x size, as nccl-tests
-# count it). A collective that copies each byte once
-# cannot beat it, so a peer's time over it is the best ratio any implementation could show against that
-# peer on this machine.
+# nothing in), of the bytes each rank must bring into its output (`copy_bytes`). A collective that
+# copies each byte once cannot beat it, so a peer's time over it is the best ratio any implementation
+# could show against that peer on this machine.
 COPY = "numpy copy"
 
 
 def busbw_factor(coll: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(coll, (n - 1) / n)
+
+
+def copy_bytes(coll: str, size: int, n: int, rank: int) -> int:
+    """What rank `rank` must bring into its output: what it receives from its peers (busbw factor x
+    size, as nccl-tests count it), and for all_gather, which is out of place here, its own part too."""
+    if coll == "broadcast" and rank == 0:
+        return 0
+    return size if coll == "all_gather" else int(busbw_factor(coll, n) * size)
 
 
 def iterations(size: int) -> int:
@@ -141,8 +148,7 @@ def sweep(
     if copy_bound:
 
         def bound(coll: str, size: int) -> float:
-            brings = 0 if coll == "broadcast" and rank == 0 else int(busbw_factor(coll, n) * size)
-            return worst(copy_time(brings, barrier))
+            return worst(copy_time(copy_bytes(coll, size, n, rank), barrier))
 
         out[COPY] = {c: [bound(c, s) for s in sizes] for c in colls}
     if rank == 0:
