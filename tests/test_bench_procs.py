@@ -47,6 +47,14 @@ def test_the_copy_bound_counts_what_each_rank_must_write_into_its_output():
     assert copy_bytes("all_gather", 64 * mib, 4, 3) == 64 * mib
 
 
+def test_the_copy_bound_copies_between_arrays_that_start_on_a_page():
+    from axonml_distributed.bench.procs_worker import page_aligned
+
+    for count in (1, 1000, 65536):
+        a = page_aligned(count)
+        assert a.ctypes.data % 4096 == 0 and a.size == count and a.dtype == "float32"
+
+
 @needs_mpi
 @pytest.mark.timeout(300)
 def test_all_to_all_and_all_gather_v_run_against_mpich(capsys):
