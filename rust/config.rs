@@ -12,10 +12,11 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 
 /// Busy-poll budget of a wait when every rank has a core: covers a peer a few microseconds behind.
 pub(crate) const SPIN: Duration = Duration::from_micros(60);
-/// Then `sched_yield` for a while: cheap for the waiter, and gives the core away when oversubscribed.
-/// Long enough that a futex wake-up (about 90 µs in this VM) costs under 2% of any wait that reaches
-/// sleep: with a CPU-bound process beside 2 ranks, 5 ms instead of 0.4 ms took all_reduce 2 MiB from
-/// 0.75x to 1.55x MPICH (bench.procs --busy). MPICH polls with `sched_yield` without end.
+/// Then `sched_yield` for this long when every rank has a core: a competing process gets the core at
+/// once, an idle core is burnt. Long enough that a futex wake-up (about 90 µs in this VM) costs under
+/// 2% of any wait that reaches sleep: with a CPU-bound process beside 2 ranks, 5 ms instead of 0.4 ms
+/// took all_reduce 2 MiB from 0.75x to 1.55x MPICH's speed (MPICH time / ours, bench.procs --busy).
+/// MPICH polls with `sched_yield` without end.
 pub(crate) const YIELD: Duration = Duration::from_millis(5);
 /// The yield budget when ranks outnumber cores: there a yielding rank competes with the ranks it waits
 /// for (4 ranks on 2 cores: all_gather 2 MiB took 2.1 ms with 5 ms of yields, 0.6 ms with this).

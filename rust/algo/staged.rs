@@ -14,8 +14,8 @@
 //! buffers.
 //!
 //! Each piece sits in its staging region at the page offset it would have in a message starting at
-//! `STAGE_SKEW` (so copies in and out do not alias, `config::ALIAS_PERIOD`); a region keeps one
-//! period of room for that.
+//! `STAGE_SKEW` (so copies in and out do not alias, `config::ALIAS_PERIOD`); a region of at least
+//! `PLACE_MIN` bytes keeps one period of room for that.
 
 use super::owner::owned;
 use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
@@ -43,23 +43,25 @@ pub(crate) struct Staged<'a> {
     pub chunk: usize,
 }
 
-/// Room a staging space of `cap` bytes keeps for placing its pieces (none when it is too small to spare it).
+/// Staging spaces at least this large keep one [`ALIAS_PERIOD`] of room for placing pieces, which
+/// costs them at most 1/16 of a round; smaller ones (regions in worlds over 8 ranks) place nothing.
+const PLACE_MIN: usize = 16 * ALIAS_PERIOD;
+
+/// Room a staging space of `cap` bytes keeps for placing its pieces.
 fn slack(cap: usize) -> usize {
-    if cap >= 2 * ALIAS_PERIOD {
+    if cap >= PLACE_MIN {
         ALIAS_PERIOD
     } else {
         0
     }
 }
 
-/// Where a piece starting `at` bytes into its message goes in the staging space at `base` of `cap` bytes.
-fn place(base: *mut u8, cap: usize, at: usize) -> *mut u8 {
-    let pad = if slack(cap) == 0 {
-        0
-    } else {
-        STAGE_SKEW.wrapping_add(at).wrapping_sub(base as usize) % ALIAS_PERIOD
-    };
-    base.wrapping_add(pad)
+/// Where a piece starting `at` bytes into its message goes in the staging space `off` bytes into a
+/// page-aligned pipeline buffer at `buf`, the space holding `cap` bytes. From offsets, not addresses:
+/// every member computes the same place whatever address its mapping has.
+fn place(buf: *mut u8, off: usize, cap: usize, at: usize) -> *mut u8 {
+    let pad = if slack(cap) == 0 { 0 } else { STAGE_SKEW.wrapping_add(at).wrapping_sub(off) % ALIAS_PERIOD };
+    buf.wrapping_add(off + pad)
 }
 
 impl Staged<'_> {
@@ -127,17 +129,16 @@ impl Staged<'_> {
             CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter | CollKind::Scatter => region,
             _ => self.chunk,
         };
-        // SAFETY: o < n regions of `region` bytes fit in a pipeline buffer, and a piece placed in one
-        // still fits (`per_round` left the placement's room).
-        let stage =
-            |j: usize, o: usize, at: usize| place(unsafe { self.bufs[j][b].add(o * region) }, cap, at * e);
+        // o < n regions of `region` bytes fit in a pipeline buffer (page-aligned: the segment's layout),
+        // and a piece placed in one still fits (`per_round` left the placement's room).
+        let stage = |j: usize, o: usize, at: usize| place(self.bufs[j][b], o * region, cap, at * e);
         // SAFETY: called only on members that have the buffer, with element offsets below the
         // buffer's length for this call (the round's range of the part or message).
         let src = |el: usize| unsafe { self.send.add(el * e) };
         // SAFETY: as for `src`.
         let dst = |el: usize| unsafe { self.recv.add(el * e) };
         // SAFETY: every copy below moves at most the round's elements between a staging region (which
-        // holds len <= region / e elements per owner, or <= chunk / e for whole-buffer kinds) and the
+        // holds a placed piece of up to (cap - slack(cap)) / e elements, `per_round`) and the
         // matching range of a private buffer; the steps order it against peers' accesses. `copy`
         // tolerates the in-place overlap of all_gather's own part.
         let copy =
@@ -252,17 +253,20 @@ mod tests {
 
     #[test]
     fn placed_pieces_keep_their_skewed_page_offset_and_fit_their_region() {
-        for (chunk, n) in [(64 << 10, 3), (1 << 20, 2), (256 << 10, 64), (256 << 10, 33)] {
+        let buf = 0x10_0000usize as *mut u8;
+        for (chunk, n) in
+            [(64 << 10, 3), (1 << 20, 3), (1 << 20, 2), (1 << 20, 8), (256 << 10, 9), (256 << 10, 64)]
+        {
             let region = (chunk / n) & !63;
-            for cap in [region, chunk] {
+            for (cap, offs) in [(region, (0..n).map(|o| o * region).collect::<Vec<_>>()), (chunk, vec![0])] {
                 let room = cap - slack(cap);
-                assert!(room > 0, "chunk {chunk} n {n}");
-                for base in [0x10_0000usize, 0x10_0000 + 21_824, 0x10_0000 + 4032] {
+                assert!(room > 0 && room * 16 >= cap * 15, "chunk {chunk} n {n}: room {room} of {cap}");
+                for &off in &offs {
                     for at in [0, 8, 64, 4096 - 8, 123_456 * 8] {
-                        let pad = place(base as *mut u8, cap, at) as usize - base;
-                        assert!(pad + room <= cap, "chunk {chunk} n {n} base {base:#x} at {at}");
+                        let pad = place(buf, off, cap, at) as usize - buf as usize - off;
+                        assert!(pad + room <= cap, "chunk {chunk} n {n} off {off} at {at}");
                         if slack(cap) > 0 {
-                            assert_eq!((base + pad) % ALIAS_PERIOD, (STAGE_SKEW + at) % ALIAS_PERIOD);
+                            assert_eq!((off + pad) % ALIAS_PERIOD, (STAGE_SKEW + at) % ALIAS_PERIOD);
                         } else {
                             assert_eq!(pad, 0);
                         }

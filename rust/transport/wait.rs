@@ -110,7 +110,9 @@ impl Wait<'_> {
                 quick().map_err(Stop::Failed)?;
             }
         }
-        while start.elapsed() < yields {
+        // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
+        let yield_end = (start + yields).min(self.deadline);
+        while Instant::now() < yield_end {
             if ready() {
                 return Ok(());
             }
