@@ -111,3 +111,29 @@ def test_ctrl_c_interrupts_the_wait_for_a_missing_rank(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_waiting_for_a_late_rank_does_not_burn_a_core() -> None:
     assert "waited" in passes(2, "failures.py", "late")
+
+
+HUNG_ABORT = """
+import time
+from axonml_distributed.exceptions import CollectiveTimeoutError
+from axonml_distributed.mpi import queue
+
+class StuckComm:
+    def Abort(self, code):  # a launcher that never ends the job
+        time.sleep(3600)
+
+queue.ABORT_GRACE = 1.0
+raise queue.abort_job(StuckComm(), CollectiveTimeoutError("all_reduce did not complete"))
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(60)
+def test_a_rank_whose_abort_never_ends_the_job_exits_by_itself() -> None:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG_ABORT], capture_output=True, text=True, timeout=50)
+    wall = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    assert "CollectiveTimeoutError: all_reduce did not complete" in proc.stderr
+    assert "aborting the MPI job" in proc.stderr
+    assert wall < 30, f"the rank took {wall:.1f} s to exit"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -39,7 +38,15 @@ from axonml_distributed.mpi.check import (
     signature,
 )
 from axonml_distributed.mpi.plans import Call
-from axonml_distributed.mpi.queue import MpiWork, OpQueue, abort_job, await_peers, tag_ub, wait_until
+from axonml_distributed.mpi.queue import (
+    MpiWork,
+    OpQueue,
+    abort_job,
+    abort_mpi,
+    await_peers,
+    tag_ub,
+    wait_until,
+)
 from axonml_distributed.tensors import like, numpy_view
 
 ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
@@ -145,8 +152,7 @@ class MpiProcessGroup:
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""
-        print(f"axonml_distributed: aborting the MPI job: {reason}", file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(1)
+        abort_mpi(MPI.COMM_WORLD, f"axonml_distributed: aborting the MPI job: {reason}")
 
     # --- collectives -------------------------------------------------------------------------------
 

@@ -118,17 +118,31 @@ def await_peers(
     raise abort_job(comm, error)
 
 
+# How long the launcher gets to end the job after MPI_Abort before this rank exits by itself: MPICH's
+# launcher has been seen to leave an aborted job running (pmodels/mpich#7716), and a rank that exits
+# with status 1 makes every launcher end the job.
+ABORT_GRACE = 5.0
+
+
+def abort_mpi(comm: MPI.Intracomm, message: str) -> None:
+    """Print `message` on stderr and abort the MPI job (MPI_Abort); should this process still be alive
+    `ABORT_GRACE` seconds later, it exits with status 1."""
+    print(message, file=sys.stderr, flush=True)
+    watchdog = threading.Timer(ABORT_GRACE, os._exit, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
+    comm.Abort(1)
+
+
 def abort_job(comm: MPI.Intracomm, error: DistributedError) -> DistributedError:
     """Report `error` on stderr and abort the MPI job. A pending collective cannot be cancelled, and the
-    peers stuck in it would otherwise hang forever, so the whole job dies (MPI_Abort). Returns `error`
+    peers stuck in it would otherwise hang forever, so the whole job dies (`abort_mpi`). Returns `error`
     so callers can `raise abort_job(...)` in case an MPI implementation ever returns from Abort."""
-    print(
+    abort_mpi(
+        comm,
         f"axonml_distributed: {type(error).__name__}: {error}\n"
         "axonml_distributed: aborting the MPI job (MPI cannot cancel a collective)",
-        file=sys.stderr,
-        flush=True,
     )
-    comm.Abort(1)
     return error
 
 
