@@ -19,7 +19,8 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   is MPI's own Allreduce(send, recv) / Reduce(send, recv).
 - Timeouts: every operation is issued non-blocking and completed by a Test loop with a deadline. MPI
   cannot cancel a collective, so a rank whose deadline passes prints a CollectiveTimeoutError naming the
-  operation and calls MPI_Abort: the whole job dies. Creating a communicator (`init_mpi_process_group`,
+  operation and calls MPI_Abort: the whole job dies (and should the launcher not end it, the rank exits
+  with status 1 after 5 s). Creating a communicator (`init_mpi_process_group`,
   `new_group`) has no such form: the ranks first wait, with the deadline, until every member has
   arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
   therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
