@@ -19,7 +19,8 @@ pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// MPICH polls with `sched_yield` without end.
 pub(crate) const YIELD: Duration = Duration::from_millis(5);
 /// The yield budget when ranks outnumber cores: there a yielding rank competes with the ranks it waits
-/// for (4 ranks on 2 cores: all_gather 2 MiB took 2.1 ms with 5 ms of yields, 0.6 ms with this).
+/// for, so it stays at the old 0.4 ms (a caution, not a measured win: 4 ranks on 2 cores vary from 0.65
+/// to 2.1 ms for all_gather 2 MiB at either budget; sleeping at once is 2-3x slower).
 pub(crate) const YIELD_OVERSUBSCRIBED: Duration = Duration::from_micros(400);
 /// `AXONML_WAIT_SPIN_US` / `AXONML_WAIT_YIELD_US`: the spin and yield budgets above, for tuning on a
 /// given machine (read once); the yield one also caps the oversubscribed budget.
