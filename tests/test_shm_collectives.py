@@ -313,3 +313,46 @@ def test_staged_collectives_are_exact_at_any_page_offset(chunk_kib):
     # 3 ranks: the per-owner regions are not whole pages. 64 KiB rounds cut each call into many, and
     # their per-owner regions (21 KiB) are too small to place pieces in: both ways are run.
     assert ok(run_world(3, w_staged_at_offsets, chunk_kib, timeout=30, limit=110)) == [[], [], []]
+
+
+def w_shared_copies(rank, n, ports, job, timeout, q):
+    """Broadcast from every root, all_gather and gather, on private arrays
+    (copied between processes) and segment arrays, at sizes around the members' shares (one owned
+    slice, several push tiles, past the streaming limit) and at odd byte offsets, against numpy."""
+    pg = connect(rank, n, ports[0], timeout)
+    fails = []
+    # float64 elements: 8 KiB + 1 (uneven shares), 1 MiB + 3 (many 128 KiB tiles), 7 MiB + 5 (streamed).
+    for case, size in enumerate([1025, (1 << 17) + 3, (7 << 17) + 5]):
+        xs = [wide_values(r, case, size, np.float64) for r in range(n)]
+        for kind in ("private", "segment"):
+
+            def mine(values, kind=kind):
+                a = (
+                    pg.empty(values.size, np.float64)
+                    if kind == "segment"
+                    else at_offset(values.size, np.float64, 8)
+                )
+                a[:] = values
+                return a
+
+            for root in range(n):
+                x = mine(xs[rank])
+                pg.broadcast(x, root)
+                if not same_bits(x, xs[root]):
+                    fails.append(f"{kind} broadcast {size} from {root}")
+            out = mine(np.zeros(n * size))
+            pg.all_gather(mine(xs[rank]), out)
+            if not same_bits(out, np.concatenate(xs)):
+                fails.append(f"{kind} all_gather {size}")
+            root = (case + 1) % n
+            out = mine(np.zeros(n * size))
+            pg.gather(mine(xs[rank]), out if rank == root else None, root)
+            if rank == root and not same_bits(out, np.concatenate(xs)):
+                fails.append(f"{kind} gather {size} to {root}")
+    return fails
+
+
+@pytest.mark.timeout(120)
+def test_shared_copies_from_every_root_are_exact_on_private_and_segment_arrays():
+    # 3 ranks: shares that are not equal; roots 0..2 each write a different slice.
+    assert ok(run_world(3, w_shared_copies, timeout=30, limit=110)) == [[], [], []]

@@ -3,8 +3,12 @@
 //! moves once, by the kernel, from the owner's memory to the reader's, with no staging copy and no
 //! pipeline sync. Members touch disjoint memory, so the engine's done-sync (its drain) is the only wait.
 //!
-//! * broadcast, all_gather, scatter: read the parts from their owners into this member's buffer;
-//!   gather: write this member's part into the root's buffer.
+//! * broadcast: every member copies (n − 1)/n of the message, so the root's core works too: the root
+//!   writes its owned slice into every other member's buffer, each of them reads the rest from the
+//!   root (half the time of a lone reader at 2 ranks);
+//! * all_gather: each member pushes its part into every member's slot for it, tile by tile, so each
+//!   tile is read once for all its destinations; gather: the same into the root's buffer alone;
+//! * scatter: read this member's part from the root.
 //! * all_reduce, reduce: owner-computes ([`owned`]): tile by tile, read the owned slice of every peer's
 //!   input into local scratch, reduce in rank order (own input read in place), then write the result
 //!   into every peer's output (all_reduce) or the root's (reduce). reduce_scatter: the same, with the
@@ -17,6 +21,7 @@ use std::cell::RefCell;
 
 use super::layout::Plan;
 use super::owner::owned;
+use super::stream;
 use crate::call::Call;
 use crate::config::CMA_TILE;
 use crate::error::{Error, Result};
@@ -63,14 +68,13 @@ thread_local! {
 /// One cross-process copy of `len` bytes; `read` from `remote` into `local`, else the other way.
 fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, op: &str) -> Result<()> {
     let Some(pid) = remote.pid else {
+        let (from, to) = if read {
+            (remote.addr as *const u8, local)
+        } else {
+            (local.cast_const(), remote.addr as *mut u8)
+        };
         // SAFETY: the caller guarantees both ranges; `copy` tolerates all_gather's in-place overlap.
-        unsafe {
-            if read {
-                std::ptr::copy(remote.addr as *const u8, local, len);
-            } else {
-                std::ptr::copy(local.cast_const(), remote.addr as *mut u8, len);
-            }
-        }
+        unsafe { stream::copy(from, to, len, stream::worth(len)) };
         return Ok(());
     };
     let mut done = 0;
@@ -147,21 +151,42 @@ pub(crate) unsafe fn run(
     // Peers in turn from the next one, so members do not all read the same peer at once.
     let others = (1..n).map(|d| (me + d) % n);
     match call.sig.kind {
-        CollKind::Broadcast if me != root => read(members[root].send, local(mine.recv), bytes, name),
-        CollKind::Scatter if me != root => {
-            read(members[root].send.at(me * bytes), local(mine.recv), bytes, name)
+        CollKind::Broadcast => {
+            let piece = owned(bytes, 1, n, root);
+            if me == root {
+                let from = local(mine.send).wrapping_add(piece.start).cast_const();
+                others
+                    .clone()
+                    .try_for_each(|j| write(from, members[j].recv.at(piece.start), piece.len(), name))
+            } else {
+                let (head, tail) = (piece.start, bytes - piece.end);
+                read(members[root].send, local(mine.recv), head, name)?;
+                read(members[root].send.at(piece.end), local(mine.recv).wrapping_add(piece.end), tail, name)
+            }
         }
-        CollKind::Gather if me != root => {
-            write(local(mine.send), members[root].recv.at(me * bytes), bytes, name)
-        }
-        CollKind::Broadcast => Ok(()),
-        CollKind::Scatter => read(mine.send.at(me * bytes), local(mine.recv), bytes, name),
-        CollKind::Gather => read(mine.send, local(mine.recv).wrapping_add(me * bytes), bytes, name),
-        CollKind::AllGather => {
-            read(mine.send, local(mine.recv).wrapping_add(me * bytes), bytes, name)?;
-            others.clone().try_for_each(|j| {
-                read(members[j].send, local(mine.recv).wrapping_add(j * bytes), bytes, name)
-            })
+        CollKind::Scatter => read(members[root].send.at(me * bytes), local(mine.recv), bytes, name),
+        CollKind::AllGather | CollKind::Gather => {
+            let to: Vec<Loc> = match call.sig.kind {
+                CollKind::Gather if me != root => vec![members[root].recv],
+                CollKind::Gather => vec![mine.recv],
+                _ => (0..n).map(|d| members[(me + d) % n].recv).collect(),
+            };
+            let stream = stream::worth(bytes);
+            let mut lo = 0;
+            while lo < bytes {
+                let len = CMA_TILE.min(bytes - lo);
+                let from = local(mine.send).wrapping_add(lo).cast_const();
+                for dst in &to {
+                    let at = dst.at(me * bytes + lo);
+                    match at.pid {
+                        // SAFETY: this member's own slot; `copy` tolerates the in-place overlap.
+                        None => unsafe { stream::copy(from, local(at), len, stream) },
+                        Some(_) => write(from, at, len, name)?,
+                    }
+                }
+                lo += len;
+            }
+            Ok(())
         }
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
             let (range, base) = match call.sig.kind {

@@ -1,16 +1,31 @@
 //! Collectives that only move data: every member copies what it needs straight from the peer that has
-//! it (one read and one write per byte delivered, no staging), all members at once.
+//! it (one read and one write per byte delivered, no staging), all members at once. Large copies
+//! stream past the caches (`stream`).
 
+use super::owner::owned;
+use super::stream::{copy, worth};
 use super::Peer;
 
-/// broadcast: a non-root member copies the root's buffer into its own.
+/// broadcast: every member copies (n − 1)/n of the message, so the root's core works too: the root
+/// copies its owned slice into every other member's buffer, each of them copies the rest.
 ///
 /// # Safety
-/// Both buffers hold `bytes` bytes and the root's stays alive until the done-sync.
+/// Every buffer holds `bytes` bytes and stays alive until the done-sync.
 pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes: usize) {
-    if index != root {
-        // SAFETY: distinct buffers of `bytes` bytes each (the caller's contract).
-        unsafe { std::ptr::copy_nonoverlapping(peers[root].send, peers[index].recv, bytes) };
+    let (n, piece, stream) = (peers.len(), owned(bytes, 1, peers.len(), root), worth(bytes));
+    let from = peers[root].send;
+    // SAFETY (all): the ranges lie within `bytes`; the root's slice of each buffer is written by the
+    // root alone, the rest by the buffer's owner.
+    unsafe {
+        if index == root {
+            for j in (1..n).map(|d| (root + d) % n) {
+                copy(from.add(piece.start), peers[j].recv.add(piece.start), piece.len(), stream);
+            }
+        } else {
+            let to = peers[index].recv;
+            copy(from, to, piece.start, stream);
+            copy(from.add(piece.end), to.add(piece.end), bytes - piece.end, stream);
+        }
     }
 }
 
@@ -22,7 +37,7 @@ pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes:
 pub(crate) unsafe fn all_gather(peers: &[Peer], index: usize, bytes: usize) {
     for (j, p) in peers.iter().enumerate() {
         // SAFETY: slot j of recv is `bytes` long; `copy` tolerates the in-place overlap.
-        unsafe { std::ptr::copy(p.send, peers[index].recv.add(j * bytes), bytes) };
+        unsafe { copy(p.send, peers[index].recv.add(j * bytes), bytes, worth(bytes)) };
     }
 }
 
@@ -32,7 +47,7 @@ pub(crate) unsafe fn all_gather(peers: &[Peer], index: usize, bytes: usize) {
 /// As for [`all_gather`], with only the root's recv written.
 pub(crate) unsafe fn gather(peers: &[Peer], index: usize, root: usize, bytes: usize) {
     // SAFETY: slot `index` of the root's recv is `bytes` long and written by this member alone.
-    unsafe { std::ptr::copy(peers[index].send, peers[root].recv.add(index * bytes), bytes) };
+    unsafe { copy(peers[index].send, peers[root].recv.add(index * bytes), bytes, worth(bytes)) };
 }
 
 /// scatter: copy slot `index` of the root's send into this member's recv.
@@ -41,5 +56,5 @@ pub(crate) unsafe fn gather(peers: &[Peer], index: usize, root: usize, bytes: us
 /// The root's send holds `peers.len() * bytes` bytes and stays alive until the done-sync.
 pub(crate) unsafe fn scatter(peers: &[Peer], index: usize, root: usize, bytes: usize) {
     // SAFETY: slot `index` is within the root's send; this member's recv is `bytes` long.
-    unsafe { std::ptr::copy(peers[root].send.add(index * bytes), peers[index].recv, bytes) };
+    unsafe { copy(peers[root].send.add(index * bytes), peers[index].recv, bytes, worth(bytes)) };
 }

@@ -5,6 +5,7 @@
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
 //! * `cma`: private buffers of processes, copied straight between them by the kernel;
+//! * `stream`: the one local copy of large transfers, streaming past the caches;
 //! * `pairwise`: all_to_all and the collectives with per-member sizes, both ways, over the byte ranges
 //!   of a `layout::Plan`.
 //!
@@ -18,6 +19,7 @@ pub(crate) mod oneshot;
 pub(crate) mod owner;
 pub(crate) mod pairwise;
 pub(crate) mod staged;
+pub(crate) mod stream;
 
 use crate::call::Call;
 use crate::reduce::ReduceOp;
