@@ -37,7 +37,7 @@ mod tests;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering::*};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering, Ordering::*};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -51,7 +51,7 @@ use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
-use crate::transport::wait::Stop;
+use crate::transport::wait::{current_cpu, Placement, Stop};
 use crate::work::Lanes;
 
 /// Per-handle counters, behind a lock that doubles as the "one collective at a time" check.
@@ -148,6 +148,30 @@ impl<S: Store> Engine<S> {
         e
     }
 
+    /// Record the core this member runs on, then store `value` into its counter picked by `which` and
+    /// wake the waiters: how a member publishes progress.
+    fn publish(&self, which: impl Fn(&Ctrl) -> &AtomicU64, value: u64, order: Ordering) {
+        let ctrl = self.store.ctrl(self.store.index());
+        ctrl.cpu.store(current_cpu(), Relaxed);
+        which(ctrl).store(value, order);
+        self.store.notify();
+    }
+
+    /// Where the members of `waited` (indices) last published from, seen from this thread's core (see
+    /// `Wait::until_placed`).
+    fn placement(&self, waited: impl Iterator<Item = usize>) -> Placement {
+        let mine = current_cpu();
+        let mut seen = Placement::Apart;
+        for j in waited {
+            match self.store.ctrl(j).cpu.load(Relaxed) {
+                c if c == mine => return Placement::Shared,
+                0 => seen = Placement::Unknown,
+                _ => {}
+            }
+        }
+        seen
+    }
+
     /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
     /// on abort, interrupt, a dead peer or the timeout (`within`, else the world's), naming the members
     /// that never got there.
@@ -163,13 +187,14 @@ impl<S: Store> Engine<S> {
         let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);
         let ready = || (0..n).all(|j| which(s.ctrl(j)).load(Acquire) >= k);
         let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
+        let placement = || self.placement((0..n).filter(|&j| which(s.ctrl(j)).load(Acquire) < k));
         let mut wait = s.wait(op);
         if let Some(t) = within {
             // Capped as every timeout from Python is, so the deadline cannot overflow.
             wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
         }
         let timeout = within.unwrap_or_else(|| s.timeout());
-        let e = match wait.until(ready, || self.check_abort(op, true), slow) {
+        let e = match wait.until_placed(ready, || self.check_abort(op, true), slow, placement) {
             Ok(()) => return Ok(()),
             // A peer's timeout in this same call: it waited as long as this call's, not the world's.
             Err(Stop::Failed(Error::Timeout { rank, op, missing, group, progress, .. })) => {
@@ -206,7 +231,12 @@ impl<S: Store> Engine<S> {
             }
             Ok(())
         };
-        match s.wait(op).until(|| pending().next().is_none(), || Ok(()), slow) {
+        match s.wait(op).until_placed(
+            || pending().next().is_none(),
+            || Ok(()),
+            slow,
+            || self.placement(pending()),
+        ) {
             Ok(()) => Ok(()),
             Err(stop) => {
                 self.undrained.store(true, SeqCst);
@@ -252,8 +282,7 @@ impl<S: Store> Engine<S> {
             recv: s.share(call.mine.recv, rb),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
-        ctrl.arrive.store(k, SeqCst);
-        s.notify();
+        self.publish(|c| &c.arrive, k, SeqCst);
         let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
         let everyone = arrived.is_ok();
         let (result, drain) = match arrived {
@@ -266,8 +295,7 @@ impl<S: Store> Engine<S> {
         if !drain && result.is_ok() {
             ctrl.completed.store(k, Release);
         }
-        ctrl.done.store(k, Release);
-        s.notify();
+        self.publish(|c| &c.done, k, Release);
         if !drain {
             return result;
         }
@@ -379,11 +407,7 @@ impl<S: Store> Engine<S> {
                 (moved.map_err(failed), true)
             }
             Route::Staged { bufs, chunk } if plan.is_some() => {
-                let ctrl = s.ctrl(me);
-                let publish = |step: u64| {
-                    ctrl.step.store(step, Release);
-                    s.notify();
-                };
+                let publish = |step: u64| self.publish(|c| &c.step, step, Release);
                 let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
                 let (send, recv) = (call.mine.send, call.mine.recv);
                 let plan = plan.as_ref().expect("checked by the guard");
@@ -407,11 +431,7 @@ impl<S: Store> Engine<S> {
                     bufs: &bufs,
                     chunk,
                 };
-                let ctrl = s.ctrl(me);
-                let publish = |step: u64| {
-                    ctrl.step.store(step, Release);
-                    s.notify();
-                };
+                let publish = |step: u64| self.publish(|c| &c.step, step, Release);
                 let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
                 // SAFETY: the buffers were validated for this signature, which every member shares. Only
                 // their owner touches private buffers (peers read staging, which outlives the call), so

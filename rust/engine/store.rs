@@ -2,7 +2,7 @@
 //! in the same shape (a [`Ctrl`] block of counters and two [`Page`]s per member of a communicator).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -30,6 +30,10 @@ pub(crate) struct Ctrl {
     pub completed: CachePadded<AtomicU64>,
     /// Pipeline steps completed (three per staged round, see `algo::staged`).
     pub step: CachePadded<AtomicU64>,
+    /// The core this member ran on when it last published progress, plus one (0: not yet; see
+    /// `transport::wait::current_cpu`): waiters spin past their short budget only while the members
+    /// they wait for sit on other cores.
+    pub cpu: CachePadded<AtomicU32>,
     /// Page `k % 2` describes call k.
     pub pages: [CachePadded<Page>; 2],
 }

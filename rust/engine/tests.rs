@@ -97,3 +97,37 @@ fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
         assert!(x.iter().all(|&v| v == 3.0), "member 1's half is in member 0's buffer");
     });
 }
+
+/// A member records the core it ran on whenever it publishes progress, and a waiter reads where the
+/// members it waits for are from those records: queued on its own core, on others, or not yet known.
+#[test]
+fn members_publish_their_core_and_waiters_read_where_peers_are() {
+    use crate::transport::wait::{current_cpu, Placement};
+    let mut theirs = vec![2.0f32; COUNT];
+    let (mine, s1) = member1_arrived(&mut theirs);
+    std::thread::scope(|s| {
+        let member0 = s.spawn(|| mine.all_reduce(BufMut::new(&mut vec![1.0f32; COUNT][..]), ReduceOp::Sum));
+        member0_did_its_share(&s1);
+        let core = s1.ctrl(0).cpu.load(SeqCst);
+        assert!(core >= 1 && rustix::thread::sched_getaffinity(None).unwrap().is_set(core as usize - 1));
+        s1.ctrl(1).done.store(1, SeqCst);
+        s1.notify();
+        member0.join().unwrap().unwrap();
+    });
+    let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
+    let engine = Engine::new(ThreadStore::world(&shared, 0));
+    let peer = &engine.store().ctrl(1).cpu;
+    let at = |cpu: u32| {
+        peer.store(cpu, SeqCst);
+        engine.placement(std::iter::once(1))
+    };
+    // The test thread may move between the two reads of its core; retry until one pair agrees.
+    let here = (0..100).find_map(|_| {
+        let c = current_cpu();
+        matches!(at(c), Placement::Shared).then_some(c)
+    });
+    assert!(here.is_some(), "a peer recorded on this thread's core is never seen as sharing it");
+    assert!(matches!(at(0), Placement::Unknown));
+    assert!(matches!(at(u32::MAX), Placement::Apart));
+    assert!(matches!(engine.placement(std::iter::empty()), Placement::Apart));
+}

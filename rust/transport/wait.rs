@@ -1,19 +1,22 @@
 //! The one way a rank waits for its peers.
 //!
 //! Spin briefly (only when ranks do not outnumber cores: on an oversubscribed machine spinning starves the
-//! rank being waited for), then yield (long when every rank has a core, short when a yielding rank would
+//! rank being waited for), and on for longer while the ranks waited for last ran on other cores (a
+//! yield would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time
+//! slice), moving to another core when one of them is queued on this one; then yield (long when every rank has a core, short when a yielding rank would
 //! compete with the ones it waits for), then sleep on a futex in slices. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use rustix::thread::futex;
+use rustix::thread::{self, futex};
 
-use crate::config::{wait_budgets, SLICE, YIELD_OVERSUBSCRIBED};
+use crate::config::{wait_budgets, MOVE_EVERY, SLICE, SPIN_APART, YIELD_OVERSUBSCRIBED};
 use crate::error::{Error, Result};
 
 /// A futex word peers bump when they publish progress, plus a count of sleepers. `repr(C)` so it can
@@ -48,6 +51,45 @@ fn flags(shared: bool) -> futex::Flags {
 pub(crate) fn may_spin(ranks: usize) -> bool {
     static CORES: OnceLock<usize> = OnceLock::new();
     ranks <= *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The core the calling thread runs on, plus one (so that 0 can mean "not yet known").
+pub(crate) fn current_cpu() -> u32 {
+    u32::try_from(thread::sched_getcpu()).map_or(0, |c| c.saturating_add(1))
+}
+
+/// Where the ranks a wait waits for last ran, seen from the waiting thread.
+pub(crate) enum Placement {
+    /// Every one of them on another core.
+    Apart,
+    /// One of them queued on this thread's core.
+    Shared,
+    /// Not known (a rank that never published yet).
+    Unknown,
+}
+
+/// Move the calling thread off its core, within the cores it may use, when a rank it waits for is
+/// queued behind it there (at most once per [`MOVE_EVERY`] per thread, so two ranks never chase each
+/// other). Rank pairs that wake each other get placed on one core by the scheduler; beside a
+/// CPU-bound process they stay there (two tasks against one is balanced to it), and every call then
+/// waits for a time slice. Returns whether it moved.
+fn leave_core() -> bool {
+    thread_local! { static LAST: Cell<Option<Instant>> = const { Cell::new(None) } }
+    if LAST.get().is_some_and(|t| t.elapsed() < MOVE_EVERY) {
+        return false;
+    }
+    LAST.set(Some(Instant::now()));
+    let (Ok(allowed), here) = (thread::sched_getaffinity(None), thread::sched_getcpu()) else {
+        return false;
+    };
+    if allowed.count() < 2 || !allowed.is_set(here) {
+        return false;
+    }
+    let mut elsewhere = allowed;
+    elsewhere.unset(here);
+    // The kernel migrates a running thread as soon as its own core leaves its set; then the user's
+    // set is restored as it was.
+    thread::sched_setaffinity(None, &elsewhere).is_ok() && thread::sched_setaffinity(None, &allowed).is_ok()
 }
 
 type InterruptHook = fn() -> bool;
@@ -92,15 +134,37 @@ impl Wait<'_> {
     /// slice (liveness). `ready` is checked before either, so a condition already met always wins.
     pub(crate) fn until(
         &self,
+        ready: impl FnMut() -> bool,
+        quick: impl FnMut() -> Result<()>,
+        slow: impl FnMut() -> Result<()>,
+    ) -> std::result::Result<(), Stop> {
+        self.until_placed(ready, quick, slow, || Placement::Unknown)
+    }
+
+    /// [`Wait::until`], spinning on past the short budget (up to [`SPIN_APART`]) while `placement()`
+    /// says that every rank waited for last ran on another core than this thread's, and leaving this
+    /// core ([`leave_core`]) when one of them is queued on it.
+    pub(crate) fn until_placed(
+        &self,
         mut ready: impl FnMut() -> bool,
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
+        mut placement: impl FnMut() -> Placement,
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
         let (spin, yields) = wait_budgets();
         let yields = if self.spin { yields } else { yields.min(YIELD_OVERSUBSCRIBED) };
         if self.spin {
-            while start.elapsed() < spin {
+            let mut spinning = |t| {
+                t < spin
+                    || t < SPIN_APART.max(spin)
+                        && match placement() {
+                            Placement::Apart => true,
+                            Placement::Shared => leave_core(),
+                            Placement::Unknown => false,
+                        }
+            };
+            while spinning(start.elapsed()) {
                 for _ in 0..64 {
                     if ready() {
                         return Ok(());
@@ -147,5 +211,37 @@ impl Wait<'_> {
             let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
             self.event.sleepers.fetch_sub(1, SeqCst);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::thread::CpuSet;
+
+    #[test]
+    fn a_thread_leaves_its_core_within_its_allowed_set_and_keeps_that_set() {
+        // A fresh thread: the once-per-interval limit is per thread.
+        std::thread::spawn(|| {
+            let allowed = thread::sched_getaffinity(None).unwrap();
+            let here = thread::sched_getcpu();
+            let moved = leave_core();
+            assert_eq!(moved, allowed.count() >= 2, "{allowed:?}");
+            if moved {
+                assert_ne!(thread::sched_getcpu(), here);
+            }
+            let after = thread::sched_getaffinity(None).unwrap();
+            assert!((0..CpuSet::MAX_CPU).all(|c| after.is_set(c) == allowed.is_set(c)));
+            // Not again within the interval, so two ranks never chase each other from core to core.
+            assert!(!leave_core());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn the_current_core_is_one_of_the_allowed_ones() {
+        let c = current_cpu();
+        assert!(c >= 1 && thread::sched_getaffinity(None).unwrap().is_set(c as usize - 1));
     }
 }
