@@ -17,10 +17,10 @@ pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// its whole time slice.
 pub(crate) const SPIN_APART: Duration = Duration::from_millis(2);
 /// A waiting thread that finds a rank it waits for queued on its own core moves to another core at
-/// most this often (`transport::wait`): beside a CPU-bound process the scheduler had put both ranks
-/// of a pair on one core, and a quarter to a half of the calls of a 256 KiB broadcast took 175 µs
-/// instead of 16.
-pub(crate) const MOVE_EVERY: Duration = Duration::from_millis(100);
+/// most this often (`transport::wait::leave_core`): beside a CPU-bound process the scheduler puts
+/// the two ranks of a pair that wake each other on one core, and a quarter to a half of the calls
+/// of a 256 KiB broadcast took 175 µs instead of 16.
+pub(crate) const MOVE_EVERY: Duration = Duration::from_millis(10);
 /// Then `sched_yield` for this long when every rank has a core: a competing process gets the core at
 /// once, an idle core is burnt. Long enough that a futex wake-up (about 90 µs in this VM) costs under
 /// 2% of any wait that reaches sleep: with a CPU-bound process beside 2 ranks, 5 ms instead of 0.4 ms
@@ -82,9 +82,15 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// the kernel allows it and every member's every buffer has at least this many bytes (each buffer is
 /// judged alone, so a small part of a large call stages the whole call).
 pub(crate) const CMA_MIN: usize = 64 << 10;
-/// Bytes of each peer's tile a cross-memory reduction reads before reducing it (kept in cache), and of
-/// each tile of its own part an all_gather member pushes to its peers (read once for all of them).
+/// Largest tile members claim in the cross-memory collectives (`algo::cma::Claims`): a reduction reads
+/// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member
+/// it goes to.
 pub(crate) const CMA_TILE: usize = 128 << 10;
+/// In the cross-memory collectives whose parts have owners (all_gather, reduce_scatter), a member that
+/// finished its own part helps with another's only while more than this many of its tiles are left:
+/// a helper's tile costs a second cross-process copy, worth it when a busy core holds the owner back
+/// (all_gather 64 MiB beside a CPU-bound process: 15.5 -> 10.9 ms), not when members are in step.
+pub(crate) const STEAL_SPARE: usize = 2;
 /// Local copies of transfers this large stream past the caches (`algo::stream`): 8 MiB copies here
 /// ran at 22 GB/s streamed against 12 GB/s with `memcpy`, 4 MiB ones at 23 against 28 GB/s.
 pub(crate) const STREAM_MIN: usize = 6 << 20;

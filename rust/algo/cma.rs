@@ -3,27 +3,30 @@
 //! moves once, by the kernel, from the owner's memory to the reader's, with no staging copy and no
 //! pipeline sync. Members touch disjoint memory, so the engine's done-sync (its drain) is the only wait.
 //!
-//! * broadcast: every member copies (n − 1)/n of the message, so the root's core works too: the root
-//!   writes its owned slice into every other member's buffer, each of them reads the rest from the
-//!   root (half the time of a lone reader at 2 ranks);
-//! * all_gather: each member pushes its part into every member's slot for it, tile by tile, so each
-//!   tile is read once for all its destinations; gather: the same into the root's buffer alone;
-//! * scatter: read this member's part from the root.
-//! * all_reduce, reduce: owner-computes ([`owned`]): tile by tile, read the owned slice of every peer's
-//!   input into local scratch, reduce in rank order (own input read in place), then write the result
-//!   into every peer's output (all_reduce) or the root's (reduce). reduce_scatter: the same, with the
-//!   result kept. Tiles keep the scratch in cache between the read and the reduction.
+//! Members share the work in tiles they claim one at a time ([`Claims`]), so a member whose core is
+//! taken by another process does less of it instead of holding every member back:
+//! * broadcast: the root writes a tile it claims into every other member's buffer; any other member
+//!   reads it from the root, then writes it on to the rest (at 2 ranks each copies about half);
+//! * all_gather: a member copies each tile of its own part into its own slot and writes it to its
+//!   peers, then helps with parts whose owners are behind; gather: each member writes its part into
+//!   the root's buffer; scatter: each member reads its part from the root;
+//! * all_reduce, reduce, reduce_scatter: for each tile it claims, a member reads the tile of every
+//!   peer's input into local scratch, reduces in rank order (own input read in place), then writes the
+//!   result into every peer's output (all_reduce), the root's (reduce) or the block owner's
+//!   (reduce_scatter, where members take their own blocks first). Tiles keep the scratch in cache
+//!   between the read and the reduction. Whoever computes a tile, the order of the reduction is the
+//!   same, so results are bitwise identical.
 //!
 //! Addresses come from peers: a bad one makes the kernel fail the copy (EFAULT, or a short count),
 //! which is an error here, never a crash; the lengths are this member's own (the agreed signature).
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering::*};
 
 use super::layout::Plan;
-use super::owner::owned;
 use super::stream;
 use crate::call::Call;
-use crate::config::CMA_TILE;
+use crate::config::{CMA_TILE, STEAL_SPARE};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::CollKind;
@@ -124,7 +127,72 @@ fn write(from: *const u8, to: Loc, len: usize, op: &str) -> Result<()> {
     transfer(to, from.cast_mut(), len, false, op)
 }
 
-/// Member `me`'s share of `call` (reducing with `op`) over every member's buffers.
+/// The tiles of one call, claimed one at a time by whichever member is free: a member that a busy
+/// core slows down takes fewer, where fixed shares would make every member wait for its share. Each
+/// member's `claim` word counts the claimed tiles of one part (its own part of an all_gather, its
+/// block of a reduce_scatter; member 0's counts the whole message of the other kinds) below the
+/// call's sequence number (low 32 bits), so a member still in an older call never takes a tile of a
+/// newer one, nor uses one up.
+pub(crate) struct Claims<'a> {
+    words: Vec<&'a AtomicU64>,
+    call: u64,
+}
+
+impl<'a> Claims<'a> {
+    /// The claims of call `k` over every member's word; each member [`Claims::open`]s its own before
+    /// it arrives at the call, so whoever sees the arrival sees the word opened.
+    pub(crate) fn new(words: Vec<&'a AtomicU64>, k: u64) -> Self {
+        Claims { words, call: k & 0xffff_ffff }
+    }
+
+    /// Start call `k`'s tiles of this member's word at 0.
+    pub(crate) fn open(word: &AtomicU64, k: u64) {
+        word.store((k & 0xffff_ffff) << 32, Release);
+    }
+
+    /// The next unclaimed tile below `tiles` of part `j`, if any.
+    fn next(&self, j: usize, tiles: usize) -> Option<usize> {
+        let word = self.words[j];
+        let mut old = word.load(Acquire);
+        loop {
+            let t = (old & 0xffff_ffff) as usize;
+            if old >> 32 != self.call || t >= tiles {
+                return None;
+            }
+            match word.compare_exchange_weak(old, old + 1, AcqRel, Acquire) {
+                Ok(_) => return Some(t),
+                Err(now) => old = now,
+            }
+        }
+    }
+
+    /// Run `work` on every tile of part `j` below `tiles` this member claims, until none is left.
+    fn each(&self, j: usize, tiles: usize, mut work: impl FnMut(usize) -> Result<()>) -> Result<()> {
+        while let Some(t) = self.next(j, tiles) {
+            work(t)?;
+        }
+        Ok(())
+    }
+
+    /// Member `me`'s share of parts that each have an owner, which does its own tiles more cheaply than
+    /// a helper would: its own part first, then the tiles of other parts whose owners are behind by more
+    /// than [`STEAL_SPARE`] tiles (in step, members take none of each other's).
+    fn owned_first(
+        &self,
+        me: usize,
+        tiles: usize,
+        mut work: impl FnMut(usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.words.len();
+        self.each(me, tiles, |t| work(me, t))?;
+        (1..n)
+            .map(|d| (me + d) % n)
+            .try_for_each(|j| self.each(j, tiles.saturating_sub(STEAL_SPARE), |t| work(j, t)))
+    }
+}
+
+/// Member `me`'s share of `call` (reducing with `op`) over every member's buffers: the tiles it
+/// claims (`claims`), or for scatter, gather and the pairwise kinds, its own part.
 ///
 /// # Safety
 /// Every member validated its buffers for the same call and keeps them alive and untouched by itself
@@ -135,6 +203,7 @@ pub(crate) unsafe fn run(
     members: &[Member],
     me: usize,
     plan: Option<&Plan>,
+    claims: &Claims<'_>,
     name: &str,
 ) -> Result<()> {
     if let Some(plan) = plan {
@@ -148,65 +217,82 @@ pub(crate) unsafe fn run(
     let (bytes, root) = (count * e, call.root.unwrap_or(0));
     let mine = members[me];
     let local = |l: Loc| l.addr as *mut u8;
-    // Peers in turn from the next one, so members do not all read the same peer at once.
-    let others = (1..n).map(|d| (me + d) % n);
-    match call.sig.kind {
-        CollKind::Broadcast => {
-            let piece = owned(bytes, 1, n, root);
-            if me == root {
-                let from = local(mine.send).wrapping_add(piece.start).cast_const();
-                others
-                    .clone()
-                    .try_for_each(|j| write(from, members[j].recv.at(piece.start), piece.len(), name))
-            } else {
-                let (head, tail) = (piece.start, bytes - piece.end);
-                read(members[root].send, local(mine.recv), head, name)?;
-                read(members[root].send.at(piece.end), local(mine.recv).wrapping_add(piece.end), tail, name)
-            }
-        }
-        CollKind::Scatter => read(members[root].send.at(me * bytes), local(mine.recv), bytes, name),
-        CollKind::AllGather | CollKind::Gather => {
-            let to: Vec<Loc> = match call.sig.kind {
-                CollKind::Gather if me != root => vec![members[root].recv],
-                CollKind::Gather => vec![mine.recv],
-                _ => (0..n).map(|d| members[(me + d) % n].recv).collect(),
-            };
-            let stream = stream::worth(bytes);
-            let mut lo = 0;
-            while lo < bytes {
-                let len = CMA_TILE.min(bytes - lo);
-                let from = local(mine.send).wrapping_add(lo).cast_const();
-                for dst in &to {
-                    let at = dst.at(me * bytes + lo);
-                    match at.pid {
-                        // SAFETY: this member's own slot; `copy` tolerates the in-place overlap.
-                        None => unsafe { stream::copy(from, local(at), len, stream) },
-                        Some(_) => write(from, at, len, name)?,
-                    }
-                }
-                lo += len;
+    let stream = stream::worth(bytes);
+    // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter): at most
+    // CMA_TILE, and small enough that every member gets about two even in small messages.
+    let unit = bytes.div_ceil(2 * n).next_multiple_of(4096).clamp(4096, CMA_TILE);
+    let tiles = bytes.div_ceil(unit);
+    let tile = |t: usize| (t * unit, unit.min(bytes - t * unit));
+    // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`,
+    // itself first (that local copy brings the tile into cache for the rest), then its peers from the
+    // next one (members do not all write to the same peer at once).
+    let deliver = |from: *const u8, to: &dyn Fn(usize) -> Loc, skip: &[usize], len: usize| {
+        (0..n).map(|d| (me + d) % n).filter(|j| !skip.contains(j)).try_for_each(|j| {
+            let dst = to(j);
+            match dst.pid {
+                // SAFETY: this member's own buffer; `copy` tolerates an in-place overlap.
+                None => unsafe { stream::copy(from, local(dst), len, stream) },
+                Some(_) => write(from, dst, len, name)?,
             }
             Ok(())
-        }
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
-            let (range, base) = match call.sig.kind {
-                CollKind::ReduceScatter => (0..count, me * bytes),
-                _ => (owned(count, e, n, me), 0),
+        })
+    };
+    let gather_tile = |j: usize, t: usize| {
+        let (off, len) = tile(t);
+        let slot = j * bytes + off;
+        let from = if me == j {
+            local(mine.send).wrapping_add(off)
+        } else {
+            read(members[j].send.at(off), local(mine.recv).wrapping_add(slot), len, name)?;
+            local(mine.recv).wrapping_add(slot)
+        };
+        // Its owner copies it into its own slot too; a member that read it has it already.
+        let skip = if me == j { &[][..] } else { std::slice::from_ref(&me) };
+        deliver(from.cast_const(), &|d| members[d].recv.at(slot), skip, len)
+    };
+    match call.sig.kind {
+        // Tile t goes to every member: the root writes it from its buffer; any other member reads it
+        // from the root into its own, then writes it on from there.
+        CollKind::Broadcast => claims.each(0, tiles, |t| {
+            let (off, len) = tile(t);
+            let from = if me == root {
+                local(mine.send).wrapping_add(off)
+            } else {
+                read(members[root].send.at(off), local(mine.recv).wrapping_add(off), len, name)?;
+                local(mine.recv).wrapping_add(off)
             };
-            let tile = (CMA_TILE / e).max(1);
+            deliver(from.cast_const(), &|j| members[j].recv.at(off), &[me, root], len)
+        }),
+        // Tile t of member j's part goes into slot j of every member: as for broadcast, with j as root.
+        // Each member takes its own part's tiles first (its own slot is a local copy), then helps.
+        CollKind::AllGather => claims.owned_first(me, tiles, gather_tile),
+        CollKind::Scatter => read(members[root].send.at(me * bytes), local(mine.recv), bytes, name),
+        CollKind::Gather if me == root => {
+            // SAFETY: this member's own buffers (slot `me` of its output).
+            unsafe {
+                stream::copy(local(mine.send), local(mine.recv).wrapping_add(me * bytes), bytes, stream)
+            };
+            Ok(())
+        }
+        CollKind::Gather => write(local(mine.send), members[root].recv.at(me * bytes), bytes, name),
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
+            // Tiles of elements: `per` of the message, or of each destination's block (reduce_scatter).
+            let et = (unit / e).max(1);
+            let per = count.div_ceil(et);
+            let blocks = call.sig.kind == CollKind::ReduceScatter;
             SCRATCH.with_borrow_mut(|scratch| {
-                let lines = (n * tile * e).div_ceil(64);
+                let lines = (n * et * e).div_ceil(64);
                 if scratch.len() < lines {
                     scratch.resize(lines, Line([0; 64]));
                 }
                 let buf = scratch.as_mut_ptr().cast::<u8>();
-                // Slot j holds peer j's tile; slot `me` the result of a reduce off the root.
-                let slot = |j: usize| buf.wrapping_add(j * tile * e);
-                let mut lo = range.start;
-                while lo < range.end {
-                    let len = tile.min(range.end - lo);
-                    let (src, out, nb) = (base + lo * e, lo * e, len * e);
-                    for j in others.clone() {
+                // Slot j holds member j's tile; slot `me` the result when it is not kept here.
+                let slot = |j: usize| buf.wrapping_add(j * et * e);
+                let reduce_tile = |d: usize, t: usize| {
+                    let (lo, len) = (t * et, et.min(count - t * et));
+                    let src = if blocks { d * bytes + lo * e } else { lo * e };
+                    let nb = len * e;
+                    for j in (1..n).map(|x| (me + x) % n) {
                         read(members[j].send.at(src), slot(j), nb, name)?;
                     }
                     let inputs: Vec<*const u8> = (0..n)
@@ -218,23 +304,32 @@ pub(crate) unsafe fn run(
                             }
                         })
                         .collect();
-                    let keep = call.sig.kind != CollKind::Reduce || me == root;
+                    // Who receives the result: every member, the root, or block d's owner.
+                    let keep = match call.sig.kind {
+                        CollKind::AllReduce => true,
+                        CollKind::Reduce => me == root,
+                        _ => me == d,
+                    };
+                    let out = lo * e;
                     let result = if keep { local(mine.recv).wrapping_add(out) } else { slot(me) };
                     // SAFETY: every input holds `len` elements (own input in place, peers' in scratch);
                     // the output is this member's own buffer or its scratch slot, aligned (64-byte lines).
                     unsafe { reduce_raw(call.dtype, op, call.sig.scale, &inputs, &[result], len) };
                     match call.sig.kind {
                         CollKind::AllReduce => {
-                            for j in others.clone() {
-                                write(result, members[j].recv.at(out), nb, name)?;
-                            }
+                            deliver(result.cast_const(), &|j| members[j].recv.at(out), &[me], nb)
                         }
-                        CollKind::Reduce if !keep => write(result, members[root].recv.at(out), nb, name)?,
-                        _ => {}
+                        CollKind::Reduce if !keep => write(result, members[root].recv.at(out), nb, name),
+                        CollKind::ReduceScatter if !keep => write(result, members[d].recv.at(out), nb, name),
+                        _ => Ok(()),
                     }
-                    lo += len;
+                };
+                if blocks {
+                    // The result of its own block stays here; a helper writes it to the owner.
+                    claims.owned_first(me, per, reduce_tile)
+                } else {
+                    claims.each(0, per, |t| reduce_tile(usize::MAX, t))
                 }
-                Ok(())
             })
         }
         // The pairwise kinds come with their plan (above).
@@ -285,6 +380,103 @@ mod tests {
         assert!(!probe(me(), 16));
         let e = write(got.as_ptr(), bad, 16, "broadcast").unwrap_err().to_string();
         assert!(e.contains("writing to rank 3"), "{e}");
+    }
+
+    /// Members of a world of 3 in this process run their shares one after another, so the first takes
+    /// every tile it may (all of a shared counter; its own part and all but the spare tiles of the
+    /// others') and later ones take what is left: every result must still be the reference, bitwise.
+    #[test]
+    fn tiles_claimed_by_any_member_give_the_reference_results() {
+        use crate::call;
+        use crate::dtype::{Buf, BufMut};
+        use crate::reduce::Scale;
+        const N: usize = 3;
+        let count = 40_000 * N + 3; // many tiles, uneven ones
+        let input =
+            |j: usize| -> Vec<f32> { (0..count).map(|i| (i % 977) as f32 * 0.1 + j as f32 * 0.37).collect() };
+        let given: Vec<Vec<f32>> = (0..N).map(input).collect();
+        let sum = |i: usize| (given[0][i] + given[1][i]) + given[2][i];
+        // Runs member shares in order 0, 1, 2 over buffers `send[j]`, `recv[j]`.
+        let run_all = |calls: &[Call], members: &[Member]| {
+            let words: Vec<AtomicU64> = (0..N).map(|_| AtomicU64::new(0)).collect();
+            words.iter().for_each(|w| Claims::open(w, 7));
+            for (me, c) in calls.iter().enumerate() {
+                let claims = Claims::new(words.iter().collect(), 7);
+                // SAFETY: every buffer lives until the end of the test; members run one at a time.
+                unsafe { run(c, ReduceOp::Sum, members, me, None, &claims, "t") }.unwrap();
+            }
+        };
+        let loc = |p: *const f32, rank| Loc { pid: None, addr: p as usize, rank };
+        let peers = |send: &[Vec<f32>], recv: &[Vec<f32>]| -> Vec<Member> {
+            (0..N)
+                .map(|j| Member { send: loc(send[j].as_ptr(), j), recv: loc(recv[j].as_ptr(), j) })
+                .collect()
+        };
+
+        // all_reduce and broadcast (root 1), in place.
+        for kind in [CollKind::AllReduce, CollKind::Broadcast] {
+            let mut bufs = given.clone();
+            let calls: Vec<Call> = bufs
+                .iter_mut()
+                .map(|b| match kind {
+                    CollKind::AllReduce => {
+                        call::all_reduce(None, &mut BufMut::new(&mut b[..]), ReduceOp::Sum, Scale::NONE)
+                    }
+                    _ => call::broadcast(&[0, 1, 2], &mut BufMut::new(&mut b[..]), 1),
+                })
+                .collect::<Result<_>>()
+                .unwrap();
+            run_all(&calls, &peers(&bufs, &bufs));
+            for (j, b) in bufs.iter().enumerate() {
+                let want: Vec<f32> =
+                    if kind == CollKind::AllReduce { (0..count).map(sum).collect() } else { input(1) };
+                assert!(b.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{kind:?} member {j}");
+            }
+        }
+
+        // all_gather and reduce_scatter, out of place.
+        let sends = given.clone();
+        let mut outs: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; N * count]).collect();
+        let calls: Vec<Call> = (0..N)
+            .map(|j| call::all_gather(N, &Buf::new(&sends[j][..]), &mut BufMut::new(&mut outs[j][..])))
+            .collect::<Result<_>>()
+            .unwrap();
+        run_all(&calls, &peers(&sends, &outs));
+        let want: Vec<f32> = given.concat();
+        assert!(outs.iter().all(|o| o == &want), "all_gather");
+
+        let part = count / N;
+        let mut blocks: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; part]).collect();
+        let ins: Vec<Vec<f32>> = given.iter().map(|g| g[..N * part].to_vec()).collect();
+        let calls: Vec<Call> = (0..N)
+            .map(|j| {
+                call::reduce_scatter(
+                    N,
+                    &Buf::new(&ins[j][..]),
+                    &mut BufMut::new(&mut blocks[j][..]),
+                    ReduceOp::Sum,
+                )
+            })
+            .collect::<Result<_>>()
+            .unwrap();
+        run_all(&calls, &peers(&ins, &blocks));
+        for (d, b) in blocks.iter().enumerate() {
+            assert!(
+                b.iter().enumerate().all(|(i, x)| x.to_bits() == sum(d * part + i).to_bits()),
+                "block {d}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_member_in_an_older_call_takes_no_tile_and_uses_none_up() {
+        let word = AtomicU64::new(0);
+        Claims::open(&word, 5);
+        let (old, new) = (Claims::new(vec![&word], 4), Claims::new(vec![&word], 5));
+        assert_eq!(old.next(0, 10), None);
+        assert_eq!(new.next(0, 10), Some(0));
+        assert_eq!(old.next(0, 10), None);
+        assert_eq!((new.next(0, 2), new.next(0, 2)), (Some(1), None));
     }
 
     #[test]

@@ -51,8 +51,19 @@ use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
-use crate::transport::wait::{current_cpu, Placement, Stop};
+use crate::transport::wait::{current_cpu, leave_core, Stop};
 use crate::work::Lanes;
+
+/// Where the members a wait waits for last published from, seen from the waiting thread's core.
+#[derive(Debug, PartialEq)]
+enum Placement {
+    /// Every one of them on another core.
+    Apart,
+    /// One of them on this thread's core (queued behind it, since this thread runs).
+    Shared,
+    /// Not known (a member that never published yet).
+    Unknown,
+}
 
 /// Per-handle counters, behind a lock that doubles as the "one collective at a time" check.
 #[derive(Default)]
@@ -157,8 +168,25 @@ impl<S: Store> Engine<S> {
         self.store.notify();
     }
 
-    /// Where the members of `waited` (indices) last published from, seen from this thread's core (see
-    /// `Wait::until_placed`).
+    /// Whether a wait for the members of `waited` (indices) should spin on (`Wait::until_apart`): yes
+    /// while they run on other cores; when one of them is queued on this thread's core, this thread
+    /// moves to another core (`leave_core`) and records it, so that the peer, once it runs, sees the
+    /// two apart and does not move back.
+    fn spin_on(&self, waited: impl Iterator<Item = usize>) -> bool {
+        match self.placement(waited) {
+            Placement::Apart => true,
+            Placement::Unknown => false,
+            Placement::Shared => {
+                let moved = leave_core();
+                if moved {
+                    self.store.ctrl(self.store.index()).cpu.store(current_cpu(), Relaxed);
+                }
+                moved
+            }
+        }
+    }
+
+    /// Where the members of `waited` (indices) last published from, seen from this thread's core.
     fn placement(&self, waited: impl Iterator<Item = usize>) -> Placement {
         let mine = current_cpu();
         let mut seen = Placement::Apart;
@@ -187,14 +215,14 @@ impl<S: Store> Engine<S> {
         let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);
         let ready = || (0..n).all(|j| which(s.ctrl(j)).load(Acquire) >= k);
         let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
-        let placement = || self.placement((0..n).filter(|&j| which(s.ctrl(j)).load(Acquire) < k));
+        let apart = || self.spin_on((0..n).filter(|&j| which(s.ctrl(j)).load(Acquire) < k));
         let mut wait = s.wait(op);
         if let Some(t) = within {
             // Capped as every timeout from Python is, so the deadline cannot overflow.
             wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
         }
         let timeout = within.unwrap_or_else(|| s.timeout());
-        let e = match wait.until_placed(ready, || self.check_abort(op, true), slow, placement) {
+        let e = match wait.until_apart(ready, || self.check_abort(op, true), slow, apart) {
             Ok(()) => return Ok(()),
             // A peer's timeout in this same call: it waited as long as this call's, not the world's.
             Err(Stop::Failed(Error::Timeout { rank, op, missing, group, progress, .. })) => {
@@ -231,11 +259,11 @@ impl<S: Store> Engine<S> {
             }
             Ok(())
         };
-        match s.wait(op).until_placed(
+        match s.wait(op).until_apart(
             || pending().next().is_none(),
             || Ok(()),
             slow,
-            || self.placement(pending()),
+            || self.spin_on(pending()),
         ) {
             Ok(()) => Ok(()),
             Err(stop) => {
@@ -282,6 +310,8 @@ impl<S: Store> Engine<S> {
             recv: s.share(call.mine.recv, rb),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
+        // Members claim call k's tiles only after seeing this arrival (`Claims`).
+        algo::cma::Claims::open(&ctrl.claim, k);
         self.publish(|c| &c.arrive, k, SeqCst);
         let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
         let everyone = arrived.is_ok();
@@ -391,7 +421,8 @@ impl<S: Store> Engine<S> {
                     return (self.check_abort(op, true), true);
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
-                let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), op) };
+                let claims = algo::cma::Claims::new((0..n).map(|j| &*s.ctrl(j).claim).collect(), k);
+                let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, op) };
                 // A copy fails when its peer has exited: then say that, as every other wait would
                 // (its exit may show a moment after its memory is gone).
                 let failed = |e| {

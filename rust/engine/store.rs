@@ -34,6 +34,9 @@ pub(crate) struct Ctrl {
     /// `transport::wait::current_cpu`): waiters spin past their short budget only while the members
     /// they wait for sit on other cores.
     pub cpu: CachePadded<AtomicU32>,
+    /// How many tiles of this member's part of the current call members have claimed
+    /// (`algo::cma::Claims`).
+    pub claim: CachePadded<AtomicU64>,
     /// Page `k % 2` describes call k.
     pub pages: [CachePadded<Page>; 2],
 }

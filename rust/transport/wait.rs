@@ -1,9 +1,9 @@
 //! The one way a rank waits for its peers.
 //!
 //! Spin briefly (only when ranks do not outnumber cores: on an oversubscribed machine spinning starves the
-//! rank being waited for), and on for longer while the ranks waited for last ran on other cores (a
-//! yield would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time
-//! slice), moving to another core when one of them is queued on this one; then yield (long when every rank has a core, short when a yielding rank would
+//! rank being waited for), and on for longer while the ranks waited for run on other cores (a yield
+//! would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time slice);
+//! then yield (long when every rank has a core, short when a yielding rank would
 //! compete with the ones it waits for), then sleep on a futex in slices. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
@@ -58,22 +58,12 @@ pub(crate) fn current_cpu() -> u32 {
     u32::try_from(thread::sched_getcpu()).map_or(0, |c| c.saturating_add(1))
 }
 
-/// Where the ranks a wait waits for last ran, seen from the waiting thread.
-pub(crate) enum Placement {
-    /// Every one of them on another core.
-    Apart,
-    /// One of them queued on this thread's core.
-    Shared,
-    /// Not known (a rank that never published yet).
-    Unknown,
-}
-
 /// Move the calling thread off its core, within the cores it may use, when a rank it waits for is
 /// queued behind it there (at most once per [`MOVE_EVERY`] per thread, so two ranks never chase each
 /// other). Rank pairs that wake each other get placed on one core by the scheduler; beside a
 /// CPU-bound process they stay there (two tasks against one is balanced to it), and every call then
 /// waits for a time slice. Returns whether it moved.
-fn leave_core() -> bool {
+pub(crate) fn leave_core() -> bool {
     thread_local! { static LAST: Cell<Option<Instant>> = const { Cell::new(None) } }
     if LAST.get().is_some_and(|t| t.elapsed() < MOVE_EVERY) {
         return false;
@@ -138,32 +128,23 @@ impl Wait<'_> {
         quick: impl FnMut() -> Result<()>,
         slow: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stop> {
-        self.until_placed(ready, quick, slow, || Placement::Unknown)
+        self.until_apart(ready, quick, slow, || false)
     }
 
-    /// [`Wait::until`], spinning on past the short budget (up to [`SPIN_APART`]) while `placement()`
-    /// says that every rank waited for last ran on another core than this thread's, and leaving this
-    /// core ([`leave_core`]) when one of them is queued on it.
-    pub(crate) fn until_placed(
+    /// [`Wait::until`], spinning on past the short budget (up to [`SPIN_APART`]) while `apart()` says
+    /// that every rank waited for runs on another core than this thread's.
+    pub(crate) fn until_apart(
         &self,
         mut ready: impl FnMut() -> bool,
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
-        mut placement: impl FnMut() -> Placement,
+        mut apart: impl FnMut() -> bool,
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
         let (spin, yields) = wait_budgets();
         let yields = if self.spin { yields } else { yields.min(YIELD_OVERSUBSCRIBED) };
         if self.spin {
-            let mut spinning = |t| {
-                t < spin
-                    || t < SPIN_APART.max(spin)
-                        && match placement() {
-                            Placement::Apart => true,
-                            Placement::Shared => leave_core(),
-                            Placement::Unknown => false,
-                        }
-            };
+            let mut spinning = |t| t < spin || t < SPIN_APART.max(spin) && apart();
             while spinning(start.elapsed()) {
                 for _ in 0..64 {
                     if ready() {
@@ -224,7 +205,7 @@ mod tests {
         // A fresh thread: the once-per-interval limit is per thread.
         std::thread::spawn(|| {
             let allowed = thread::sched_getaffinity(None).unwrap();
-            let here = thread::sched_getcpu();
+            let (here, t) = (thread::sched_getcpu(), Instant::now());
             let moved = leave_core();
             assert_eq!(moved, allowed.count() >= 2, "{allowed:?}");
             if moved {
@@ -232,8 +213,9 @@ mod tests {
             }
             let after = thread::sched_getaffinity(None).unwrap();
             assert!((0..CpuSet::MAX_CPU).all(|c| after.is_set(c) == allowed.is_set(c)));
-            // Not again within the interval, so two ranks never chase each other from core to core.
-            assert!(!leave_core());
+            // Not again within the interval (checked only if a loaded machine did not stall us past it).
+            let again = leave_core();
+            assert!(!again || t.elapsed() >= MOVE_EVERY);
         })
         .join()
         .unwrap();
