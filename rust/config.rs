@@ -116,6 +116,13 @@ pub fn shm_chunk_from_env() -> Option<usize> {
     std::env::var("AXONML_SHM_CHUNK_KIB").ok()?.parse::<usize>().ok()?.checked_mul(1024)
 }
 
+/// `AXONML_WAIT_MOVE=0`: a waiting thread never changes its core (`transport::wait::leave_core`), for
+/// jobs pinned by their launcher or run in a cpuset they expect to follow (read once).
+pub(crate) fn move_allowed_by_env() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("AXONML_WAIT_MOVE").map_or(true, |v| v.trim() != "0"))
+}
+
 /// `AXONML_SHM_CMA=0`: never copy straight between processes (`algo::cma`), always stage; for tests of
 /// the staged path and for sandboxes that log refused `process_vm_readv` calls.
 pub(crate) fn cma_allowed_by_env() -> bool {

@@ -21,12 +21,11 @@
 //! which is an error here, never a crash; the lengths are this member's own (the agreed signature).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering::*};
 
+use super::claims::Claims;
 use super::layout::Plan;
 use super::stream;
 use crate::call::Call;
-use crate::config::{CMA_TILE, STEAL_SPARE};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::CollKind;
@@ -68,8 +67,10 @@ thread_local! {
     static SCRATCH: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// One cross-process copy of `len` bytes; `read` from `remote` into `local`, else the other way.
-fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, op: &str) -> Result<()> {
+/// One copy of `len` bytes between this process and `remote` (another process's buffer, or one in
+/// this process: a member's own, or a peer's in the segment); `read` from `remote` into `local`, else
+/// the other way. A copy within this process streams when `stream` (`stream::worth` of the transfer).
+fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, stream: bool, op: &str) -> Result<()> {
     let Some(pid) = remote.pid else {
         let (from, to) = if read {
             (remote.addr as *const u8, local)
@@ -77,7 +78,7 @@ fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, op: &str) -> Re
             (local.cast_const(), remote.addr as *mut u8)
         };
         // SAFETY: the caller guarantees both ranges; `copy` tolerates all_gather's in-place overlap.
-        unsafe { stream::copy(from, to, len, stream::worth(len)) };
+        unsafe { stream::copy(from, to, len, stream) };
         return Ok(());
     };
     let mut done = 0;
@@ -120,75 +121,11 @@ fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, op: &str) -> Re
 }
 
 fn read(from: Loc, to: *mut u8, len: usize, op: &str) -> Result<()> {
-    transfer(from, to, len, true, op)
+    transfer(from, to, len, true, stream::worth(len), op)
 }
 
 fn write(from: *const u8, to: Loc, len: usize, op: &str) -> Result<()> {
-    transfer(to, from.cast_mut(), len, false, op)
-}
-
-/// The tiles of one call, claimed one at a time by whichever member is free: a member that a busy
-/// core slows down takes fewer, where fixed shares would make every member wait for its share. Each
-/// member's `claim` word counts the claimed tiles of one part (its own part of an all_gather, its
-/// block of a reduce_scatter; member 0's counts the whole message of the other kinds) below the
-/// call's sequence number (low 32 bits), so a member still in an older call never takes a tile of a
-/// newer one, nor uses one up.
-pub(crate) struct Claims<'a> {
-    words: Vec<&'a AtomicU64>,
-    call: u64,
-}
-
-impl<'a> Claims<'a> {
-    /// The claims of call `k` over every member's word; each member [`Claims::open`]s its own before
-    /// it arrives at the call, so whoever sees the arrival sees the word opened.
-    pub(crate) fn new(words: Vec<&'a AtomicU64>, k: u64) -> Self {
-        Claims { words, call: k & 0xffff_ffff }
-    }
-
-    /// Start call `k`'s tiles of this member's word at 0.
-    pub(crate) fn open(word: &AtomicU64, k: u64) {
-        word.store((k & 0xffff_ffff) << 32, Release);
-    }
-
-    /// The next unclaimed tile below `tiles` of part `j`, if any.
-    fn next(&self, j: usize, tiles: usize) -> Option<usize> {
-        let word = self.words[j];
-        let mut old = word.load(Acquire);
-        loop {
-            let t = (old & 0xffff_ffff) as usize;
-            if old >> 32 != self.call || t >= tiles {
-                return None;
-            }
-            match word.compare_exchange_weak(old, old + 1, AcqRel, Acquire) {
-                Ok(_) => return Some(t),
-                Err(now) => old = now,
-            }
-        }
-    }
-
-    /// Run `work` on every tile of part `j` below `tiles` this member claims, until none is left.
-    fn each(&self, j: usize, tiles: usize, mut work: impl FnMut(usize) -> Result<()>) -> Result<()> {
-        while let Some(t) = self.next(j, tiles) {
-            work(t)?;
-        }
-        Ok(())
-    }
-
-    /// Member `me`'s share of parts that each have an owner, which does its own tiles more cheaply than
-    /// a helper would: its own part first, then the tiles of other parts whose owners are behind by more
-    /// than [`STEAL_SPARE`] tiles (in step, members take none of each other's).
-    fn owned_first(
-        &self,
-        me: usize,
-        tiles: usize,
-        mut work: impl FnMut(usize, usize) -> Result<()>,
-    ) -> Result<()> {
-        let n = self.words.len();
-        self.each(me, tiles, |t| work(me, t))?;
-        (1..n)
-            .map(|d| (me + d) % n)
-            .try_for_each(|j| self.each(j, tiles.saturating_sub(STEAL_SPARE), |t| work(j, t)))
-    }
+    transfer(to, from.cast_mut(), len, false, stream::worth(len), op)
 }
 
 /// Member `me`'s share of `call` (reducing with `op`) over every member's buffers: the tiles it
@@ -218,54 +155,48 @@ pub(crate) unsafe fn run(
     let mine = members[me];
     let local = |l: Loc| l.addr as *mut u8;
     let stream = stream::worth(bytes);
-    // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter): at most
-    // CMA_TILE, and small enough that every member gets about two even in small messages.
-    let unit = bytes.div_ceil(2 * n).next_multiple_of(4096).clamp(4096, CMA_TILE);
+    // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter).
+    let unit = claims.unit(bytes, n);
     let tiles = bytes.div_ceil(unit);
     let tile = |t: usize| (t * unit, unit.min(bytes - t * unit));
-    // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`,
-    // itself first (that local copy brings the tile into cache for the rest), then its peers from the
-    // next one (members do not all write to the same peer at once).
+    // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`:
+    // itself first (that copy brings the tile into cache for the rest), then its peers from the next
+    // one (members do not all write to the same peer at once).
     let deliver = |from: *const u8, to: &dyn Fn(usize) -> Loc, skip: &[usize], len: usize| {
-        (0..n).map(|d| (me + d) % n).filter(|j| !skip.contains(j)).try_for_each(|j| {
-            let dst = to(j);
-            match dst.pid {
-                // SAFETY: this member's own buffer; `copy` tolerates an in-place overlap.
-                None => unsafe { stream::copy(from, local(dst), len, stream) },
-                Some(_) => write(from, dst, len, name)?,
-            }
-            Ok(())
-        })
+        (0..n)
+            .map(|d| (me + d) % n)
+            .filter(|j| !skip.contains(j))
+            .try_for_each(|j| transfer(to(j), from.cast_mut(), len, false, stream, name))
     };
-    let gather_tile = |j: usize, t: usize| {
-        let (off, len) = tile(t);
-        let slot = j * bytes + off;
-        let from = if me == j {
-            local(mine.send).wrapping_add(off)
+    // Bring bytes `off..off + len` of member `src`'s input to offset `at` of every member's output:
+    // the source copies from its input (into its own output too, unless `kept`: its input is its
+    // output); any other member reads them into its own output, then copies them on from there.
+    let relay = |src: usize, off: usize, at: usize, len: usize, kept: bool| {
+        let from = if me == src {
+            local(mine.send).wrapping_add(off).cast_const()
         } else {
-            read(members[j].send.at(off), local(mine.recv).wrapping_add(slot), len, name)?;
-            local(mine.recv).wrapping_add(slot)
+            read(members[src].send.at(off), local(mine.recv).wrapping_add(at), len, name)?;
+            local(mine.recv).wrapping_add(at).cast_const()
         };
-        // Its owner copies it into its own slot too; a member that read it has it already.
-        let skip = if me == j { &[][..] } else { std::slice::from_ref(&me) };
-        deliver(from.cast_const(), &|d| members[d].recv.at(slot), skip, len)
+        // Skip who has the bytes already: a reader itself, and a source whose input is its output.
+        let both = [me, src];
+        let skip = match (me == src, kept) {
+            (true, false) => &both[..0],
+            (false, true) => &both[..],
+            _ => &both[..1],
+        };
+        deliver(from, &|j| members[j].recv.at(at), skip, len)
     };
     match call.sig.kind {
-        // Tile t goes to every member: the root writes it from its buffer; any other member reads it
-        // from the root into its own, then writes it on from there.
-        CollKind::Broadcast => claims.each(0, tiles, |t| {
+        CollKind::Broadcast => claims.share(me, tiles, |t| {
             let (off, len) = tile(t);
-            let from = if me == root {
-                local(mine.send).wrapping_add(off)
-            } else {
-                read(members[root].send.at(off), local(mine.recv).wrapping_add(off), len, name)?;
-                local(mine.recv).wrapping_add(off)
-            };
-            deliver(from.cast_const(), &|j| members[j].recv.at(off), &[me, root], len)
+            relay(root, off, off, len, true)
         }),
-        // Tile t of member j's part goes into slot j of every member: as for broadcast, with j as root.
-        // Each member takes its own part's tiles first (its own slot is a local copy), then helps.
-        CollKind::AllGather => claims.owned_first(me, tiles, gather_tile),
+        // Tile t of member j's part goes into slot j of every member.
+        CollKind::AllGather => claims.owned_first(me, tiles, |j, t| {
+            let (off, len) = tile(t);
+            relay(j, off, j * bytes + off, len, false)
+        }),
         CollKind::Scatter => read(members[root].send.at(me * bytes), local(mine.recv), bytes, name),
         CollKind::Gather if me == root => {
             // SAFETY: this member's own buffers (slot `me` of its output).
@@ -328,7 +259,7 @@ pub(crate) unsafe fn run(
                     // The result of its own block stays here; a helper writes it to the owner.
                     claims.owned_first(me, per, reduce_tile)
                 } else {
-                    claims.each(0, per, |t| reduce_tile(usize::MAX, t))
+                    claims.share(me, per, |t| reduce_tile(usize::MAX, t))
                 }
             })
         }
@@ -382,28 +313,32 @@ mod tests {
         assert!(e.contains("writing to rank 3"), "{e}");
     }
 
-    /// Members of a world of 3 in this process run their shares one after another, so the first takes
-    /// every tile it may (all of a shared counter; its own part and all but the spare tiles of the
-    /// others') and later ones take what is left: every result must still be the reference, bitwise.
+    /// Members of a world of 3 in this process run their shares one after another, each of them first
+    /// in turn, so the first takes every tile it may (all of a shared counter; its own part and all but
+    /// the spare tiles of the others') and later ones take what is left: every result must still be
+    /// the reference, bitwise.
     #[test]
     fn tiles_claimed_by_any_member_give_the_reference_results() {
         use crate::call;
         use crate::dtype::{Buf, BufMut};
         use crate::reduce::Scale;
+        use std::sync::atomic::AtomicU64;
         const N: usize = 3;
         let count = 40_000 * N + 3; // many tiles, uneven ones
-        let input =
-            |j: usize| -> Vec<f32> { (0..count).map(|i| (i % 977) as f32 * 0.1 + j as f32 * 0.37).collect() };
-        let given: Vec<Vec<f32>> = (0..N).map(input).collect();
+        let given: Vec<Vec<f32>> =
+            (0..N).map(|j| (0..count).map(|i| (i % 977) as f32 * 0.1 + j as f32 * 0.37).collect()).collect();
         let sum = |i: usize| (given[0][i] + given[1][i]) + given[2][i];
-        // Runs member shares in order 0, 1, 2 over buffers `send[j]`, `recv[j]`.
-        let run_all = |calls: &[Call], members: &[Member]| {
+        let same = |a: &[f32], b: &[f32]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        // Run every member's share, in the order first, first + 1, ...
+        let run_all = |calls: &[Call], members: &[Member], first: usize| {
             let words: Vec<AtomicU64> = (0..N).map(|_| AtomicU64::new(0)).collect();
             words.iter().for_each(|w| Claims::open(w, 7));
-            for (me, c) in calls.iter().enumerate() {
-                let claims = Claims::new(words.iter().collect(), 7);
+            for me in (0..N).map(|d| (first + d) % N) {
+                let claims = Claims::new(words.iter().collect(), 7, true);
                 // SAFETY: every buffer lives until the end of the test; members run one at a time.
-                unsafe { run(c, ReduceOp::Sum, members, me, None, &claims, "t") }.unwrap();
+                unsafe { run(&calls[me], ReduceOp::Sum, members, me, None, &claims, "t") }.unwrap();
             }
         };
         let loc = |p: *const f32, rank| Loc { pid: None, addr: p as usize, rank };
@@ -412,71 +347,60 @@ mod tests {
                 .map(|j| Member { send: loc(send[j].as_ptr(), j), recv: loc(recv[j].as_ptr(), j) })
                 .collect()
         };
-
-        // all_reduce and broadcast (root 1), in place.
-        for kind in [CollKind::AllReduce, CollKind::Broadcast] {
-            let mut bufs = given.clone();
-            let calls: Vec<Call> = bufs
-                .iter_mut()
-                .map(|b| match kind {
-                    CollKind::AllReduce => {
-                        call::all_reduce(None, &mut BufMut::new(&mut b[..]), ReduceOp::Sum, Scale::NONE)
-                    }
-                    _ => call::broadcast(&[0, 1, 2], &mut BufMut::new(&mut b[..]), 1),
+        for first in 0..N {
+            // all_reduce, reduce (root 2) and broadcast (root 1), in place.
+            for kind in [CollKind::AllReduce, CollKind::Reduce, CollKind::Broadcast] {
+                let mut bufs = given.clone();
+                let calls: Vec<Call> = bufs
+                    .iter_mut()
+                    .map(|b| {
+                        let mut b = BufMut::new(&mut b[..]);
+                        match kind {
+                            CollKind::AllReduce => call::all_reduce(None, &mut b, ReduceOp::Sum, Scale::NONE),
+                            CollKind::Reduce => {
+                                call::reduce(&[0, 1, 2], None, &mut b, 2, ReduceOp::Sum, Scale::NONE)
+                            }
+                            _ => call::broadcast(&[0, 1, 2], &mut b, 1),
+                        }
+                    })
+                    .collect::<Result<_>>()
+                    .unwrap();
+                run_all(&calls, &peers(&bufs, &bufs), first);
+                let total: Vec<f32> = (0..count).map(sum).collect();
+                for (j, b) in bufs.iter().enumerate() {
+                    let want = match kind {
+                        CollKind::AllReduce => &total,
+                        CollKind::Reduce if j == 2 => &total,
+                        CollKind::Reduce => &given[j],
+                        _ => &given[1],
+                    };
+                    assert!(same(b, want), "{kind:?} member {j}, member {first} first");
+                }
+            }
+            // all_gather and reduce_scatter, out of place.
+            let mut outs: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; N * count]).collect();
+            let calls: Vec<Call> = (0..N)
+                .map(|j| call::all_gather(N, &Buf::new(&given[j][..]), &mut BufMut::new(&mut outs[j][..])))
+                .collect::<Result<_>>()
+                .unwrap();
+            run_all(&calls, &peers(&given, &outs), first);
+            assert!(outs.iter().all(|o| same(o, &given.concat())), "all_gather, member {first} first");
+            let part = count / N;
+            let mut blocks: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; part]).collect();
+            let ins: Vec<Vec<f32>> = given.iter().map(|g| g[..N * part].to_vec()).collect();
+            let calls: Vec<Call> = (0..N)
+                .map(|j| {
+                    let (send, mut recv) = (Buf::new(&ins[j][..]), BufMut::new(&mut blocks[j][..]));
+                    call::reduce_scatter(N, &send, &mut recv, ReduceOp::Sum)
                 })
                 .collect::<Result<_>>()
                 .unwrap();
-            run_all(&calls, &peers(&bufs, &bufs));
-            for (j, b) in bufs.iter().enumerate() {
-                let want: Vec<f32> =
-                    if kind == CollKind::AllReduce { (0..count).map(sum).collect() } else { input(1) };
-                assert!(b.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{kind:?} member {j}");
+            run_all(&calls, &peers(&ins, &blocks), first);
+            for (d, b) in blocks.iter().enumerate() {
+                let want: Vec<f32> = (d * part..(d + 1) * part).map(sum).collect();
+                assert!(same(b, &want), "reduce_scatter block {d}, member {first} first");
             }
         }
-
-        // all_gather and reduce_scatter, out of place.
-        let sends = given.clone();
-        let mut outs: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; N * count]).collect();
-        let calls: Vec<Call> = (0..N)
-            .map(|j| call::all_gather(N, &Buf::new(&sends[j][..]), &mut BufMut::new(&mut outs[j][..])))
-            .collect::<Result<_>>()
-            .unwrap();
-        run_all(&calls, &peers(&sends, &outs));
-        let want: Vec<f32> = given.concat();
-        assert!(outs.iter().all(|o| o == &want), "all_gather");
-
-        let part = count / N;
-        let mut blocks: Vec<Vec<f32>> = (0..N).map(|_| vec![0.0; part]).collect();
-        let ins: Vec<Vec<f32>> = given.iter().map(|g| g[..N * part].to_vec()).collect();
-        let calls: Vec<Call> = (0..N)
-            .map(|j| {
-                call::reduce_scatter(
-                    N,
-                    &Buf::new(&ins[j][..]),
-                    &mut BufMut::new(&mut blocks[j][..]),
-                    ReduceOp::Sum,
-                )
-            })
-            .collect::<Result<_>>()
-            .unwrap();
-        run_all(&calls, &peers(&ins, &blocks));
-        for (d, b) in blocks.iter().enumerate() {
-            assert!(
-                b.iter().enumerate().all(|(i, x)| x.to_bits() == sum(d * part + i).to_bits()),
-                "block {d}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_member_in_an_older_call_takes_no_tile_and_uses_none_up() {
-        let word = AtomicU64::new(0);
-        Claims::open(&word, 5);
-        let (old, new) = (Claims::new(vec![&word], 4), Claims::new(vec![&word], 5));
-        assert_eq!(old.next(0, 10), None);
-        assert_eq!(new.next(0, 10), Some(0));
-        assert_eq!(old.next(0, 10), None);
-        assert_eq!((new.next(0, 2), new.next(0, 2)), (Some(1), None));
     }
 
     #[test]

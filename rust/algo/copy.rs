@@ -2,31 +2,27 @@
 //! it (one read and one write per byte delivered, no staging), all members at once. Large copies
 //! stream past the caches (`stream`).
 
-use super::owner::owned;
+use super::claims::Claims;
 use super::stream::{copy, worth};
 use super::Peer;
 
-/// broadcast: every member copies (n − 1)/n of the message, so the root's core works too: the root
-/// copies its owned slice into every other member's buffer, each of them copies the rest.
+/// broadcast: every member copies the tiles it claims from the root's buffer into every other
+/// member's, so the root's core works too and a member a busy core holds back does less.
 ///
 /// # Safety
-/// Every buffer holds `bytes` bytes and stays alive until the done-sync.
-pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes: usize) {
-    let (n, piece, stream) = (peers.len(), owned(bytes, 1, peers.len(), root), worth(bytes));
-    let from = peers[root].send;
-    // SAFETY (all): the ranges lie within `bytes`; the root's slice of each buffer is written by the
-    // root alone, the rest by the buffer's owner.
-    unsafe {
-        if index == root {
-            for j in (1..n).map(|d| (root + d) % n) {
-                copy(from.add(piece.start), peers[j].recv.add(piece.start), piece.len(), stream);
-            }
-        } else {
-            let to = peers[index].recv;
-            copy(from, to, piece.start, stream);
-            copy(from.add(piece.end), to.add(piece.end), bytes - piece.end, stream);
+/// Every buffer holds `bytes` bytes and stays alive until the done-sync; every member claims from the
+/// same `claims`.
+pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes: usize, claims: &Claims<'_>) {
+    let (n, unit, stream) = (peers.len(), claims.unit(bytes, peers.len()), worth(bytes));
+    let _ = claims.share(index, bytes.div_ceil(unit), |t| {
+        let (off, len) = (t * unit, unit.min(bytes - t * unit));
+        for j in (0..n).map(|d| (index + d) % n).filter(|&j| j != root) {
+            // SAFETY: tile t lies within `bytes`; only its claimer writes it, into buffers other than
+            // the root's (which it reads).
+            unsafe { copy(peers[root].send.add(off), peers[j].recv.add(off), len, stream) };
         }
-    }
+        Ok(())
+    });
 }
 
 /// all_gather: copy every member's `bytes`-long send buffer into slot j of this member's recv.

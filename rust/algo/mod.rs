@@ -5,6 +5,7 @@
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
 //! * `cma`: private buffers of processes, copied straight between them by the kernel;
+//! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
 //! * `stream`: the one local copy of large transfers, streaming past the caches;
 //! * `pairwise`: all_to_all and the collectives with per-member sizes, both ways, over the byte ranges
 //!   of a `layout::Plan`.
@@ -12,6 +13,7 @@
 //! Members touch disjoint memory; the engine's second sync ("done") keeps buffers alive until every
 //! peer has finished with them.
 
+pub(crate) mod claims;
 pub(crate) mod cma;
 pub(crate) mod copy;
 pub(crate) mod layout;
@@ -77,6 +79,7 @@ pub(crate) unsafe fn direct(
     peers: &[Peer],
     index: usize,
     plan: Option<&layout::Plan>,
+    claims: &claims::Claims<'_>,
 ) {
     if let Some(plan) = plan {
         // SAFETY: forwarded from the caller.
@@ -90,7 +93,7 @@ pub(crate) unsafe fn direct(
             CollKind::AllReduce => owner::reduce_owned(dtype, op, scale, peers, index, count, None),
             CollKind::Reduce => owner::reduce_owned(dtype, op, scale, peers, index, count, root),
             CollKind::ReduceScatter => owner::reduce_scatter(dtype, op, scale, peers, index, count),
-            CollKind::Broadcast => copy::broadcast(peers, index, r, bytes),
+            CollKind::Broadcast => copy::broadcast(peers, index, r, bytes, claims),
             CollKind::AllGather => copy::all_gather(peers, index, bytes),
             CollKind::Gather => copy::gather(peers, index, r, bytes),
             CollKind::Scatter => copy::scatter(peers, index, r, bytes),

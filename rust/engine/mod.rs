@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
+use crate::algo::claims::Claims;
 use crate::algo::layout::{self, Fault, Plan};
 use crate::algo::{self, pairwise, spans, staged::Staged, Route};
 use crate::call::{self, Call};
@@ -311,7 +312,7 @@ impl<S: Store> Engine<S> {
         };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
-        algo::cma::Claims::open(&ctrl.claim, k);
+        Claims::open(&ctrl.claim, k);
         self.publish(|c| &c.arrive, k, SeqCst);
         let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
         let everyone = arrived.is_ok();
@@ -401,6 +402,10 @@ impl<S: Store> Engine<S> {
             Ok(route) => route,
             Err(e) => return (Err(self.fail(e)), false),
         };
+        // Members claim tiles (`algo::claims`) on the direct and cma routes; the staged ones step.
+        let claims = Claims::new((0..n).map(|j| &*s.ctrl(j).claim).collect(), k, s.wait(op).spin);
+        let publish = |step: u64| self.publish(|c| &c.step, step, Release);
+        let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
         match route {
             Route::Direct(peers) => {
                 // Everyone arrived, but a member whose arrival wait failed meanwhile may be gone: then
@@ -411,7 +416,7 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: every member validated its buffers for this signature, all agree on it, and
                 // each keeps its buffers until every member stored its done (drain).
-                unsafe { algo::direct(call, red, &peers, me, plan.as_ref()) };
+                unsafe { algo::direct(call, red, &peers, me, plan.as_ref(), &claims) };
                 (Ok(()), true)
             }
             Route::Cma(members) => {
@@ -421,7 +426,6 @@ impl<S: Store> Engine<S> {
                     return (self.check_abort(op, true), true);
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
-                let claims = algo::cma::Claims::new((0..n).map(|j| &*s.ctrl(j).claim).collect(), k);
                 let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, op) };
                 // A copy fails when its peer has exited: then say that, as every other wait would
                 // (its exit may show a moment after its memory is gone).
@@ -438,8 +442,6 @@ impl<S: Store> Engine<S> {
                 (moved.map_err(failed), true)
             }
             Route::Staged { bufs, chunk } if plan.is_some() => {
-                let publish = |step: u64| self.publish(|c| &c.step, step, Release);
-                let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
                 let (send, recv) = (call.mine.send, call.mine.recv);
                 let plan = plan.as_ref().expect("checked by the guard");
                 let staged =
@@ -462,8 +464,6 @@ impl<S: Store> Engine<S> {
                     bufs: &bufs,
                     chunk,
                 };
-                let publish = |step: u64| self.publish(|c| &c.step, step, Release);
-                let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
                 // SAFETY: the buffers were validated for this signature, which every member shares. Only
                 // their owner touches private buffers (peers read staging, which outlives the call), so
                 // a member may leave the pipeline without waiting for the others.

@@ -84,9 +84,11 @@ impl Shared {
                 // A slot's counters are monotonic over one binding: start it from zero.
                 for j in 0..n {
                     let c = self.ctrl(slot, j);
-                    for counter in [&c.arrive, &c.done, &c.completed, &c.step] {
+                    for counter in [&c.arrive, &c.done, &c.completed, &c.step, &c.claim] {
                         counter.store(0, Relaxed);
                     }
+                    // No core known yet (not the last binding's).
+                    c.cpu.store(0, Relaxed);
                 }
                 let c = self.comm_head(slot);
                 c.members.store(mask, Relaxed);

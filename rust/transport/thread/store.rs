@@ -178,8 +178,9 @@ impl Store for ThreadStore {
         Wait {
             event: &self.comm.event,
             shared: false,
-            // The ranks waiting on each other are the members' threads.
-            spin: may_spin(self.comm.members.len()),
+            // Every rank of the world may be waiting at once (groups run side by side), as in the shm
+            // world: spin only when the world's threads each have a core.
+            spin: may_spin(self.world_size()),
             deadline: Instant::now() + self.shared.timeout,
             op,
         }
