@@ -318,10 +318,11 @@ def test_staged_collectives_are_exact_at_any_page_offset(chunk_kib):
 def w_shared_copies(rank, n, ports, job, timeout, q):
     """Broadcast from every root, all_gather and gather, on private arrays
     (copied between processes) and segment arrays, at sizes around the members' shares (one owned
-    slice, several push tiles, past the streaming limit) and at odd byte offsets, against numpy."""
+    slice, several tiles, past the streaming limit), private arrays 8 bytes past a page, against numpy."""
     pg = connect(rank, n, ports[0], timeout)
     fails = []
-    # float64 elements: 8 KiB + 1 (uneven shares), 1 MiB + 3 (many 128 KiB tiles), 7 MiB + 5 (streamed).
+    # float64 elements: 1025 (8 KiB and one element: uneven shares), 2^17 + 3 (1 MiB and 3: many
+    # tiles), 7 * 2^17 + 5 (7 MiB and 5: streamed).
     for case, size in enumerate([1025, (1 << 17) + 3, (7 << 17) + 5]):
         xs = [wide_values(r, case, size, np.float64) for r in range(n)]
         for kind in ("private", "segment"):

@@ -6,7 +6,7 @@
 //! Members share the work in tiles they claim one at a time ([`Claims`]), so a member whose core is
 //! taken by another process does less of it instead of holding every member back:
 //! * broadcast: the root writes a tile it claims into every other member's buffer; any other member
-//!   reads it from the root, then writes it on to the rest (at 2 ranks each copies about half);
+//!   reads it from the root, then writes it on to the rest (at 2 ranks in step, each copies half);
 //! * all_gather: a member copies each tile of its own part into its own slot and writes it to its
 //!   peers, then helps with parts whose owners are behind; gather: each member writes its part into
 //!   the root's buffer; scatter: each member reads its part from the root;

@@ -4,8 +4,8 @@
 //! members call the same collectives):
 //! 1. publish: write the call's signature and buffers into page `k % 2` of this member's control block
 //!    (for a one-shot all_reduce, also copy the data into one-shot buffer `k % 2`; for a collective
-//!    with per-member sizes, its layout into layout buffer `k % 2`), store `arrive = k` and wake the
-//!    communicator's event;
+//!    with per-member sizes, its layout into layout buffer `k % 2`), open its tile counter for call k
+//!    (`algo::claims`), store `arrive = k` (with the core it runs on) and wake the communicator's event;
 //! 2. wait until every member's `arrive >= k`, then compare the signatures (and the layouts, which
 //!    make the plan of a pairwise collective, `algo::layout`): any difference aborts the world and
 //!    every member fails with the same mismatch, before any buffer is touched;
