@@ -139,24 +139,21 @@ mod tests {
         for helping in [true, false] {
             words.iter().for_each(|w| Claims::open(w, 1));
             let claims = Claims::new(words.iter().collect(), 1, helping);
-            let mut done = Vec::new();
-            claims
-                .owned_first(0, 5, |j, t| {
-                    done.push((j, t));
-                    Ok(())
-                })
-                .unwrap();
+            let taken_by = |me| {
+                let mut taken = Vec::new();
+                claims
+                    .owned_first(me, 5, |j, t| {
+                        taken.push((j, t));
+                        Ok(())
+                    })
+                    .unwrap();
+                taken
+            };
             let helped = if helping { 5 - STEAL_SPARE } else { 0 };
             let want: Vec<_> = (0..5).map(|t| (0, t)).chain((0..helped).map(|t| (1, t))).collect();
-            assert_eq!(done, want, "helping {helping}");
+            assert_eq!(taken_by(0), want, "helping {helping}");
             // The owner still gets exactly the rest.
-            let mut rest = Vec::new();
-            claims
-                .owned_first(1, 5, |j, t| {
-                    rest.push((j, t));
-                    Ok(())
-                })
-                .unwrap();
+            let rest = taken_by(1);
             assert_eq!(rest, (helped..5).map(|t| (1, t)).collect::<Vec<_>>());
         }
     }
