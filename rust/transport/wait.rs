@@ -55,9 +55,16 @@ pub(crate) fn may_spin(ranks: usize) -> bool {
     ranks <= *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// The core the calling thread runs on. Through glibc, which reads it from rseq or the vDSO without a
+/// system call: it runs with every published counter (rustix makes the `getcpu` system call).
+fn core() -> Option<usize> {
+    // SAFETY: no arguments; reads the calling thread's state.
+    usize::try_from(unsafe { libc::sched_getcpu() }).ok()
+}
+
 /// The core the calling thread runs on, plus one (so that 0 can mean "not yet known").
 pub(crate) fn current_cpu() -> u32 {
-    u32::try_from(thread::sched_getcpu()).map_or(0, |c| c.saturating_add(1))
+    core().and_then(|c| u32::try_from(c + 1).ok()).unwrap_or(0)
 }
 
 /// Move the calling thread off its core, within the cores it may use, when a rank it waits for is
@@ -73,7 +80,7 @@ pub(crate) fn leave_core() -> bool {
         return false;
     }
     LAST.set(Some(Instant::now()));
-    let moved = move_off(thread::sched_getcpu());
+    let moved = core().map_or(Ok(false), move_off);
     if moved.is_err() {
         // Refused (a sandbox, a cpuset change): do not try again on this thread.
         LAST.set(Some(Instant::now() + MAX_TIMEOUT));
@@ -92,7 +99,7 @@ fn move_off(here: usize) -> rustix::io::Result<bool> {
     elsewhere.unset(here);
     // The kernel migrates a running thread as soon as its own core leaves its set.
     thread::sched_setaffinity(None, &elsewhere)?;
-    let moved = thread::sched_getcpu() != here;
+    let moved = core() != Some(here);
     // Never leave the narrowed set in place: retry the restore once before giving up.
     thread::sched_setaffinity(None, &allowed).or_else(|_| thread::sched_setaffinity(None, &allowed))?;
     Ok(moved)
@@ -224,7 +231,7 @@ mod tests {
             return; // a sandbox that refuses affinity: leave_core then never moves (checked below)
         }
         // Pinned to one core, there is nowhere to go.
-        let here = thread::sched_getcpu();
+        let here = core().unwrap();
         let mut one = CpuSet::new();
         one.set(here);
         thread::sched_setaffinity(None, &one).unwrap();
@@ -232,7 +239,7 @@ mod tests {
         thread::sched_setaffinity(None, &allowed).unwrap();
         // With two cores or more it lands on another one (checked before the set is restored), and
         // the set is restored as it was.
-        let here = thread::sched_getcpu();
+        let here = core().unwrap();
         assert_eq!(move_off(here).unwrap(), allowed.count() >= 2);
         let after = thread::sched_getaffinity(None).unwrap();
         assert!((0..CpuSet::MAX_CPU).all(|c| after.is_set(c) == allowed.is_set(c)));
