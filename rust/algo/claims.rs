@@ -39,6 +39,11 @@ impl<'a> Claims<'a> {
         bytes.div_ceil(per).next_multiple_of(4096).clamp(4096, CMA_TILE)
     }
 
+    /// Offset and length of tile `t` of a `bytes`-long message cut in tiles of `unit` bytes.
+    pub(crate) fn tile(t: usize, unit: usize, bytes: usize) -> (usize, usize) {
+        (t * unit, unit.min(bytes - t * unit))
+    }
+
     /// The next unclaimed tile below `tiles` of part `j`, if any.
     fn next(&self, j: usize, tiles: usize) -> Option<usize> {
         let word = self.words[j];

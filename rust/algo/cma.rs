@@ -158,7 +158,7 @@ pub(crate) unsafe fn run(
     // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter).
     let unit = claims.unit(bytes, n);
     let tiles = bytes.div_ceil(unit);
-    let tile = |t: usize| (t * unit, unit.min(bytes - t * unit));
+    let tile = |t: usize| Claims::tile(t, unit, bytes);
     // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`:
     // itself first (that copy brings the tile into cache for the rest), then its peers from the next
     // one (members do not all write to the same peer at once).

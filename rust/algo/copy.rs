@@ -14,8 +14,9 @@ use super::Peer;
 /// same `claims`.
 pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes: usize, claims: &Claims<'_>) {
     let (n, unit, stream) = (peers.len(), claims.unit(bytes, peers.len()), worth(bytes));
+    // The work never fails: the Result is the claims' general signature.
     let _ = claims.share(index, bytes.div_ceil(unit), |t| {
-        let (off, len) = (t * unit, unit.min(bytes - t * unit));
+        let (off, len) = Claims::tile(t, unit, bytes);
         for j in (0..n).map(|d| (index + d) % n).filter(|&j| j != root) {
             // SAFETY: tile t lies within `bytes`; only its claimer writes it, into buffers other than
             // the root's (which it reads).

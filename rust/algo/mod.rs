@@ -6,7 +6,8 @@
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
 //! * `cma`: private buffers of processes, copied straight between them by the kernel;
 //! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
-//! * `stream`: the one local copy of large transfers, streaming past the caches;
+//! * `stream`: the local copy of large transfers in `copy` and `cma`, streaming past the caches (the
+//!   pairwise and staged copies move pieces of at most a pipeline round, and do not stream);
 //! * `pairwise`: all_to_all and the collectives with per-member sizes, both ways, over the byte ranges
 //!   of a `layout::Plan`.
 //!
