@@ -151,10 +151,23 @@ def w_collectives(rank, n, ports, job, timeout, q):
     return fails, digests
 
 
+# The route a call of private arrays takes: by its size and kind (the default: these tests' sizes
+# stage), or straight between processes whenever the kernel allows (`AXONML_SHM_CMA=1`).
+ROUTES = {"by size": None, "cross-memory": "1"}
+
+
+def w_on_route(rank, n, ports, job, timeout, q, cma, work, *args):
+    """`work` with `AXONML_SHM_CMA` set to `cma` on every rank (None: unset)."""
+    if cma is not None:
+        os.environ["AXONML_SHM_CMA"] = cma
+    return work(rank, n, ports, job, timeout, q, *args)
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("n", [2, 4])
-def test_every_collective_dtype_and_op_matches_numpy_bitwise_on_every_rank(n):
-    results = ok(run_world(n, w_collectives, limit=110))
+def test_every_collective_dtype_and_op_matches_numpy_bitwise_on_every_rank(n, route):
+    results = ok(run_world(n, w_on_route, ROUTES[route], w_collectives, limit=110))
     for rank, (fails, _) in enumerate(results):
         assert not fails, f"rank {rank}: {fails[:5]}"
     for rank, (_, digests) in enumerate(results):
@@ -162,9 +175,9 @@ def test_every_collective_dtype_and_op_matches_numpy_bitwise_on_every_rank(n):
 
 
 def w_collectives_without_cross_memory_on_rank_0(rank, n, ports, job, timeout, q):
-    """As w_collectives, with rank 0 refusing cross-memory copies (as a sandbox would make it)."""
-    if rank == 0:
-        os.environ["AXONML_SHM_CMA"] = "0"
+    """As w_collectives, with rank 0 refusing cross-memory copies (as a sandbox would make it) and the
+    others asking for them at every size."""
+    os.environ["AXONML_SHM_CMA"] = "0" if rank == 0 else "1"
     return w_collectives(rank, n, ports, job, timeout, q)
 
 
@@ -354,6 +367,9 @@ def w_shared_copies(rank, n, ports, job, timeout, q):
 
 
 @pytest.mark.timeout(120)
-def test_shared_copies_from_every_root_are_exact_on_private_and_segment_arrays():
-    # 3 ranks: shares that are not equal; roots 0..2 each write a different slice.
-    assert ok(run_world(3, w_shared_copies, timeout=30, limit=110)) == [[], [], []]
+@pytest.mark.parametrize("route", ROUTES)
+def test_shared_copies_from_every_root_are_exact_on_private_and_segment_arrays(route):
+    # 3 ranks: shares that are not equal; roots 0..2 each write a different slice. On 2 cores these
+    # stage by size (ranks outnumber cores), streaming the largest outputs.
+    results = run_world(3, w_on_route, ROUTES[route], w_shared_copies, timeout=30, limit=110)
+    assert ok(results) == [[], [], []]

@@ -26,9 +26,10 @@ use super::claims::Claims;
 use super::layout::Plan;
 use super::stream;
 use crate::call::Call;
+use crate::config::{CMA_COPY, CMA_MIN, CMA_REDUCE, CMA_REDUCE_CROWDED};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
-use crate::signature::CollKind;
+use crate::signature::{CollKind, Signature};
 
 /// Where a member's buffer is: in this process (`pid` None), or at `addr` in process `pid`.
 #[derive(Clone, Copy, Debug)]
@@ -55,6 +56,44 @@ pub(crate) struct Member {
 /// Whether this route runs `kind` (the others, reduce_scatter_v, go through staging).
 pub(crate) fn handles(kind: CollKind) -> bool {
     !matches!(kind, CollKind::ReduceScatterV)
+}
+
+/// When a member lets its peers copy its private buffers straight from its memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Policy {
+    /// Never (`AXONML_SHM_CMA=0`, or the kernel refused a peer: `probe`); every call stages.
+    Never,
+    /// Calls large enough for their kind ([`Policy::shares`]): the default.
+    BySize,
+    /// Every buffer of at least `CMA_MIN` bytes (`AXONML_SHM_CMA=1`).
+    Always,
+}
+
+impl Policy {
+    /// Whether a private buffer of `bytes` for `sig`, in a group of `n`, goes to peers by cross-memory
+    /// copies; `crowded` when the world's ranks outnumber the cores. Each member decides for its own
+    /// buffers, and a call takes this route only when every member shared every buffer, so members
+    /// that decide differently stage.
+    pub(crate) fn shares(self, sig: &Signature, n: usize, bytes: usize, crowded: bool) -> bool {
+        let smallest = match sig.kind {
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if crowded => CMA_REDUCE_CROWDED,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => CMA_REDUCE,
+            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter if crowded => {
+                usize::MAX
+            }
+            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => CMA_COPY,
+            // Not measured against staging: by the buffer alone, as before.
+            _ => CMA_MIN,
+        };
+        // The call's size is that of its largest buffer, the root's for the rooted kinds, so that
+        // every member of a call reaches the same answer.
+        let (send, recv) = super::spans(sig, n, true);
+        match self {
+            Policy::Never => false,
+            Policy::Always => bytes >= CMA_MIN,
+            Policy::BySize => bytes >= CMA_MIN && bytes.max(send).max(recv) >= smallest,
+        }
+    }
 }
 
 #[repr(C, align(64))]
@@ -311,6 +350,46 @@ mod tests {
         assert!(!probe(me(), 16));
         let e = write(got.as_ptr(), bad, 16, "broadcast").unwrap_err().to_string();
         assert!(e.contains("writing to rank 3"), "{e}");
+    }
+
+    #[test]
+    fn calls_cross_by_size_and_kind_and_every_member_of_a_call_decides_alike() {
+        use crate::dtype::DType;
+        let sig = |kind, count: usize| Signature::new(kind, 1, count).dtype(DType::F32);
+        let decide = |p: Policy, kind, count: usize, n: usize, crowded| {
+            let s = sig(kind, count);
+            let root = super::super::spans(&s, n, true);
+            let other = super::super::spans(&s, n, false);
+            // Every buffer the members of the call share, the root's and the others'.
+            let each: Vec<bool> = [root.0, root.1, other.0, other.1]
+                .into_iter()
+                .filter(|&b| b > 0)
+                .map(|b| p.shares(&s, n, b, crowded))
+                .collect();
+            assert!(each.iter().all(|&x| x == each[0]), "{kind:?} {count}: members disagree {each:?}");
+            each[0]
+        };
+        let mib = (1 << 20) / 4;
+        for kind in [CollKind::AllReduce, CollKind::Reduce] {
+            assert!(!decide(Policy::BySize, kind, 4 * mib, 2, false));
+            assert!(decide(Policy::BySize, kind, 8 * mib, 2, false));
+            assert!(!decide(Policy::BySize, kind, 2 * mib, 4, true));
+            assert!(decide(Policy::BySize, kind, 4 * mib, 4, true));
+        }
+        // reduce_scatter by its input (count per member, n parts), all_gather and gather by their
+        // output, scatter by its input: the call's largest buffer.
+        assert!(!decide(Policy::BySize, CollKind::ReduceScatter, 2 * mib, 2, false));
+        assert!(decide(Policy::BySize, CollKind::ReduceScatter, 4 * mib, 2, false));
+        for kind in [CollKind::Broadcast, CollKind::AllGather, CollKind::Gather, CollKind::Scatter] {
+            let part = if kind == CollKind::Broadcast { 2 * mib } else { mib };
+            assert!(!decide(Policy::BySize, kind, part - 1, 2, false), "{kind:?}");
+            assert!(decide(Policy::BySize, kind, part, 2, false), "{kind:?}");
+            assert!(!decide(Policy::BySize, kind, 64 * mib, 4, true), "{kind:?}");
+            assert!(decide(Policy::Always, kind, 64 * mib, 4, true), "{kind:?}");
+        }
+        assert!(decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4, 2, false));
+        assert!(!decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4 - 1, 2, false));
+        assert!(!decide(Policy::Never, CollKind::AllReduce, 64 * mib, 2, false));
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

@@ -4,10 +4,11 @@
 //! * [`direct`]: every buffer addressable by every member (the in-process world, or arrays inside a
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
-//! * `cma`: private buffers of processes, copied straight between them by the kernel;
+//! * `cma`: private buffers of processes, copied straight between them by the kernel, for calls large
+//!   enough to pay for it (`cma::Policy`);
 //! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
-//! * `stream`: the local copy of large transfers in `copy` and `cma`, streaming past the caches (the
-//!   pairwise and staged copies move pieces of at most a pipeline round, and do not stream);
+//! * `stream`: the local copy of large transfers in `copy` and `cma`, and the staged copies out into
+//!   large outputs, streaming past the caches (the pairwise copies do not stream);
 //! * `pairwise`: all_to_all and the collectives with per-member sizes, both ways, over the byte ranges
 //!   of a `layout::Plan`.
 //!

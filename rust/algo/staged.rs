@@ -18,6 +18,7 @@
 //! `PLACE_MIN` bytes keeps one period of room for that.
 
 use super::owner::owned;
+use super::stream;
 use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -78,6 +79,15 @@ impl Staged<'_> {
             CollKind::AllReduce | CollKind::Reduce => self.n * room(self.region()),
             CollKind::ReduceScatter | CollKind::Scatter => room(self.region()),
             _ => room(self.chunk),
+        }
+    }
+
+    /// Bytes of this call's output on a member that receives it.
+    fn output_bytes(&self) -> usize {
+        let whole = self.count * self.dtype.size();
+        match self.kind {
+            CollKind::AllGather | CollKind::Gather => self.n * whole,
+            _ => whole,
         }
     }
 
@@ -143,6 +153,13 @@ impl Staged<'_> {
         // tolerates the in-place overlap of all_gather's own part.
         let copy =
             |from: *const u8, to: *mut u8, elems: usize| unsafe { std::ptr::copy(from, to, elems * e) };
+        // Copies out of staging into the private output stream when the whole output is large
+        // (`stream::worth`): pieces of it are never read again in this call.
+        let streams = stream::worth(self.output_bytes());
+        // SAFETY: as for `copy`.
+        let out = |from: *const u8, to: *mut u8, elems: usize| unsafe {
+            stream::copy(from, to, elems * e, streams)
+        };
         let slice = |o: usize| owned(len, e, n, o);
         match self.kind {
             CollKind::AllReduce | CollKind::Reduce => {
@@ -176,7 +193,7 @@ impl Staged<'_> {
                 if self.kind == CollKind::AllReduce || me == root {
                     for o in (0..n).filter(|&o| o != me) {
                         let s = slice(o);
-                        copy(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
+                        out(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
                     }
                 }
             }
@@ -219,7 +236,7 @@ impl Staged<'_> {
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if me != root {
-                    copy(stage(root, 0, lo), dst(lo), len);
+                    out(stage(root, 0, lo), dst(lo), len);
                 }
             }
             CollKind::AllGather | CollKind::Gather => {
@@ -229,7 +246,7 @@ impl Staged<'_> {
                 if self.kind == CollKind::AllGather || me == root {
                     for j in 0..n {
                         let from = if j == me { src(lo) } else { stage(j, 0, lo).cast_const() };
-                        copy(from, dst(j * self.count + lo), len);
+                        out(from, dst(j * self.count + lo), len);
                     }
                 }
             }

@@ -307,8 +307,8 @@ impl<S: Store> Engine<S> {
         }
         let page = Published {
             sig: wire::encode(&sig),
-            send: s.share(call.mine.send, sb),
-            recv: s.share(call.mine.recv, rb),
+            send: s.share(call.mine.send, sb, &sig),
+            recv: s.share(call.mine.recv, rb, &sig),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).

@@ -130,8 +130,8 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// and read like one-shot buffers.
     fn layout(&self, j: usize, k: u64) -> *mut u64;
 
-    /// How peers find `bytes` at `ptr`, this member's buffer (a number for [`Published`]).
-    fn share(&self, ptr: *const u8, bytes: usize) -> u64;
+    /// How peers find `bytes` at `ptr`, this member's buffer for `sig` (a number for [`Published`]).
+    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature) -> u64;
     /// How the data of `sig` moves, given every member's page and the bytes its send and recv buffers
     /// span: straight between the published buffers, or through staging. Fails when a page names a
     /// buffer no honest peer would publish.

@@ -13,6 +13,7 @@ use super::layout::{ChanHead, CommHead, Header, Layout};
 use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
+use crate::algo::cma::Policy;
 use crate::engine::{Ctrl, Splits};
 use crate::error::Result;
 
@@ -43,9 +44,9 @@ pub(crate) struct Shared {
     /// Per peer: this rank's send side and receive side of the channels with it.
     pub sends: Vec<Mutex<ChanState>>,
     pub recvs: Vec<Mutex<ChanState>>,
-    /// Whether this process may copy straight to and from every peer's memory (`algo::cma`): probed
-    /// on first need, false when the environment forbids it.
-    cma: OnceLock<bool>,
+    /// When this process lets peers copy straight to and from its memory (`algo::cma`): probed on
+    /// first need, `Never` when the environment forbids it or a peer cannot be reached.
+    cma: OnceLock<Policy>,
 }
 
 impl Shared {
@@ -81,14 +82,19 @@ impl Shared {
 
     /// Whether this rank may copy straight between its memory and every peer's (see `cma`). Each rank
     /// decides for itself and says so in what it publishes, so the members of a call agree on the route.
-    pub(crate) fn cma(&self) -> bool {
+    pub(crate) fn cma(&self) -> Policy {
         *self.cma.get_or_init(|| {
             let h = self.header();
-            crate::config::cma_allowed_by_env()
-                && (0..self.size).filter(|&r| r != self.rank).all(|r| {
-                    let (pid, addr) = (self.liveness.pid(r), h.probes[r].load(SeqCst));
-                    i32::try_from(pid).is_ok_and(|pid| crate::algo::cma::probe(pid, addr as usize))
-                })
+            let policy = crate::config::cma_policy_from_env();
+            let reach = |r: usize| {
+                let (pid, addr) = (self.liveness.pid(r), h.probes[r].load(SeqCst));
+                i32::try_from(pid).is_ok_and(|pid| crate::algo::cma::probe(pid, addr as usize))
+            };
+            if policy == Policy::Never || !(0..self.size).filter(|&r| r != self.rank).all(reach) {
+                Policy::Never
+            } else {
+                policy
+            }
         })
     }
 

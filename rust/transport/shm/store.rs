@@ -13,7 +13,6 @@ use super::shared::Shared;
 use crate::algo::cma::{self, Loc, Member};
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
-use crate::config::CMA_MIN;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
@@ -94,7 +93,7 @@ impl ShmStore {
     }
 
     /// Every member's buffers as places to copy from and to (`algo::cma`), when every member published
-    /// its private buffers for it (a member that may not, or a call below [`CMA_MIN`], publishes none).
+    /// its private buffers for it (a member that may not, or a call too small, publishes none: `cma::Policy`).
     /// An address no correct peer publishes (wrapping around, misaligned) is an error.
     fn cma(
         &self,
@@ -183,12 +182,14 @@ impl Store for ShmStore {
         self.oneshot(j, k).cast()
     }
 
-    fn share(&self, ptr: *const u8, bytes: usize) -> u64 {
+    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature) -> u64 {
         if ptr.is_null() || bytes == 0 {
             NO_BUFFER
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
-        } else if bytes >= CMA_MIN && (ptr as u64) < PRIVATE && self.world.cma() {
+        } else if (ptr as u64) < PRIVATE
+            && self.world.cma().shares(sig, self.members.len(), bytes, !may_spin(self.world.size))
+        {
             PRIVATE | ptr as u64
         } else {
             NOT_SHARED
