@@ -4,8 +4,6 @@
 
 use std::time::Duration;
 
-use crate::algo::cma::Policy;
-
 /// Default for how long any wait lasts before it fails: finite, and long enough for slow first steps.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -141,14 +139,15 @@ pub(crate) fn move_allowed_by_env() -> bool {
     *ALLOWED.get_or_init(|| std::env::var("AXONML_WAIT_MOVE").map_or(true, |v| v.trim() != "0"))
 }
 
-/// `AXONML_SHM_CMA`: `0` never copies straight between processes (`algo::cma`), always stages (tests of
-/// the staged path; sandboxes that log refused `process_vm_readv` calls); `1` copies straight whatever
-/// the call's size and kind (tests of the cross-memory path; CPUs whose kernel copies as fast as
-/// `memcpy`); unset, by size and kind.
-pub(crate) fn cma_policy_from_env() -> Policy {
+/// `AXONML_SHM_CMA` (`algo::cma::Policy`): `0` (`Some(false)`) never copies straight between processes,
+/// always stages (tests of the staged path; sandboxes that log refused `process_vm_readv` calls); `1`
+/// (`Some(true)`) copies straight every buffer of at least [`CMA_MIN`] bytes, whatever the call's size
+/// (tests of the cross-memory path; CPUs whose kernel copies as fast as `memcpy`); unset (`None`), by
+/// the call's size and kind.
+pub(crate) fn cma_forced_by_env() -> Option<bool> {
     match std::env::var("AXONML_SHM_CMA").as_deref().map(str::trim) {
-        Ok("0") => Policy::Never,
-        Ok("1") => Policy::Always,
-        _ => Policy::BySize,
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
     }
 }

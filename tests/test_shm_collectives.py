@@ -151,8 +151,9 @@ def w_collectives(rank, n, ports, job, timeout, q):
     return fails, digests
 
 
-# The route a call of private arrays takes: by its size and kind (the default: these tests' sizes
-# stage), or straight between processes whenever the kernel allows (`AXONML_SHM_CMA=1`).
+# The route a call of private arrays takes: by its size and kind (the default: most of these tests'
+# calls stage, the largest cross), or straight between processes from 64 KiB per buffer whenever the
+# kernel allows (`AXONML_SHM_CMA=1`).
 ROUTES = {"by size": None, "cross-memory": "1"}
 
 
@@ -330,7 +331,7 @@ def test_staged_collectives_are_exact_at_any_page_offset(chunk_kib):
 
 def w_shared_copies(rank, n, ports, job, timeout, q):
     """Broadcast from every root, all_gather and gather, on private arrays
-    (copied between processes) and segment arrays, at sizes around the members' shares (one owned
+    (copied between processes, or staged) and segment arrays, at sizes around the members' shares (one owned
     slice, several tiles, past the streaming limit), private arrays 8 bytes past a page, against numpy."""
     pg = connect(rank, n, ports[0], timeout)
     fails = []

@@ -26,7 +26,7 @@ use super::claims::Claims;
 use super::layout::Plan;
 use super::stream;
 use crate::call::Call;
-use crate::config::{CMA_COPY, CMA_MIN, CMA_REDUCE, CMA_REDUCE_CROWDED};
+use crate::config::{cma_forced_by_env, CMA_COPY, CMA_MIN, CMA_REDUCE, CMA_REDUCE_CROWDED};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{CollKind, Signature};
@@ -70,6 +70,15 @@ pub(crate) enum Policy {
 }
 
 impl Policy {
+    /// The policy `AXONML_SHM_CMA` asks for (`config::cma_forced_by_env`).
+    pub(crate) fn from_env() -> Policy {
+        match cma_forced_by_env() {
+            Some(false) => Policy::Never,
+            Some(true) => Policy::Always,
+            None => Policy::BySize,
+        }
+    }
+
     /// Whether a private buffer of `bytes` for `sig`, in a group of `n`, goes to peers by cross-memory
     /// copies; `crowded` when the world's ranks outnumber the cores. Each member decides for its own
     /// buffers, and a call takes this route only when every member shared every buffer, so members
@@ -86,7 +95,8 @@ impl Policy {
             _ => CMA_MIN,
         };
         // The call's size is that of its largest buffer, the root's for the rooted kinds, so that
-        // every member of a call reaches the same answer.
+        // members with the same policy and core count reach the same answer (any other member
+        // makes the call stage).
         let (send, recv) = super::spans(sig, n, true);
         match self {
             Policy::Never => false,
@@ -354,21 +364,21 @@ mod tests {
 
     #[test]
     fn calls_cross_by_size_and_kind_and_every_member_of_a_call_decides_alike() {
+        use crate::algo::spans;
         use crate::dtype::DType;
-        let sig = |kind, count: usize| Signature::new(kind, 1, count).dtype(DType::F32);
         let decide = |p: Policy, kind, count: usize, n: usize, crowded| {
-            let s = sig(kind, count);
-            let root = super::super::spans(&s, n, true);
-            let other = super::super::spans(&s, n, false);
-            // Every buffer the members of the call share, the root's and the others'.
-            let each: Vec<bool> = [root.0, root.1, other.0, other.1]
-                .into_iter()
-                .filter(|&b| b > 0)
-                .map(|b| p.shares(&s, n, b, crowded))
-                .collect();
-            assert!(each.iter().all(|&x| x == each[0]), "{kind:?} {count}: members disagree {each:?}");
-            each[0]
+            let s = Signature::new(kind, 1, count).dtype(DType::F32);
+            // What the root and any other member publish: the call crosses when each shares every
+            // buffer it has, and both must see it alike.
+            let member = |is_root| {
+                let (send, recv) = spans(&s, n, is_root);
+                [send, recv].into_iter().filter(|&b| b > 0).all(|b| p.shares(&s, n, b, crowded))
+            };
+            let (root, other) = (member(true), member(false));
+            assert_eq!(root, other, "{kind:?} {count}: the root and the others disagree");
+            root
         };
+        // float32 elements per MiB.
         let mib = (1 << 20) / 4;
         for kind in [CollKind::AllReduce, CollKind::Reduce] {
             assert!(!decide(Policy::BySize, kind, 4 * mib, 2, false));
@@ -380,6 +390,8 @@ mod tests {
         // output, scatter by its input: the call's largest buffer.
         assert!(!decide(Policy::BySize, CollKind::ReduceScatter, 2 * mib, 2, false));
         assert!(decide(Policy::BySize, CollKind::ReduceScatter, 4 * mib, 2, false));
+        assert!(!decide(Policy::BySize, CollKind::ReduceScatter, mib / 2, 4, true));
+        assert!(decide(Policy::BySize, CollKind::ReduceScatter, mib, 4, true));
         for kind in [CollKind::Broadcast, CollKind::AllGather, CollKind::Gather, CollKind::Scatter] {
             let part = if kind == CollKind::Broadcast { 2 * mib } else { mib };
             assert!(!decide(Policy::BySize, kind, part - 1, 2, false), "{kind:?}");
@@ -387,9 +399,15 @@ mod tests {
             assert!(!decide(Policy::BySize, kind, 64 * mib, 4, true), "{kind:?}");
             assert!(decide(Policy::Always, kind, 64 * mib, 4, true), "{kind:?}");
         }
+        // A large call whose parts are under CMA_MIN stages (64 members, 2 MiB gathered).
+        assert!(!decide(Policy::BySize, CollKind::AllGather, 2 * mib / 64, 64, false));
         assert!(decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4, 2, false));
         assert!(!decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4 - 1, 2, false));
         assert!(!decide(Policy::Never, CollKind::AllReduce, 64 * mib, 2, false));
+        // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
+        let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
+        assert!(Policy::BySize.shares(&v, 4, CMA_MIN, true));
+        assert!(!Policy::BySize.shares(&v, 4, CMA_MIN - 1, false));
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

@@ -149,8 +149,9 @@ impl Staged<'_> {
         let dst = |el: usize| unsafe { self.recv.add(el * e) };
         // SAFETY: every copy below moves at most the round's elements between a staging region (which
         // holds a placed piece of up to (cap - slack(cap)) / e elements, `per_round`) and the
-        // matching range of a private buffer; the steps order it against peers' accesses. `copy`
-        // tolerates the in-place overlap of all_gather's own part.
+        // matching range of a private buffer; the steps order it against peers' accesses. `copy` and
+        // `out` tolerate the in-place overlap of all_gather's own part (`stream::copy` does not
+        // stream overlapping ranges).
         let copy =
             |from: *const u8, to: *mut u8, elems: usize| unsafe { std::ptr::copy(from, to, elems * e) };
         // Copies out of staging into the private output stream when the whole output is large

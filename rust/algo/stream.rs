@@ -1,6 +1,7 @@
-//! The local copy of large transfers in `copy` and `cma`, and the staged copies out into large outputs:
-//! past [`STREAM_MIN`] bytes it stores with non-temporal (streaming) stores, which write whole lines to
-//! memory without first reading the destination into cache and without evicting what the caches hold. On this machine's kind a 32 MiB
+//! The local copy of large transfers in `copy` and `cma`, and the staged copies out into large
+//! outputs: past [`STREAM_MIN`] bytes it stores with non-temporal (streaming) stores, which write whole
+//! lines to memory without first reading the destination into cache and without evicting what the
+//! caches hold. On this machine's kind a 32 MiB
 //! copy runs at 16 GB/s that way against 8 GB/s for `memcpy` (glibc takes the L3 size the VM reports,
 //! 256 MiB, and so never streams below 192 MiB); under 4 MiB, where source and destination stay in
 //! cache, `memcpy` is faster.

@@ -80,12 +80,13 @@ impl Shared {
         })
     }
 
-    /// Whether this rank may copy straight between its memory and every peer's (see `cma`). Each rank
-    /// decides for itself and says so in what it publishes, so the members of a call agree on the route.
+    /// When this rank copies straight between its memory and every peer's (`algo::cma::Policy`). Each
+    /// rank decides for itself and says so in what it publishes, so the members of a call agree on the
+    /// route.
     pub(crate) fn cma(&self) -> Policy {
         *self.cma.get_or_init(|| {
             let h = self.header();
-            let policy = crate::config::cma_policy_from_env();
+            let policy = Policy::from_env();
             let reach = |r: usize| {
                 let (pid, addr) = (self.liveness.pid(r), h.probes[r].load(SeqCst));
                 i32::try_from(pid).is_ok_and(|pid| crate::algo::cma::probe(pid, addr as usize))

@@ -13,6 +13,7 @@ use super::shared::Shared;
 use crate::algo::cma::{self, Loc, Member};
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
+use crate::config::CMA_MIN;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
@@ -93,8 +94,8 @@ impl ShmStore {
     }
 
     /// Every member's buffers as places to copy from and to (`algo::cma`), when every member published
-    /// its private buffers for it (a member that may not, or a call too small, publishes none: `cma::Policy`).
-    /// An address no correct peer publishes (wrapping around, misaligned) is an error.
+    /// its private buffers for it (a member that may not, or for a call too small, publishes none:
+    /// `cma::Policy`). An address no correct peer publishes (wrapping around, misaligned) is an error.
     fn cma(
         &self,
         pages: &[Published],
@@ -188,6 +189,8 @@ impl Store for ShmStore {
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < PRIVATE
+            // Small buffers never cross, so they never make this process probe its peers.
+            && bytes >= CMA_MIN
             && self.world.cma().shares(sig, self.members.len(), bytes, !may_spin(self.world.size))
         {
             PRIVATE | ptr as u64
