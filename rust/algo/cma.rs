@@ -63,7 +63,7 @@ pub(crate) fn handles(kind: CollKind) -> bool {
 pub(crate) enum Policy {
     /// Never (`AXONML_SHM_CMA=0`, or the kernel refused a peer: `probe`); every call stages.
     Never,
-    /// Calls large enough for their kind ([`Policy::shares`]): the default.
+    /// Calls large enough for their kind ([`crosses`]): the default.
     BySize,
     /// Every buffer of at least `CMA_MIN` bytes (`AXONML_SHM_CMA=1`).
     Always,
@@ -78,31 +78,42 @@ impl Policy {
             None => Policy::BySize,
         }
     }
+}
 
-    /// Whether a private buffer of `bytes` for `sig`, in a group of `n`, goes to peers by cross-memory
-    /// copies; `crowded` when the world's ranks outnumber the cores. Each member decides for its own
-    /// buffers, and a call takes this route only when every member shared every buffer, so members
-    /// that decide differently stage.
-    pub(crate) fn shares(self, sig: &Signature, n: usize, bytes: usize, crowded: bool) -> bool {
-        let smallest = match sig.kind {
-            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if crowded => CMA_REDUCE_CROWDED,
-            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => CMA_REDUCE,
-            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter if crowded => {
-                usize::MAX
-            }
-            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => CMA_COPY,
-            // Not measured against staging: by the buffer alone, as before.
-            _ => CMA_MIN,
-        };
-        // The call's size is that of its largest buffer, the root's for the rooted kinds, so that
-        // members with the same policy and core count reach the same answer (any other member
-        // makes the call stage).
-        let (send, recv) = super::spans(sig, n, true);
-        match self {
-            Policy::Never => false,
-            Policy::Always => bytes >= CMA_MIN,
-            Policy::BySize => bytes >= CMA_MIN && bytes.max(send).max(recv) >= smallest,
+/// Whether a private buffer of `bytes` for `sig`, in a group of `n`, goes to peers by cross-memory
+/// copies under `policy`; `crowded` when the world's ranks outnumber the cores. The policy is asked
+/// only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a process probe its
+/// peers (`Policy::Never` after a refused probe). Each member decides for its own buffers, and a call
+/// takes this route only when every member shared every buffer, so members that decide differently
+/// stage.
+pub(crate) fn crosses(
+    policy: impl FnOnce() -> Policy,
+    sig: &Signature,
+    n: usize,
+    bytes: usize,
+    crowded: bool,
+) -> bool {
+    if bytes < CMA_MIN {
+        return false;
+    }
+    let smallest = match sig.kind {
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if crowded => CMA_REDUCE_CROWDED,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => CMA_REDUCE,
+        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter if crowded => {
+            usize::MAX
         }
+        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => CMA_COPY,
+        // Not measured against staging: by the buffer alone, as before.
+        _ => CMA_MIN,
+    };
+    // The call's size is that of its largest buffer, the root's for the rooted kinds, so that members
+    // with the same policy and core count reach the same answer (any other member makes the call
+    // stage).
+    let (send, recv) = super::spans(sig, n, true);
+    match policy() {
+        Policy::Never => false,
+        Policy::Always => true,
+        Policy::BySize => bytes.max(send).max(recv) >= smallest,
     }
 }
 
@@ -372,7 +383,7 @@ mod tests {
             // buffer it has, and both must see it alike.
             let member = |is_root| {
                 let (send, recv) = spans(&s, n, is_root);
-                [send, recv].into_iter().filter(|&b| b > 0).all(|b| p.shares(&s, n, b, crowded))
+                [send, recv].into_iter().filter(|&b| b > 0).all(|b| crosses(|| p, &s, n, b, crowded))
             };
             let (root, other) = (member(true), member(false));
             assert_eq!(root, other, "{kind:?} {count}: the root and the others disagree");
@@ -406,8 +417,10 @@ mod tests {
         assert!(!decide(Policy::Never, CollKind::AllReduce, 64 * mib, 2, false));
         // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
         let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
-        assert!(Policy::BySize.shares(&v, 4, CMA_MIN, true));
-        assert!(!Policy::BySize.shares(&v, 4, CMA_MIN - 1, false));
+        assert!(crosses(|| Policy::BySize, &v, 4, CMA_MIN, true));
+        assert!(!crosses(|| Policy::BySize, &v, 4, CMA_MIN - 1, false));
+        // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
+        assert!(!crosses(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, false));
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

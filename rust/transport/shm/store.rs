@@ -13,7 +13,6 @@ use super::shared::Shared;
 use crate::algo::cma::{self, Loc, Member};
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
-use crate::config::CMA_MIN;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
@@ -189,9 +188,7 @@ impl Store for ShmStore {
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < PRIVATE
-            // Small buffers never cross, so they never make this process probe its peers.
-            && bytes >= CMA_MIN
-            && self.world.cma().shares(sig, self.members.len(), bytes, !may_spin(self.world.size))
+            && cma::crosses(|| self.world.cma(), sig, self.members.len(), bytes, !may_spin(self.world.size))
         {
             PRIVATE | ptr as u64
         } else {
