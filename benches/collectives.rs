@@ -14,14 +14,22 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 
 fn kernels(c: &mut Criterion) {
     let mut g = c.benchmark_group("reduce_kernel");
-    for len in [1 << 10, 1 << 20] {
+    for len in [1 << 10, 1 << 17, 1 << 20] {
         let a: Vec<f32> = (0..len).map(|i| i as f32).collect();
         let b = a.clone();
         let mut out = vec![0.0f32; len];
         g.throughput(Throughput::Bytes((len * 4 * 3) as u64));
-        g.bench_with_input(BenchmarkId::new("sum_f32_2in", len), &len, |bench, _| {
-            bench.iter(|| reduce_slices(ReduceOp::Sum, &[black_box(&a), black_box(&b)], &mut out).unwrap())
-        });
+        // AVERAGE divides by the count, or multiplies when it is a power of two: 2 inputs against 3.
+        for (name, op, inputs) in [
+            ("sum_f32_2in", ReduceOp::Sum, vec![&a, &b]),
+            ("avg_f32_2in", ReduceOp::Average, vec![&a, &b]),
+            ("avg_f32_3in", ReduceOp::Average, vec![&a, &b, &a]),
+        ] {
+            let inputs: Vec<&[f32]> = inputs.into_iter().map(|v| &v[..]).collect();
+            g.bench_with_input(BenchmarkId::new(name, len), &len, |bench, _| {
+                bench.iter(|| reduce_slices(op, black_box(&inputs), &mut out).unwrap())
+            });
+        }
     }
     g.finish();
 }

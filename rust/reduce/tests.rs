@@ -134,6 +134,31 @@ fn bitwise_ops_on_integers_and_bools() {
 }
 
 #[test]
+fn averages_over_powers_of_two_have_the_bits_of_the_division() {
+    // Values across the whole range, subnormals, infinities and NaN included.
+    let mut xs: Vec<f32> = (0..2000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).collect();
+    xs.extend([f32::MIN_POSITIVE, 1e-45, -1e-45, f32::MAX, f32::INFINITY, f32::NAN, 0.1, 1.0 / 3.0]);
+    let ys: Vec<f32> = xs.iter().map(|x| x * 0.7 + 1e-40).collect();
+    for n in [2usize, 3, 4, 8, 16] {
+        let inputs: Vec<&[f32]> = (0..n).map(|j| if j % 2 == 0 { &xs[..] } else { &ys[..] }).collect();
+        let mut out = vec![0.0f32; xs.len()];
+        reduce_slices(ReduceOp::Average, &inputs, &mut out).unwrap();
+        for (i, o) in out.iter().enumerate() {
+            // The kernel's order: the first input, then each next one added.
+            let want = inputs[1..].iter().fold(inputs[0][i], |acc, s| acc + s[i]) / n as f32;
+            assert!(
+                o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
+                "n {n} i {i}: {o} != {want}"
+            );
+        }
+    }
+    let c = [Complex32::new(3.0, 1e-45)];
+    let mut out = [Complex32::default()];
+    reduce_slices(ReduceOp::Average, &[&c, &c, &c, &c], &mut out).unwrap();
+    assert_eq!(out[0], (c[0] + c[0] + c[0] + c[0]) / 4.0);
+}
+
+#[test]
 fn complex_sums_products_and_averages() {
     let a = [Complex32::new(1.0, 2.0)];
     let b = [Complex32::new(3.0, -1.0)];
