@@ -107,6 +107,15 @@ pub(crate) const CMA_TILE: usize = 128 << 10;
 /// a helper's tile costs a second cross-process copy, worth it when a busy core holds the owner back
 /// (all_gather 64 MiB beside a CPU-bound process: 15.5 -> 10.9 ms), not when members are in step.
 pub(crate) const STEAL_SPARE: usize = 2;
+/// Copies into staging (lines peers read last) or out of peers' staging (lines they just wrote) are
+/// slow past this many nanoseconds per KiB (`algo::handoff`). On this machine's kind, 2 ranks: most
+/// of the time the samples' medians are 27-58 and 95% lie under 80; in slow periods a 256 KiB
+/// all_reduce's copies in take 144-226 (5th to 95th percentile), its copies out 87-210.
+pub(crate) const HANDOFF_SLOW_NS_PER_KIB: u32 = 120;
+/// Copies smaller than this are not timed for `algo::handoff` (a clock read costs about 20 ns).
+pub(crate) const HANDOFF_SAMPLE_MIN: usize = 64 << 10;
+/// While copies out are slow, one in this many calls that cross because of it stages, to measure again.
+pub(crate) const HANDOFF_PROBE_EVERY: u64 = 16;
 /// Local copies of transfers this large stream past the caches (`algo::stream`): 8 MiB copies here
 /// ran at 22 GB/s streamed against 12 GB/s with `memcpy`, 4 MiB ones at 23 against 28 GB/s.
 pub(crate) const STREAM_MIN: usize = 6 << 20;

@@ -23,6 +23,7 @@
 use std::cell::RefCell;
 
 use super::claims::Claims;
+use super::handoff::Handoff;
 use super::layout::Plan;
 use super::stream;
 use crate::call::Call;
@@ -80,26 +81,44 @@ impl Policy {
     }
 }
 
-/// Whether a private buffer of `bytes` for `sig`, in a group of `n`, goes to peers by cross-memory
-/// copies under `policy`; `crowded` when the world's ranks outnumber the cores. The policy is asked
-/// only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a process probe its
-/// peers (`Policy::Never` after a refused probe). Each member decides for its own buffers, and a call
-/// takes this route only when every member shared every buffer, so members that decide differently
-/// stage.
-pub(crate) fn crosses(
+/// What a member offers its peers for a private buffer of `bytes` of call `k` (`sig`, in a group of
+/// `n`), under `policy`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Offer {
+    /// Nothing: peers cannot copy from or to it, and the call stages.
+    None,
+    /// Its address, that peers may copy from and to it if the call crosses.
+    Address,
+    /// Its address, asking the call to cross: it does when any member asks and every member offered
+    /// every buffer (`transport::shm::store`).
+    Cross,
+}
+
+/// What a member offers for a private buffer of `bytes` of call `k` (`sig`, in a group of `n`) under
+/// `policy`: a call crosses when it is large enough for its kind, or while `handoff` says staging is
+/// slow ([`Handoff::cross`]). `handoff` is `None` when the world's ranks outnumber the cores (crowded:
+/// copies there share a core's time, calls go by size alone, and the copy kinds always stage). The
+/// policy is asked only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a
+/// process probe its peers (`Policy::Never` after a refused probe).
+pub(crate) fn offer(
     policy: impl FnOnce() -> Policy,
     sig: &Signature,
     n: usize,
     bytes: usize,
-    crowded: bool,
-) -> bool {
+    handoff: Option<&Handoff>,
+    k: u64,
+) -> Offer {
     if bytes < CMA_MIN {
-        return false;
+        return Offer::None;
     }
     let smallest = match sig.kind {
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if crowded => CMA_REDUCE_CROWDED,
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if handoff.is_none() => {
+            CMA_REDUCE_CROWDED
+        }
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => CMA_REDUCE,
-        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter if crowded => {
+        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter
+            if handoff.is_none() =>
+        {
             usize::MAX
         }
         CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => CMA_COPY,
@@ -107,13 +126,14 @@ pub(crate) fn crosses(
         _ => CMA_MIN,
     };
     // The call's size is that of its largest buffer, the root's for the rooted kinds, so that members
-    // with the same policy and core count reach the same answer (any other member makes the call
-    // stage).
+    // with the same policy and core count ask alike.
     let (send, recv) = super::spans(sig, n, true);
     match policy() {
-        Policy::Never => false,
-        Policy::Always => true,
-        Policy::BySize => bytes.max(send).max(recv) >= smallest,
+        Policy::Never => Offer::None,
+        Policy::Always => Offer::Cross,
+        Policy::BySize if bytes.max(send).max(recv) >= smallest => Offer::Cross,
+        Policy::BySize if handoff.is_some_and(|h| h.cross(k)) => Offer::Cross,
+        Policy::BySize => Offer::Address,
     }
 }
 
@@ -375,19 +395,33 @@ mod tests {
 
     #[test]
     fn calls_cross_by_size_and_kind_and_every_member_of_a_call_decides_alike() {
+        use crate::algo::handoff::Side;
         use crate::algo::spans;
+        use crate::config::HANDOFF_PROBE_EVERY;
         use crate::dtype::DType;
-        let decide = |p: Policy, kind, count: usize, n: usize, crowded| {
+        use std::time::Duration;
+        // Copies at their usual cost, or crowded ranks (no handoff: by size alone).
+        let usual = Handoff::default();
+        // Call 1 (not a probe call) of `count` float32 per part on `n` members: what the root and any
+        // other member offer for their buffers, and whether the call crosses: when every buffer is
+        // offered and any member asks. The root and the others must ask alike.
+        let decide_with = |p: Policy, kind, count: usize, n: usize, h: Option<&Handoff>| {
             let s = Signature::new(kind, 1, count).dtype(DType::F32);
-            // What the root and any other member publish: the call crosses when each shares every
-            // buffer it has, and both must see it alike.
             let member = |is_root| {
                 let (send, recv) = spans(&s, n, is_root);
-                [send, recv].into_iter().filter(|&b| b > 0).all(|b| crosses(|| p, &s, n, b, crowded))
+                let offers: Vec<Offer> = [send, recv]
+                    .into_iter()
+                    .filter(|&b| b > 0)
+                    .map(|b| offer(|| p, &s, n, b, h, 1))
+                    .collect();
+                (offers.iter().all(|&o| o != Offer::None), offers.contains(&Offer::Cross))
             };
-            let (root, other) = (member(true), member(false));
-            assert_eq!(root, other, "{kind:?} {count}: the root and the others disagree");
-            root
+            let ((root_offers, root_asks), (other_offers, other_asks)) = (member(true), member(false));
+            assert_eq!(root_asks, other_asks, "{kind:?} {count}: the root and the others disagree");
+            root_offers && other_offers && root_asks
+        };
+        let decide = |p: Policy, kind, count: usize, n: usize, crowded: bool| {
+            decide_with(p, kind, count, n, (!crowded).then_some(&usual))
         };
         // float32 elements per MiB.
         let mib = (1 << 20) / 4;
@@ -415,12 +449,30 @@ mod tests {
         assert!(decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4, 2, false));
         assert!(!decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4 - 1, 2, false));
         assert!(!decide(Policy::Never, CollKind::AllReduce, 64 * mib, 2, false));
+        // While staging's copies are slow, calls of every kind cross from CMA_MIN per buffer
+        // (`handoff`), but not on probe calls, not when ranks outnumber the cores, nor when the policy
+        // forbids it.
+        let slow = Handoff::default();
+        for _ in 0..64 {
+            slow.record(Side::Out, 1 << 20, Duration::from_secs(1));
+        }
+        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
+            assert!(decide_with(Policy::BySize, kind, mib / 4, 2, Some(&slow)), "{kind:?}");
+            assert!(!decide_with(Policy::BySize, kind, CMA_MIN / 4 / 2 - 1, 2, Some(&slow)), "{kind:?}");
+            assert!(!decide_with(Policy::Never, kind, mib, 2, Some(&slow)), "{kind:?}");
+        }
+        let s = Signature::new(CollKind::AllReduce, 1, mib).dtype(DType::F32);
+        assert_eq!(
+            offer(|| Policy::BySize, &s, 2, 1 << 20, Some(&slow), HANDOFF_PROBE_EVERY),
+            Offer::Address
+        );
+        assert_eq!(offer(|| Policy::BySize, &s, 2, 1 << 20, None, 1), Offer::Address);
         // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
         let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
-        assert!(crosses(|| Policy::BySize, &v, 4, CMA_MIN, true));
-        assert!(!crosses(|| Policy::BySize, &v, 4, CMA_MIN - 1, false));
+        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN, None, 1), Offer::Cross);
+        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN - 1, Some(&usual), 1), Offer::None);
         // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
-        assert!(!crosses(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, false));
+        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&slow), 1), Offer::None);
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

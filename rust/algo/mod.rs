@@ -6,6 +6,8 @@
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
 //! * `cma`: private buffers of processes, copied straight between them by the kernel, for calls large
 //!   enough to pay for it (`cma::Policy`);
+//! * `handoff`: what copies out of peers' fresh lines cost right now, which moves mid-size calls
+//!   between `staged` and `cma`;
 //! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
 //! * `stream`: the local copy of large transfers in `copy` and `cma`, and the staged copies out into
 //!   large outputs, streaming past the caches (the pairwise copies do not stream);
@@ -18,6 +20,7 @@
 pub(crate) mod claims;
 pub(crate) mod cma;
 pub(crate) mod copy;
+pub(crate) mod handoff;
 pub(crate) mod layout;
 pub(crate) mod oneshot;
 pub(crate) mod owner;

@@ -17,6 +17,9 @@
 //! `STAGE_SKEW` (so copies in and out do not alias, `config::ALIAS_PERIOD`); a region of at least
 //! `PLACE_MIN` bytes keeps one period of room for that.
 
+use std::time::Instant;
+
+use super::handoff::{Handoff, Side};
 use super::owner::owned;
 use super::stream;
 use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
@@ -42,6 +45,8 @@ pub(crate) struct Staged<'a> {
     pub bufs: &'a [[*mut u8; 2]],
     /// Bytes per pipeline buffer.
     pub chunk: usize,
+    /// Where the copies into and out of staging report what they cost (`algo::handoff`), if anywhere.
+    pub handoff: Option<&'a Handoff>,
 }
 
 /// Staging spaces at least this large keep one [`ALIAS_PERIOD`] of room for placing pieces, which
@@ -162,12 +167,24 @@ impl Staged<'_> {
             stream::copy(from, to, elems * e, streams)
         };
         let slice = |o: usize| owned(len, e, n, o);
+        // Run `copies` (of `bytes` into this member's staging or out of peers') and report what they
+        // cost (`algo::handoff`).
+        let timed = |side: Side, bytes: usize, copies: &dyn Fn()| match self.handoff {
+            Some(h) => {
+                let t = Instant::now();
+                copies();
+                h.record(side, bytes, t.elapsed());
+            }
+            None => copies(),
+        };
         match self.kind {
             CollKind::AllReduce | CollKind::Reduce => {
-                for o in (0..n).filter(|&o| o != me) {
-                    let s = slice(o);
-                    copy(src(lo + s.start), stage(me, o, lo + s.start), s.len());
-                }
+                timed(Side::In, (len - slice(me).len()) * e, &|| {
+                    for o in (0..n).filter(|&o| o != me) {
+                        let s = slice(o);
+                        copy(src(lo + s.start), stage(me, o, lo + s.start), s.len());
+                    }
+                });
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let s = slice(me);
@@ -192,16 +209,20 @@ impl Staged<'_> {
                 publish(3 * g + 2);
                 sync(3 * g + 2)?;
                 if self.kind == CollKind::AllReduce || me == root {
-                    for o in (0..n).filter(|&o| o != me) {
-                        let s = slice(o);
-                        out(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
-                    }
+                    timed(Side::Out, (len - slice(me).len()) * e, &|| {
+                        for o in (0..n).filter(|&o| o != me) {
+                            let s = slice(o);
+                            out(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
+                        }
+                    });
                 }
             }
             CollKind::ReduceScatter => {
-                for o in (0..n).filter(|&o| o != me) {
-                    copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
-                }
+                timed(Side::In, (n - 1) * len * e, &|| {
+                    for o in (0..n).filter(|&o| o != me) {
+                        copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
+                    }
+                });
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let inputs: Vec<*const u8> = (0..n)
@@ -232,23 +253,25 @@ impl Staged<'_> {
             }
             CollKind::Broadcast => {
                 if me == root {
-                    copy(src(lo), stage(me, 0, lo), len);
+                    timed(Side::In, len * e, &|| copy(src(lo), stage(me, 0, lo), len));
                 }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if me != root {
-                    out(stage(root, 0, lo), dst(lo), len);
+                    timed(Side::Out, len * e, &|| out(stage(root, 0, lo), dst(lo), len));
                 }
             }
             CollKind::AllGather | CollKind::Gather => {
-                copy(src(lo), stage(me, 0, lo), len);
+                timed(Side::In, len * e, &|| copy(src(lo), stage(me, 0, lo), len));
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if self.kind == CollKind::AllGather || me == root {
-                    for j in 0..n {
-                        let from = if j == me { src(lo) } else { stage(j, 0, lo).cast_const() };
-                        out(from, dst(j * self.count + lo), len);
-                    }
+                    out(src(lo), dst(me * self.count + lo), len);
+                    timed(Side::Out, (n - 1) * len * e, &|| {
+                        for j in (0..n).filter(|&j| j != me) {
+                            out(stage(j, 0, lo), dst(j * self.count + lo), len);
+                        }
+                    });
                 }
             }
             // The pairwise kinds run `pairwise::Staged`.

@@ -307,8 +307,8 @@ impl<S: Store> Engine<S> {
         }
         let page = Published {
             sig: wire::encode(&sig),
-            send: s.share(call.mine.send, sb, &sig),
-            recv: s.share(call.mine.recv, rb, &sig),
+            send: s.share(call.mine.send, sb, &sig, k),
+            recv: s.share(call.mine.recv, rb, &sig, k),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
@@ -463,6 +463,7 @@ impl<S: Store> Engine<S> {
                     recv: call.mine.recv,
                     bufs: &bufs,
                     chunk,
+                    handoff: s.handoff(),
                 };
                 // SAFETY: the buffers were validated for this signature, which every member shares. Only
                 // their owner touches private buffers (peers read staging, which outlives the call), so

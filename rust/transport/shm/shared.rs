@@ -14,6 +14,7 @@ use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
 use crate::algo::cma::Policy;
+use crate::algo::handoff::Handoff;
 use crate::engine::{Ctrl, Splits};
 use crate::error::Result;
 
@@ -47,6 +48,8 @@ pub(crate) struct Shared {
     /// When this process lets peers copy straight to and from its memory (`algo::cma`): probed on
     /// first need, `Never` when the environment forbids it or a peer cannot be reached.
     cma: OnceLock<Policy>,
+    /// What this process's copies into and out of staging cost lately (`algo::handoff`).
+    pub handoff: Handoff,
 }
 
 impl Shared {
@@ -77,6 +80,7 @@ impl Shared {
             sends: (0..size).map(|_| Mutex::default()).collect(),
             recvs: (0..size).map(|_| Mutex::default()).collect(),
             cma: OnceLock::new(),
+            handoff: Handoff::default(),
         })
     }
 

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
-use crate::algo::cma::{self, Loc, Member};
+use crate::algo::cma::{self, Loc, Member, Offer};
+use crate::algo::handoff::Handoff;
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
@@ -24,6 +25,8 @@ const NO_BUFFER: u64 = NOT_SHARED - 1;
 /// Tags a published private buffer: the rest is its address in the publisher's process, which lets
 /// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
 pub(super) const PRIVATE: u64 = 1 << 62;
+/// Tags a published private buffer whose member asks the call to cross (`cma::Offer::Cross`).
+pub(super) const WANTS: u64 = 1 << 61;
 
 /// One rank's view of one communicator (slot `slot` of the segment's table).
 pub(crate) struct ShmStore {
@@ -92,9 +95,10 @@ impl ShmStore {
         Ok(Some(peers))
     }
 
-    /// Every member's buffers as places to copy from and to (`algo::cma`), when every member published
-    /// its private buffers for it (a member that may not, or for a call too small, publishes none:
-    /// `cma::Policy`). An address no correct peer publishes (wrapping around, misaligned) is an error.
+    /// Every member's buffers as places to copy from and to (`algo::cma`), when every member offered
+    /// its private buffers (a member that may not publishes none: `cma::Policy`) and any member asked
+    /// the call to cross (`cma::offer`). An address no correct peer publishes (wrapping around,
+    /// misaligned) is an error.
     fn cma(
         &self,
         pages: &[Published],
@@ -103,10 +107,11 @@ impl ShmStore {
     ) -> Result<Option<Vec<Member>>> {
         let align = sig.dtype.map_or(1, |d| d.align());
         let mut members = Vec::with_capacity(pages.len());
+        let mut asked = false;
         for (j, (page, &(s, r))) in pages.iter().zip(spans).enumerate() {
             let rank = self.members[j];
             let pid = (j != self.index).then(|| self.world.pid(rank) as i32);
-            let locate = |off: u64, bytes: usize| -> Result<Option<Loc>> {
+            let mut locate = |off: u64, bytes: usize| -> Result<Option<Loc>> {
                 let bad = |why: &str| {
                     Error::invalid(format!("{sig}: rank {rank} published {why} (corrupted segment?)"))
                 };
@@ -114,7 +119,9 @@ impl ShmStore {
                     (0, _) => 0,
                     (_, NO_BUFFER | NOT_SHARED) => return Ok(None),
                     (_, off) if off & PRIVATE != 0 => {
-                        let a = usize::try_from(off & !PRIVATE).map_err(|_| bad("an impossible address"))?;
+                        asked |= off & WANTS != 0;
+                        let a = usize::try_from(off & !(PRIVATE | WANTS))
+                            .map_err(|_| bad("an impossible address"))?;
                         if a == 0 || a.checked_add(bytes).is_none() || a % align != 0 {
                             return Err(bad(&format!("a buffer of {bytes} bytes at {a:#x}")));
                         }
@@ -128,7 +135,7 @@ impl ShmStore {
             let Some(recv) = locate(page.recv, r)? else { return Ok(None) };
             members.push(Member { send, recv });
         }
-        Ok(Some(members))
+        Ok(asked.then_some(members))
     }
 }
 
@@ -182,18 +189,23 @@ impl Store for ShmStore {
         self.oneshot(j, k).cast()
     }
 
-    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature) -> u64 {
+    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature, k: u64) -> u64 {
         if ptr.is_null() || bytes == 0 {
             NO_BUFFER
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
-        } else if (ptr as u64) < PRIVATE
-            && cma::crosses(|| self.world.cma(), sig, self.members.len(), bytes, !may_spin(self.world.size))
-        {
-            PRIVATE | ptr as u64
+        } else if (ptr as u64) < WANTS {
+            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.handoff(), k) {
+                Offer::None => NOT_SHARED,
+                Offer::Address => PRIVATE | ptr as u64,
+                Offer::Cross => PRIVATE | WANTS | ptr as u64,
+            }
         } else {
             NOT_SHARED
         }
+    }
+    fn handoff(&self) -> Option<&Handoff> {
+        may_spin(self.world.size).then_some(&self.world.handoff)
     }
     fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, spans)? {

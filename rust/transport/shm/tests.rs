@@ -150,9 +150,10 @@ fn every_rank_of_a_world_in_one_process_may_copy_from_its_peers() {
     assert!(r0.cma() != Policy::Never && r1.cma() != Policy::Never);
 }
 
-#[test]
-fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_clear_error() {
-    use super::store::PRIVATE;
+/// Rank 0 all-reduces `count` float32 of its own, while rank 1 (played by hand in this process)
+/// arrives at the same call publishing `published` for both its buffers, and touches nothing of rank
+/// 0's. Returns rank 0's error, how long it took to fail, and rank 1's view of the world.
+fn all_reduce_beside(count: usize, published: u64) -> (Error, Duration, Shared) {
     use super::ShmBackend;
     use crate::backend::Backend;
     use crate::engine::{wire, Published};
@@ -166,29 +167,44 @@ fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_c
         o.arena_bytes = 1 << 20;
         o
     };
-    // Large enough for the cross-memory route.
-    const COUNT: usize = crate::config::CMA_REDUCE / 4;
     let honest = std::thread::spawn(move || {
         let b = ShmBackend::connect(opts(0)).unwrap();
-        let mut data = vec![1.0f32; COUNT];
+        let mut data = vec![1.0f32; count];
         let t = Instant::now();
         let e = b.all_reduce(BufMut::new(&mut data[..]), ReduceOp::Sum).unwrap_err();
         (e, t.elapsed())
     });
-    // Rank 1 (in this same process) arrives at the same call with a page-aligned address nothing maps.
     let o = opts(1);
     let w = Shared::new(rendezvous::join(&o).unwrap(), 1, o.timeout).unwrap();
-    let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
-    let bogus = PRIVATE | 0x1000;
+    let sig = Signature::new(CollKind::AllReduce, 1, count).dtype(DType::F32).op(ReduceOp::Sum);
     let ctrl = w.ctrl(0, 1);
-    ctrl.pages[1].store(&Published { sig: wire::encode(&sig), send: bogus, recv: bogus });
+    ctrl.pages[1].store(&Published { sig: wire::encode(&sig), send: published, recv: published });
     ctrl.arrive.store(1, std::sync::atomic::Ordering::SeqCst);
     // It touches nothing of rank 0's: done at once, so rank 0's drain ends.
     ctrl.done.store(1, std::sync::atomic::Ordering::SeqCst);
     w.comm_head(0).event.notify(true);
     let (e, took) = honest.join().unwrap();
+    (e, took, w)
+}
+
+#[test]
+fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_clear_error() {
+    use super::store::PRIVATE;
+    // Large enough for the cross-memory route; the page-aligned address maps nothing.
+    let (e, took, w) = all_reduce_beside(crate::config::CMA_REDUCE / 4, PRIVATE | 0x1000);
     let m = e.to_string();
     assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
     assert!(took < Duration::from_secs(10), "failed at once, not at the timeout");
     assert_ne!(w.header().abort_state.load(std::sync::atomic::Ordering::Acquire), 0, "the world is aborted");
+}
+
+#[test]
+fn a_call_too_small_to_cross_by_size_crosses_when_a_peer_asks() {
+    use super::store::{PRIVATE, WANTS};
+    // 256 KiB: rank 0 alone would stage it, and only offers its address; rank 1 asks the call to cross
+    // (as a rank does while its copies through staging are slow, `algo::handoff`), so rank 0 reads
+    // from the address rank 1 published.
+    let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | WANTS | 0x1000);
+    let m = e.to_string();
+    assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
 }
