@@ -112,6 +112,13 @@ pub(crate) const STEAL_SPARE: usize = 2;
 /// of the time the samples' medians are 27-58 and 95% lie under 80; in slow periods a 256 KiB
 /// all_reduce's copies in take 144-226 (5th to 95th percentile), its copies out 87-210.
 pub(crate) const HANDOFF_SLOW_NS_PER_KIB: u32 = 120;
+/// Only calls whose largest buffer is at most this report their copies' cost (`algo::handoff`): in
+/// larger ones the data leaves the caches and the copies cost more for that alone (2 ranks, 4 MiB
+/// all_reduce and reduce_scatter crossed, 20% slower, where they should have staged).
+pub(crate) const HANDOFF_CALL_MAX: usize = 2 << 20;
+/// Samples older than this no longer make copies slow (`algo::handoff`): calls too large to report
+/// (`HANDOFF_CALL_MAX`) then stage by size again.
+pub(crate) const HANDOFF_FRESH: Duration = Duration::from_secs(1);
 /// Copies smaller than this are not timed for `algo::handoff` (a clock read costs about 20 ns).
 pub(crate) const HANDOFF_SAMPLE_MIN: usize = 64 << 10;
 /// While copies out are slow, one in this many calls that cross because of it stages, to measure again.

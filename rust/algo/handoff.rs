@@ -15,10 +15,17 @@
 //! broadcast's root sees its slow copies in, the others only their reads. Calls whose number is a
 //! multiple of [`HANDOFF_PROBE_EVERY`] stage on every member, so the costs are measured again.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use crate::config::{HANDOFF_PROBE_EVERY, HANDOFF_SAMPLE_MIN, HANDOFF_SLOW_NS_PER_KIB};
+use crate::config::{HANDOFF_FRESH, HANDOFF_PROBE_EVERY, HANDOFF_SAMPLE_MIN, HANDOFF_SLOW_NS_PER_KIB};
+
+/// Nanoseconds since this process first asked (a clock to stamp samples with in an atomic).
+fn now() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    u64::try_from(EPOCH.get_or_init(Instant::now).elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
 
 /// Samples kept of each kind: a kind is slow only when all of them are, so a copy that lost its core
 /// for a moment does not switch routes.
@@ -33,21 +40,25 @@ pub(crate) enum Side {
     Out,
 }
 
-/// The last `WINDOW` samples of one kind, in nanoseconds per KiB (0: none yet, which reads as fast).
+/// The last `WINDOW` samples of one kind, in nanoseconds per KiB (0: none yet, which reads as fast),
+/// and when the last one came ([`now`]).
 #[derive(Debug, Default)]
 struct Window {
     samples: [AtomicU32; WINDOW],
     next: AtomicUsize,
+    last: AtomicU64,
 }
 
 impl Window {
-    fn record(&self, per_kib: u32) {
+    fn record(&self, per_kib: u32, at: u64) {
         let slot = self.next.fetch_add(1, Relaxed) % WINDOW;
         self.samples[slot].store(per_kib.max(1), Relaxed);
+        self.last.store(at, Relaxed);
     }
 
-    fn slow(&self) -> bool {
-        self.samples.iter().all(|s| s.load(Relaxed) > HANDOFF_SLOW_NS_PER_KIB)
+    fn slow(&self, at: u64) -> bool {
+        let fresh = at.saturating_sub(self.last.load(Relaxed)) < HANDOFF_FRESH.as_nanos() as u64;
+        fresh && self.samples.iter().all(|s| s.load(Relaxed) > HANDOFF_SLOW_NS_PER_KIB)
     }
 }
 
@@ -66,14 +77,16 @@ impl Handoff {
         }
         let per_kib = u32::try_from(took.as_nanos().saturating_mul(1024) / bytes as u128).unwrap_or(u32::MAX);
         match copy {
-            Side::In => self.into.record(per_kib),
-            Side::Out => self.out.record(per_kib),
+            Side::In => self.into.record(per_kib, now()),
+            Side::Out => self.out.record(per_kib, now()),
         }
     }
 
-    /// Whether every recent copy in, or every recent copy out, was slow.
+    /// Whether every recent copy in, or every recent copy out, was slow (the last of them less than
+    /// `HANDOFF_FRESH` ago).
     pub(crate) fn slow(&self) -> bool {
-        self.into.slow() || self.out.slow()
+        let at = now();
+        self.into.slow(at) || self.out.slow(at)
     }
 
     /// Whether this member asks call `k`, too small to cross by its size, to cross: while copies are
@@ -121,5 +134,12 @@ mod tests {
                 assert!(!h.slow(), "{copy:?} {i}");
             }
         }
+        // Samples go stale: with no new ones for HANDOFF_FRESH, copies read as fast again.
+        let h = Handoff::default();
+        for _ in 0..WINDOW {
+            h.record(Side::In, 128 * KIB, at(HANDOFF_SLOW_NS_PER_KIB * 2));
+        }
+        let later = now() + HANDOFF_FRESH.as_nanos() as u64;
+        assert!(h.into.slow(now()) && !h.into.slow(later));
     }
 }

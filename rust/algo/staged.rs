@@ -22,7 +22,7 @@ use std::time::Instant;
 use super::handoff::{Handoff, Side};
 use super::owner::owned;
 use super::stream;
-use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
+use crate::config::{ALIAS_PERIOD, HANDOFF_CALL_MAX, STAGE_SKEW};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{reduce_raw, ReduceOp, Scale};
@@ -94,6 +94,17 @@ impl Staged<'_> {
             CollKind::AllGather | CollKind::Gather => self.n * whole,
             _ => whole,
         }
+    }
+
+    /// Where this call's copies report what they cost: calls of at most `HANDOFF_CALL_MAX` bytes in
+    /// their largest buffer, whose data stays in cache, so that the cost is the handoff's.
+    fn handoff(&self) -> Option<&Handoff> {
+        let whole = self.count * self.dtype.size();
+        let largest = match self.kind {
+            CollKind::AllReduce | CollKind::Reduce | CollKind::Broadcast => whole,
+            _ => self.n.saturating_mul(whole),
+        };
+        self.handoff.filter(|_| largest <= HANDOFF_CALL_MAX)
     }
 
     /// Run every round. `round` is the communicator's round counter; `publish(s)` stores this member's
@@ -169,7 +180,8 @@ impl Staged<'_> {
         let slice = |o: usize| owned(len, e, n, o);
         // Run `copies` (of `bytes` into this member's staging or out of peers') and report what they
         // cost (`algo::handoff`).
-        let timed = |side: Side, bytes: usize, copies: &dyn Fn()| match self.handoff {
+        let handoff = self.handoff();
+        let timed = |side: Side, bytes: usize, copies: &dyn Fn()| match handoff {
             Some(h) => {
                 let t = Instant::now();
                 copies();
