@@ -81,7 +81,7 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
 /// the kernel allows it, every member's every buffer has at least this many bytes (each buffer is
 /// judged alone, so a small part of a large call stages the whole call) and the call is large enough
-/// for its kind (below).
+/// for its kind (below), or staging is slow for a member (`algo::handoff`).
 pub(crate) const CMA_MIN: usize = 64 << 10;
 /// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
 /// between processes when every rank has a core. Below it the data stays in cache, where the staged
@@ -119,9 +119,10 @@ pub(crate) const HANDOFF_CALL_MAX: usize = 2 << 20;
 /// Samples older than this no longer make copies slow (`algo::handoff`): calls too large to report
 /// (`HANDOFF_CALL_MAX`) then stage by size again.
 pub(crate) const HANDOFF_FRESH: Duration = Duration::from_secs(1);
-/// Copies smaller than this are not timed for `algo::handoff` (a clock read costs about 20 ns).
+/// Copies smaller than this are too short to time well: `algo::handoff` drops their samples.
 pub(crate) const HANDOFF_SAMPLE_MIN: usize = 64 << 10;
-/// While copies out are slow, one in this many calls that cross because of it stages, to measure again.
+/// Calls whose number (the same on every member) is a multiple of this stage on every member, so that
+/// staging's copies are measured again while they are slow (`algo::handoff`).
 pub(crate) const HANDOFF_PROBE_EVERY: u64 = 16;
 /// Local copies of transfers this large stream past the caches (`algo::stream`): 8 MiB copies here
 /// ran at 22 GB/s streamed against 12 GB/s with `memcpy`, 4 MiB ones at 23 against 28 GB/s.

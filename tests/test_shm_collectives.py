@@ -185,8 +185,10 @@ def w_collectives_with_rank_0_on(rank, n, ports, job, timeout, q, rank0):
     return w_collectives(rank, n, ports, job, timeout, q)
 
 
-# Rank 0 refusing cross-memory copies (as a sandbox would make it) makes every call stage; rank 0 by
-# size offers its buffers, and the others' asking makes calls cross from 64 KiB per buffer.
+# Rank 0 refusing cross-memory copies (as a sandbox would make it) makes every call stage; with rank 0
+# by size, the others ask for every call of 64 KiB or more per buffer to cross (which route a call took
+# is not visible from here: the Rust tests `a_call_too_small_to_cross_by_size_*` check the rule). Either
+# way every rank must take the same route for each call and results stay exact.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank0", ["0", None], ids=["refusing", "by size"])
 def test_ranks_choosing_routes_differently_agree_on_each_call_and_results_stay_exact(rank0):

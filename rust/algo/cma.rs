@@ -64,7 +64,7 @@ pub(crate) fn handles(kind: CollKind) -> bool {
 pub(crate) enum Policy {
     /// Never (`AXONML_SHM_CMA=0`, or the kernel refused a peer: `probe`); every call stages.
     Never,
-    /// Calls large enough for their kind ([`crosses`]): the default.
+    /// Calls large enough for their kind, or while staging is slow ([`offer`]): the default.
     BySize,
     /// Every buffer of at least `CMA_MIN` bytes (`AXONML_SHM_CMA=1`).
     Always,
@@ -86,7 +86,7 @@ impl Policy {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Offer {
     /// Nothing: peers cannot copy from or to it, and the call stages.
-    None,
+    Withheld,
     /// Its address, that peers may copy from and to it if the call crosses.
     Address,
     /// Its address, asking the call to cross: it does when any member asks and every member offered
@@ -95,10 +95,12 @@ pub(crate) enum Offer {
 }
 
 /// What a member offers for a private buffer of `bytes` of call `k` (`sig`, in a group of `n`) under
-/// `policy`: a call crosses when it is large enough for its kind, or while `handoff` says staging is
-/// slow ([`Handoff::cross`]). `handoff` is `None` when the world's ranks outnumber the cores (crowded:
-/// copies there share a core's time, calls go by size alone, and the copy kinds always stage). The
-/// policy is asked only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a
+/// `policy`: it asks the call to cross when the call is large enough for its kind, or while `handoff`
+/// says staging is slow ([`Handoff::cross`]). `handoff` is `None` when the world's ranks outnumber the
+/// cores (crowded: copies there share a core's time, and this member asks by size alone, never for
+/// the copy kinds). A call crosses when any member asks, so a member with other settings
+/// (`AXONML_SHM_CMA=1`) or another core count can make it cross; one that withholds makes it stage.
+/// The policy is asked only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a
 /// process probe its peers (`Policy::Never` after a refused probe).
 pub(crate) fn offer(
     policy: impl FnOnce() -> Policy,
@@ -109,7 +111,7 @@ pub(crate) fn offer(
     k: u64,
 ) -> Offer {
     if bytes < CMA_MIN {
-        return Offer::None;
+        return Offer::Withheld;
     }
     let smallest = match sig.kind {
         CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if handoff.is_none() => {
@@ -129,7 +131,7 @@ pub(crate) fn offer(
     // with the same policy and core count ask alike.
     let (send, recv) = super::spans(sig, n, true);
     match policy() {
-        Policy::Never => Offer::None,
+        Policy::Never => Offer::Withheld,
         Policy::Always => Offer::Cross,
         Policy::BySize if bytes.max(send).max(recv) >= smallest => Offer::Cross,
         Policy::BySize if handoff.is_some_and(|h| h.cross(k)) => Offer::Cross,
@@ -414,7 +416,7 @@ mod tests {
                     .filter(|&b| b > 0)
                     .map(|b| offer(|| p, &s, n, b, h, 1))
                     .collect();
-                (offers.iter().all(|&o| o != Offer::None), offers.contains(&Offer::Cross))
+                (offers.iter().all(|&o| o != Offer::Withheld), offers.contains(&Offer::Cross))
             };
             let ((root_offers, root_asks), (other_offers, other_asks)) = (member(true), member(false));
             assert_eq!(root_asks, other_asks, "{kind:?} {count}: the root and the others disagree");
@@ -470,9 +472,9 @@ mod tests {
         // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
         let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
         assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN, None, 1), Offer::Cross);
-        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN - 1, Some(&usual), 1), Offer::None);
+        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN - 1, Some(&usual), 1), Offer::Withheld);
         // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
-        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&slow), 1), Offer::None);
+        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&slow), 1), Offer::Withheld);
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

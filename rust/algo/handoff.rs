@@ -1,19 +1,22 @@
 //! How dearly this process pays, right now, for handing data to and from its peers' cores: the cost
 //! that decides between the staged pipeline and cross-memory copies for mid-size calls
-//! (`cma::crosses`).
+//! (`cma::offer`).
 //!
 //! Staging copies every byte twice, into lines a peer's core last read and out of lines it just
 //! wrote; the kernel's cross-memory copy moves it once, at its own slower speed. Which wins depends on
 //! how far apart the cores are, and on a VM that changes while a job runs: on this machine's kind, for
-//! minutes at a time, a 128 KiB copy into lines another core holds takes 19.8 us instead of 4.9 (out of
-//! lines it just wrote: 10.6 against 3.0), and a 2-rank all_reduce of 256 KiB takes 80 us staged
-//! against 50 us through the kernel (25 against 39 us the rest of the time).
+//! seconds to minutes at a time, a 128 KiB copy into lines another core holds takes 19.8 us instead of
+//! 4.9 (out of lines it just wrote: 10.6 against 3.0), while the kernel's copy hardly changes. 2 ranks,
+//! 256 KiB: all_reduce staged then takes 80 us against 50 through the kernel (25 against 39 the rest
+//! of the time), broadcast 61 against 22 (17 against 16).
 //!
-//! So the staged pipeline times its copies into its staging and out of its peers' ([`Handoff::record`]),
-//! and while every recent sample of either kind is slow, this member asks that calls too small to
-//! cross by size cross anyway ([`Handoff::cross`]). A call crosses when any member asks (`cma`): a
-//! broadcast's root sees its slow copies in, the others only their reads. Calls whose number is a
-//! multiple of [`HANDOFF_PROBE_EVERY`] stage on every member, so the costs are measured again.
+//! So the staged pipeline times its copies into its staging and out of its peers' ([`Handoff::record`];
+//! calls of at most `HANDOFF_CALL_MAX`, whose data stays in cache), and while every recent sample of
+//! either kind is slow, this member asks that calls too small to cross by size cross anyway
+//! ([`Handoff::cross`]). A call crosses when any member asks (`cma::offer`): a broadcast's root sees
+//! its slow copies in, the others only their reads. Calls whose number is a multiple of
+//! [`HANDOFF_PROBE_EVERY`] stage on every member, so the costs are measured again; samples older than
+//! `HANDOFF_FRESH` no longer count, so calls too large to report stage by size again.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::OnceLock;
@@ -84,7 +87,7 @@ impl Handoff {
 
     /// Whether every recent copy in, or every recent copy out, was slow (the last of them less than
     /// `HANDOFF_FRESH` ago).
-    pub(crate) fn slow(&self) -> bool {
+    fn slow(&self) -> bool {
         let at = now();
         self.into.slow(at) || self.out.slow(at)
     }

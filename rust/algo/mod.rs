@@ -5,8 +5,8 @@
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
 //! * `cma`: private buffers of processes, copied straight between them by the kernel, for calls large
-//!   enough to pay for it (`cma::Policy`);
-//! * `handoff`: what copies out of peers' fresh lines cost right now, which moves mid-size calls
+//!   enough to pay for it, or while staging is slow (`cma::offer`);
+//! * `handoff`: what staging's copies between cores cost right now, which moves mid-size calls
 //!   between `staged` and `cma`;
 //! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
 //! * `stream`: the local copy of large transfers in `copy` and `cma`, and the staged copies out into

@@ -98,7 +98,7 @@ impl Staged<'_> {
 
     /// Where this call's copies report what they cost: calls of at most `HANDOFF_CALL_MAX` bytes in
     /// their largest buffer, whose data stays in cache, so that the cost is the handoff's.
-    fn handoff(&self) -> Option<&Handoff> {
+    fn sampling(&self) -> Option<&Handoff> {
         let whole = self.count * self.dtype.size();
         let largest = match self.kind {
             CollKind::AllReduce | CollKind::Reduce | CollKind::Broadcast => whole,
@@ -180,7 +180,7 @@ impl Staged<'_> {
         let slice = |o: usize| owned(len, e, n, o);
         // Run `copies` (of `bytes` into this member's staging or out of peers') and report what they
         // cost (`algo::handoff`).
-        let handoff = self.handoff();
+        let handoff = self.sampling();
         let timed = |side: Side, bytes: usize, copies: &dyn Fn()| match handoff {
             Some(h) => {
                 let t = Instant::now();

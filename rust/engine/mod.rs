@@ -11,7 +11,8 @@
 //!    every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
-//!    (the same between processes, copied by the kernel, for calls large enough: `algo::cma::Policy`),
+//!    (the same between processes, copied by the kernel, for calls large enough or while staging is
+//!    slow: `algo::cma::offer`),
 //!    or staged (pipelined through staging buffers, otherwise);
 //! 4. store `done = k` on every way out of a call this member arrived at; after the direct and cma
 //!    paths, wait until every member's `done >= k` (peers may still touch our buffers until then).

@@ -152,6 +152,22 @@ fn averages_over_powers_of_two_have_the_bits_of_the_division() {
             );
         }
     }
+    // float64, and bfloat16 (accumulated in float32, rounded once).
+    let xs: Vec<f64> = (0..2000u64).map(|i| f64::from_bits(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect();
+    let ys: Vec<f64> = xs.iter().map(|x| x * 0.7 + 1e-310).collect();
+    let mut out = vec![0.0f64; xs.len()];
+    reduce_slices(ReduceOp::Average, &[&xs[..], &ys[..], &xs[..], &ys[..]], &mut out).unwrap();
+    for (i, o) in out.iter().enumerate() {
+        let want = (xs[i] + ys[i] + xs[i] + ys[i]) / 4.0;
+        assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "f64 {i}: {o} != {want}");
+    }
+    let hs: Vec<bf16> = (0..2000u16).map(|i| bf16::from_bits(i.wrapping_mul(40_503))).collect();
+    let mut out = vec![bf16::ZERO; hs.len()];
+    reduce_slices(ReduceOp::Average, &[&hs[..], &hs[..]], &mut out).unwrap();
+    for (i, o) in out.iter().enumerate() {
+        let want = bf16::from_f32((hs[i].to_f32() + hs[i].to_f32()) / 2.0);
+        assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()), "bf16 {i}: {o} != {want}");
+    }
     let c = [Complex32::new(3.0, 1e-45)];
     let mut out = [Complex32::default()];
     reduce_slices(ReduceOp::Average, &[&c, &c, &c, &c], &mut out).unwrap();

@@ -1,8 +1,8 @@
 //! The shared-memory world's engine store: one rank's view of one communicator slot of the segment.
 //! Buffers are published as segment offsets; peers' arrays are used in place when every member's
 //! buffers lie in the segment; otherwise copied straight between the processes (`algo::cma`) when
-//! every member publishes an address it lets peers copy from, and staged through the members' blocks
-//! when one does not.
+//! every member publishes an address it lets peers copy from and any member asks the call to cross
+//! (`cma::offer`), and staged through the members' blocks when not.
 
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
@@ -25,8 +25,9 @@ const NO_BUFFER: u64 = NOT_SHARED - 1;
 /// Tags a published private buffer: the rest is its address in the publisher's process, which lets
 /// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
 pub(super) const PRIVATE: u64 = 1 << 62;
-/// Tags a published private buffer whose member asks the call to cross (`cma::Offer::Cross`).
-pub(super) const WANTS: u64 = 1 << 61;
+/// Tags a published private buffer whose member asks the call to cross (`cma::Offer::Cross`); no
+/// address has this bit, nor any above it.
+pub(super) const CROSS: u64 = 1 << 61;
 
 /// One rank's view of one communicator (slot `slot` of the segment's table).
 pub(crate) struct ShmStore {
@@ -119,9 +120,12 @@ impl ShmStore {
                     (0, _) => 0,
                     (_, NO_BUFFER | NOT_SHARED) => return Ok(None),
                     (_, off) if off & PRIVATE != 0 => {
-                        asked |= off & WANTS != 0;
-                        let a = usize::try_from(off & !(PRIVATE | WANTS))
-                            .map_err(|_| bad("an impossible address"))?;
+                        asked |= off & CROSS != 0;
+                        let a = off & !(PRIVATE | CROSS);
+                        let a = usize::try_from(a)
+                            .ok()
+                            .filter(|_| a < CROSS)
+                            .ok_or_else(|| bad("an impossible address"))?;
                         if a == 0 || a.checked_add(bytes).is_none() || a % align != 0 {
                             return Err(bad(&format!("a buffer of {bytes} bytes at {a:#x}")));
                         }
@@ -194,11 +198,11 @@ impl Store for ShmStore {
             NO_BUFFER
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
-        } else if (ptr as u64) < WANTS {
+        } else if (ptr as u64) < CROSS {
             match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.handoff(), k) {
-                Offer::None => NOT_SHARED,
+                Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
-                Offer::Cross => PRIVATE | WANTS | ptr as u64,
+                Offer::Cross => PRIVATE | CROSS | ptr as u64,
             }
         } else {
             NOT_SHARED

@@ -152,8 +152,9 @@ fn every_rank_of_a_world_in_one_process_may_copy_from_its_peers() {
 
 /// Rank 0 all-reduces `count` float32 of its own, while rank 1 (played by hand in this process)
 /// arrives at the same call publishing `published` for both its buffers, and touches nothing of rank
-/// 0's. Returns rank 0's error, how long it took to fail, and rank 1's view of the world.
-fn all_reduce_beside(count: usize, published: u64) -> (Error, Duration, Shared) {
+/// 0's; rank 0 gives up after `timeout`. Returns rank 0's error, how long it took to fail, and rank
+/// 1's view of the world.
+fn all_reduce_beside(count: usize, published: u64, timeout: Duration) -> (Error, Duration, Shared) {
     use super::ShmBackend;
     use crate::backend::Backend;
     use crate::engine::{wire, Published};
@@ -163,7 +164,7 @@ fn all_reduce_beside(count: usize, published: u64) -> (Error, Duration, Shared) 
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let opts = move |r: usize| {
         let mut o = ShmOptions::new(r, 2, "127.0.0.1", port);
-        o.timeout = Duration::from_secs(20);
+        o.timeout = timeout;
         o.arena_bytes = 1 << 20;
         o
     };
@@ -191,7 +192,8 @@ fn all_reduce_beside(count: usize, published: u64) -> (Error, Duration, Shared) 
 fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_clear_error() {
     use super::store::PRIVATE;
     // Large enough for the cross-memory route; the page-aligned address maps nothing.
-    let (e, took, w) = all_reduce_beside(crate::config::CMA_REDUCE / 4, PRIVATE | 0x1000);
+    let (e, took, w) =
+        all_reduce_beside(crate::config::CMA_REDUCE / 4, PRIVATE | 0x1000, Duration::from_secs(20));
     let m = e.to_string();
     assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
     assert!(took < Duration::from_secs(10), "failed at once, not at the timeout");
@@ -200,11 +202,20 @@ fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_c
 
 #[test]
 fn a_call_too_small_to_cross_by_size_crosses_when_a_peer_asks() {
-    use super::store::{PRIVATE, WANTS};
+    use super::store::{CROSS, PRIVATE};
     // 256 KiB: rank 0 alone would stage it, and only offers its address; rank 1 asks the call to cross
     // (as a rank does while its copies through staging are slow, `algo::handoff`), so rank 0 reads
     // from the address rank 1 published.
-    let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | WANTS | 0x1000);
+    let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | CROSS | 0x1000, Duration::from_secs(20));
     let m = e.to_string();
     assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
+}
+
+#[test]
+fn a_call_too_small_to_cross_by_size_stages_when_no_member_asks() {
+    use super::store::PRIVATE;
+    // Rank 1 only offers its address: the call stages, so rank 0 never reads it, and waits in vain
+    // for rank 1's steps.
+    let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | 0x1000, Duration::from_secs(2));
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
 }
