@@ -113,8 +113,8 @@ pub(crate) const STEAL_SPARE: usize = 2;
 /// all_reduce's copies in take 144-226 (5th to 95th percentile), its copies out 87-210.
 pub(crate) const HANDOFF_SLOW_NS_PER_KIB: u32 = 120;
 /// Only calls whose largest buffer is at most this report their copies' cost (`algo::handoff`): in
-/// larger ones the data leaves the caches and the copies cost more for that alone (2 ranks, 4 MiB
-/// all_reduce and reduce_scatter crossed, 20% slower, where they should have staged).
+/// larger ones the data leaves the caches, and the copies would cost more for that alone (reasoned,
+/// not measured: the A/B runs that suggested it straddled changes of the VM's state).
 pub(crate) const HANDOFF_CALL_MAX: usize = 2 << 20;
 /// Samples older than this no longer make copies slow (`algo::handoff`): calls too large to report
 /// (`HANDOFF_CALL_MAX`) then stage by size again.

@@ -74,12 +74,12 @@ pub(crate) struct Handoff {
 
 impl Handoff {
     /// A copy of `bytes` that took `took`. Copies too small to time well are ignored.
-    pub(crate) fn record(&self, copy: Side, bytes: usize, took: Duration) {
+    pub(crate) fn record(&self, side: Side, bytes: usize, took: Duration) {
         if bytes < HANDOFF_SAMPLE_MIN {
             return;
         }
         let per_kib = u32::try_from(took.as_nanos().saturating_mul(1024) / bytes as u128).unwrap_or(u32::MAX);
-        match copy {
+        match side {
             Side::In => self.into.record(per_kib, now()),
             Side::Out => self.out.record(per_kib, now()),
         }

@@ -55,8 +55,12 @@ pub(crate) enum Route {
 /// is the root (0 where the collective has no such buffer on it). The collectives with a layout have
 /// theirs from its plan (`layout::Plan::spans`).
 pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) {
-    let part = sig.count as usize * sig.dtype.map_or(0, |d| d.size());
-    match sig.kind {
+    part_spans(sig.kind, sig.count as usize * sig.dtype.map_or(0, |d| d.size()), n, is_root)
+}
+
+/// As [`spans`], for a collective of `kind` whose part is `part` bytes.
+pub(crate) fn part_spans(kind: CollKind, part: usize, n: usize, is_root: bool) -> (usize, usize) {
+    match kind {
         CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (part, part),
         CollKind::AllGather => (part, n * part),
         CollKind::ReduceScatter => (n * part, part),

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use super::handoff::{Handoff, Side};
 use super::owner::owned;
-use super::stream;
+use super::{part_spans, stream};
 use crate::config::{ALIAS_PERIOD, HANDOFF_CALL_MAX, STAGE_SKEW};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -87,24 +87,16 @@ impl Staged<'_> {
         }
     }
 
-    /// Bytes of this call's output on a member that receives it.
-    fn output_bytes(&self) -> usize {
-        let whole = self.count * self.dtype.size();
-        match self.kind {
-            CollKind::AllGather | CollKind::Gather => self.n * whole,
-            _ => whole,
-        }
+    /// Bytes of this call's send and receive buffers on a member that has them (the root's).
+    fn spans(&self) -> (usize, usize) {
+        part_spans(self.kind, self.count * self.dtype.size(), self.n, true)
     }
 
     /// Where this call's copies report what they cost: calls of at most `HANDOFF_CALL_MAX` bytes in
     /// their largest buffer, whose data stays in cache, so that the cost is the handoff's.
     fn sampling(&self) -> Option<&Handoff> {
-        let whole = self.count * self.dtype.size();
-        let largest = match self.kind {
-            CollKind::AllReduce | CollKind::Reduce | CollKind::Broadcast => whole,
-            _ => self.n.saturating_mul(whole),
-        };
-        self.handoff.filter(|_| largest <= HANDOFF_CALL_MAX)
+        let (send, recv) = self.spans();
+        self.handoff.filter(|_| send.max(recv) <= HANDOFF_CALL_MAX)
     }
 
     /// Run every round. `round` is the communicator's round counter; `publish(s)` stores this member's
@@ -172,7 +164,7 @@ impl Staged<'_> {
             |from: *const u8, to: *mut u8, elems: usize| unsafe { std::ptr::copy(from, to, elems * e) };
         // Copies out of staging into the private output stream when the whole output is large
         // (`stream::worth`): pieces of it are never read again in this call.
-        let streams = stream::worth(self.output_bytes());
+        let streams = stream::worth(self.spans().1);
         // SAFETY: as for `copy`.
         let out = |from: *const u8, to: *mut u8, elems: usize| unsafe {
             stream::copy(from, to, elems * e, streams)
