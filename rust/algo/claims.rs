@@ -12,7 +12,10 @@ use crate::error::Result;
 
 /// The claim words of one call, one per member.
 pub(crate) struct Claims<'a> {
-    words: Vec<&'a AtomicU64>,
+    /// Member j's claim word (read through the store: no per-call list of them).
+    word: &'a dyn Fn(usize) -> &'a AtomicU64,
+    /// Members of the call.
+    n: usize,
     call: u64,
     /// Whether members help each other: only when every rank has a core. Ranks that outnumber the
     /// cores keep them all busy anyway, and a helper's tiles cost more (a second copy, more calls).
@@ -20,10 +23,10 @@ pub(crate) struct Claims<'a> {
 }
 
 impl<'a> Claims<'a> {
-    /// The claims of call `k` over every member's word; each member [`Claims::open`]s its own before
-    /// it publishes its arrival, so whoever sees the arrival sees the word opened.
-    pub(crate) fn new(words: Vec<&'a AtomicU64>, k: u64, helping: bool) -> Self {
-        Claims { words, call: k & 0xffff_ffff, helping }
+    /// The claims of call `k` over the words of its `n` members; each member [`Claims::open`]s its own
+    /// before it publishes its arrival, so whoever sees the arrival sees the word opened.
+    pub(crate) fn new(word: &'a dyn Fn(usize) -> &'a AtomicU64, n: usize, k: u64, helping: bool) -> Self {
+        Claims { word, n, call: k & 0xffff_ffff, helping }
     }
 
     /// Start call `k`'s tiles of a member's word at 0.
@@ -46,7 +49,7 @@ impl<'a> Claims<'a> {
 
     /// The next unclaimed tile below `tiles` of part `j`, if any.
     fn next(&self, j: usize, tiles: usize) -> Option<usize> {
-        let word = self.words[j];
+        let word = (self.word)(j);
         let mut old = word.load(Acquire);
         loop {
             let t = (old & 0xffff_ffff) as usize;
@@ -86,7 +89,7 @@ impl<'a> Claims<'a> {
         if self.helping {
             return self.each(0, tiles, work);
         }
-        let n = self.words.len();
+        let n = self.n;
         (tiles * me / n..tiles * (me + 1) / n).try_for_each(&mut work)
     }
 
@@ -99,7 +102,7 @@ impl<'a> Claims<'a> {
         tiles: usize,
         mut work: impl FnMut(usize, usize) -> Result<()>,
     ) -> Result<()> {
-        let n = if self.helping { self.words.len() } else { 1 };
+        let n = if self.helping { self.n } else { 1 };
         self.each(me, tiles, |t| work(me, t))?;
         (1..n)
             .map(|d| (me + d) % n)
@@ -115,7 +118,8 @@ mod tests {
     fn a_member_in_an_older_call_takes_no_tile_and_uses_none_up() {
         let word = AtomicU64::new(0);
         Claims::open(&word, 5);
-        let (old, new) = (Claims::new(vec![&word], 4, true), Claims::new(vec![&word], 5, true));
+        let only = |_: usize| &word;
+        let (old, new) = (Claims::new(&only, 1, 4, true), Claims::new(&only, 1, 5, true));
         assert_eq!(old.next(0, 10), None);
         assert_eq!(new.next(0, 10), Some(0));
         assert_eq!(old.next(0, 10), None);
@@ -125,7 +129,8 @@ mod tests {
     #[test]
     fn without_help_members_take_equal_runs_that_cover_every_tile_once() {
         let words: Vec<AtomicU64> = (0..3).map(|_| AtomicU64::new(0)).collect();
-        let claims = Claims::new(words.iter().collect(), 1, false);
+        let word = |j: usize| &words[j];
+        let claims = Claims::new(&word, 3, 1, false);
         let mut seen = Vec::new();
         for me in 0..3 {
             claims
@@ -143,7 +148,8 @@ mod tests {
         let words: Vec<AtomicU64> = (0..2).map(|_| AtomicU64::new(0)).collect();
         for helping in [true, false] {
             words.iter().for_each(|w| Claims::open(w, 1));
-            let claims = Claims::new(words.iter().collect(), 1, helping);
+            let word = |j: usize| &words[j];
+            let claims = Claims::new(&word, 2, 1, helping);
             let taken_by = |me| {
                 let mut taken = Vec::new();
                 claims

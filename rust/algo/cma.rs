@@ -499,8 +499,9 @@ mod tests {
         let run_all = |calls: &[Call], members: &[Member], first: usize| {
             let words: Vec<AtomicU64> = (0..N).map(|_| AtomicU64::new(0)).collect();
             words.iter().for_each(|w| Claims::open(w, 7));
+            let word = |j: usize| &words[j];
             for me in (0..N).map(|d| (first + d) % N) {
-                let claims = Claims::new(words.iter().collect(), 7, true);
+                let claims = Claims::new(&word, N, 7, true);
                 // SAFETY: every buffer lives until the end of the test; members run one at a time.
                 unsafe { run(&calls[me], ReduceOp::Sum, members, me, None, &claims, "t") }.unwrap();
             }

@@ -404,7 +404,8 @@ impl<S: Store> Engine<S> {
             Err(e) => return (Err(self.fail(e)), false),
         };
         // Members claim tiles (`algo::claims`) on the direct and cma routes; the staged ones step.
-        let claims = Claims::new((0..n).map(|j| &*s.ctrl(j).claim).collect(), k, s.wait(op).spin);
+        let word = |j: usize| &*s.ctrl(j).claim;
+        let claims = Claims::new(&word, n, k, s.spins());
         let publish = |step: u64| self.publish(|c| &c.step, step, Release);
         let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
         match route {

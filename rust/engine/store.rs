@@ -16,7 +16,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::Wait;
+use crate::transport::wait::{may_spin, Wait};
 
 /// One member's control block in a communicator. Counters are monotonic over the communicator's life
 /// and written only by their member. `repr(C)`: in the shm world it lives in the segment.
@@ -116,7 +116,14 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
 
     /// Member `j`'s control block.
     fn ctrl(&self, j: usize) -> &Ctrl;
-    /// A wait on the communicator's event, with this world's spin policy and a fresh deadline.
+    /// Whether this world's waits spin before they yield, and its members help each other with
+    /// tiles (`algo::claims`): only when its ranks each have a core. Every rank of the world may be
+    /// waiting at once (groups run side by side), so the world's size counts, not the group's.
+    fn spins(&self) -> bool {
+        may_spin(self.world_size())
+    }
+    /// A wait on the communicator's event, with this world's spin policy ([`Store::spins`]) and a
+    /// fresh deadline.
     fn wait<'a>(&'a self, op: &'a str) -> Wait<'a>;
     /// Wake the members waiting on the communicator's event (after publishing a counter).
     fn notify(&self);

@@ -18,7 +18,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
-use crate::transport::wait::{may_spin, Wait};
+use crate::transport::wait::Wait;
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;
@@ -169,8 +169,7 @@ impl Store for ShmStore {
         Wait {
             event: &self.world.comm_head(self.slot).event,
             shared: true,
-            // Every rank of the world is a process on this host competing for its cores.
-            spin: may_spin(self.world.size),
+            spin: self.spins(),
             deadline: Instant::now() + self.world.timeout,
             op,
         }
@@ -209,7 +208,7 @@ impl Store for ShmStore {
         }
     }
     fn handoff(&self) -> Option<&Handoff> {
-        may_spin(self.world.size).then_some(&self.world.handoff)
+        self.spins().then_some(&self.world.handoff)
     }
     fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, spans)? {

@@ -15,7 +15,7 @@ use crate::engine::{Cause, Ctrl, Published, Splits, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::{may_spin, Event, Wait};
+use crate::transport::wait::{Event, Wait};
 
 /// Two one-shot buffers of a member (call k uses `k % 2`).
 type OneShot = [UnsafeCell<[u64; INLINE / 8]>; 2];
@@ -178,9 +178,7 @@ impl Store for ThreadStore {
         Wait {
             event: &self.comm.event,
             shared: false,
-            // Every rank of the world may be waiting at once (groups run side by side), as in the shm
-            // world: spin only when the world's threads each have a core.
-            spin: may_spin(self.world_size()),
+            spin: self.spins(),
             deadline: Instant::now() + self.shared.timeout,
             op,
         }
