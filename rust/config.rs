@@ -81,23 +81,9 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
 /// the kernel allows it, every member's every buffer has at least this many bytes (each buffer is
 /// judged alone, so a small part of a large call stages the whole call) and the call is large enough
-/// for its kind (below), or staging is slow for a member (`algo::handoff`).
+/// for its kind (below), or, under `ROUTE_TIMED_BELOW`, when crossing took less than staging lately
+/// (`algo::route_times`).
 pub(crate) const CMA_MIN: usize = 64 << 10;
-/// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
-/// between processes when every rank has a core. Below it the data stays in cache, where the staged
-/// pipeline's user-space copies (25-30 GB/s here) beat the kernel's cross-memory copy (7-12 GB/s on
-/// CPUs without fast `rep movsb`, as this one). 2 ranks, all_reduce: 4 MiB 478 us staged against
-/// 588 us through the kernel; 8 MiB 1.34 ms against 1.18 ms.
-pub(crate) const CMA_REDUCE: usize = 8 << 20;
-/// The same when ranks outnumber cores. 4 ranks on 2 cores, all_reduce: 256 KiB 120 us staged against
-/// 191 us; 2 MiB about even; 4 MiB 2.34 ms against 2.00 ms.
-pub(crate) const CMA_REDUCE_CROWDED: usize = 4 << 20;
-/// The smallest broadcast, all_gather, gather or scatter that copies straight between processes when
-/// every rank has a core (2 ranks, all_gather: 1 MiB 47 us staged against 64 us; 4 MiB 472 against
-/// 282 us). When ranks outnumber cores these always stage: the staged copies run at user-space speed
-/// and stream their output (4 ranks on 2 cores, all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms
-/// through the kernel; broadcast 64 MiB beside a CPU-bound process 19 against 28 ms).
-pub(crate) const CMA_COPY: usize = 2 << 20;
 /// Largest tile members claim in the cross-memory collectives (`algo::cma::Claims`): a reduction reads
 /// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member
 /// it goes to.
@@ -107,23 +93,17 @@ pub(crate) const CMA_TILE: usize = 128 << 10;
 /// a helper's tile costs a second cross-process copy, worth it when a busy core holds the owner back
 /// (all_gather 64 MiB beside a CPU-bound process: 15.5 -> 10.9 ms), not when members are in step.
 pub(crate) const STEAL_SPARE: usize = 2;
-/// Copies into staging (lines peers read last) or out of peers' staging (lines they just wrote) are
-/// slow past this many nanoseconds per KiB (`algo::handoff`). On this machine's kind, 2 ranks: most
-/// of the time the samples' medians are 27-58 and 95% lie under 80; in slow periods a 256 KiB
-/// all_reduce's copies in take 144-226 (5th to 95th percentile), its copies out 87-210.
-pub(crate) const HANDOFF_SLOW_NS_PER_KIB: u32 = 120;
-/// Only calls whose largest buffer is at most this report their copies' cost (`algo::handoff`): in
-/// larger ones the data leaves the caches, and the copies would cost more for that alone (reasoned,
-/// not measured: the A/B runs that suggested it straddled changes of the VM's state).
-pub(crate) const HANDOFF_CALL_MAX: usize = 2 << 20;
-/// Samples older than this no longer make copies slow (`algo::handoff`): calls too large to report
-/// (`HANDOFF_CALL_MAX`) then stage by size again.
-pub(crate) const HANDOFF_FRESH: Duration = Duration::from_secs(1);
-/// Copies smaller than this are too short to time well: `algo::handoff` drops their samples.
-pub(crate) const HANDOFF_SAMPLE_MIN: usize = 64 << 10;
-/// Calls whose number (the same on every member) is a multiple of this stage on every member, so that
-/// staging's copies are measured again while they are slow (`algo::handoff`).
-pub(crate) const HANDOFF_PROBE_EVERY: u64 = 16;
+/// Calls whose largest buffer is under this pick their route by what each took lately on this machine
+/// (`algo::route_times`), instead of by size alone: they are frequent enough to time both routes.
+/// (The bench runs 12 calls of 8 MiB per launch, too few to learn on.)
+pub(crate) const ROUTE_TIMED_BELOW: usize = 8 << 20;
+/// Samples kept per route and class (`algo::route_times`): a member compares the medians.
+pub(crate) const ROUTE_WINDOW: usize = 5;
+/// Samples of each route a class takes, alternating, before the faster route wins (`algo::route_times`).
+pub(crate) const ROUTE_LEARN: u64 = 3;
+/// Of this many calls of a class, one stages and one crosses on every member, so a route that lost is
+/// measured again (`algo::route_times`).
+pub(crate) const ROUTE_PROBE_EVERY: u64 = 32;
 /// Local copies of transfers this large stream past the caches (`algo::stream`): 8 MiB copies here
 /// ran at 22 GB/s streamed against 12 GB/s with `memcpy`, 4 MiB ones at 23 against 28 GB/s.
 pub(crate) const STREAM_MIN: usize = 6 << 20;

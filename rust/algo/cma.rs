@@ -23,11 +23,11 @@
 use std::cell::RefCell;
 
 use super::claims::Claims;
-use super::handoff::Handoff;
 use super::layout::Plan;
+use super::route_times::RouteTimes;
 use super::stream;
 use crate::call::Call;
-use crate::config::{cma_forced_by_env, CMA_COPY, CMA_MIN, CMA_REDUCE, CMA_REDUCE_CROWDED};
+use crate::config::{cma_forced_by_env, CMA_MIN};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{CollKind, Signature};
@@ -64,8 +64,9 @@ pub(crate) fn handles(kind: CollKind) -> bool {
 pub(crate) enum Policy {
     /// Never (`AXONML_SHM_CMA=0`, or the kernel refused a peer: `probe`); every call stages.
     Never,
-    /// Calls large enough for their kind, or while staging is slow ([`offer`]): the default.
-    BySize,
+    /// Calls that took less time crossing than staging lately, or large enough ([`offer`]): the
+    /// default.
+    Timed,
     /// Every buffer of at least `CMA_MIN` bytes (`AXONML_SHM_CMA=1`).
     Always,
 }
@@ -76,7 +77,7 @@ impl Policy {
         match cma_forced_by_env() {
             Some(false) => Policy::Never,
             Some(true) => Policy::Always,
-            None => Policy::BySize,
+            None => Policy::Timed,
         }
     }
 }
@@ -94,49 +95,45 @@ pub(crate) enum Offer {
     Cross,
 }
 
-/// What a member offers for a private buffer of `bytes` of call `k` (`sig`, in a group of `n`) under
-/// `policy`: it asks the call to cross when the call is large enough for its kind, or while `handoff`
-/// says staging is slow ([`Handoff::cross`]). `handoff` is `None` when the world's ranks outnumber the
-/// cores (crowded: copies there share a core's time, and this member asks by size alone, never for
-/// the copy kinds). A call crosses when any member asks, so a member with other settings
-/// (`AXONML_SHM_CMA=1`) or another core count can make it cross; one that withholds makes it stage.
-/// The policy is asked only for buffers of at least [`CMA_MIN`] bytes, so smaller ones never make a
-/// process probe its peers (`Policy::Never` after a refused probe).
+/// What a member offers for a private buffer of `bytes` of call `sig` (in a group of `n`) under
+/// `policy`: by default it asks the call to cross when crossing took it less time than staging lately
+/// (`routes`, for the calls it times), else by [`by_size`]. A call crosses when any member asks, so a
+/// member with other settings (`AXONML_SHM_CMA=1`) or other timings can make it cross; one that
+/// withholds makes it stage. The policy is asked only for buffers of at least [`CMA_MIN`] bytes, so
+/// smaller ones never make a process probe its peers (`Policy::Never` after a refused probe).
 pub(crate) fn offer(
     policy: impl FnOnce() -> Policy,
     sig: &Signature,
     n: usize,
     bytes: usize,
-    handoff: Option<&Handoff>,
-    k: u64,
+    routes: &RouteTimes,
+    crowded: bool,
 ) -> Offer {
     if bytes < CMA_MIN {
         return Offer::Withheld;
     }
-    let smallest = match sig.kind {
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter if handoff.is_none() => {
-            CMA_REDUCE_CROWDED
-        }
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => CMA_REDUCE,
-        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter
-            if handoff.is_none() =>
-        {
-            usize::MAX
-        }
-        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => CMA_COPY,
-        // Not measured against staging: by the buffer alone, as before.
-        _ => CMA_MIN,
+    let ask = match policy() {
+        Policy::Never => return Offer::Withheld,
+        Policy::Always => true,
+        Policy::Timed => routes.ask(sig, n).unwrap_or_else(|| by_size(sig.kind, crowded)),
     };
-    // The call's size is that of its largest buffer, the root's for the rooted kinds, so that members
-    // with the same policy and core count ask alike.
-    let (send, recv) = super::spans(sig, n, true);
-    match policy() {
-        Policy::Never => Offer::Withheld,
-        Policy::Always => Offer::Cross,
-        Policy::BySize if bytes.max(send).max(recv) >= smallest => Offer::Cross,
-        Policy::BySize if handoff.is_some_and(|h| h.cross(k)) => Offer::Cross,
-        Policy::BySize => Offer::Address,
+    if ask {
+        Offer::Cross
+    } else {
+        Offer::Address
     }
+}
+
+/// Whether a member asks a call not timed (`route_times`: one of `ROUTE_TIMED_BELOW` or more, or of
+/// the pairwise kinds) to cross: yes, but for the copy kinds when the world's ranks outnumber the cores
+/// (`crowded`). There the staged copies run at user-space speed and stream their output: 4 ranks on 2
+/// cores, all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms through the kernel; broadcast 64 MiB
+/// beside a CPU-bound process 19 against 28 ms. With a core each, 2 ranks: all_reduce 8 MiB 1.34 ms
+/// staged against 1.18 crossing.
+fn by_size(kind: CollKind, crowded: bool) -> bool {
+    let copies =
+        matches!(kind, CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter);
+    !(copies && crowded)
 }
 
 #[repr(C, align(64))]
@@ -396,25 +393,22 @@ mod tests {
     }
 
     #[test]
-    fn calls_cross_by_size_and_kind_and_every_member_of_a_call_decides_alike() {
-        use crate::algo::handoff::Side;
+    fn calls_cross_by_timing_or_size_and_every_member_of_a_call_decides_alike() {
         use crate::algo::spans;
-        use crate::config::HANDOFF_PROBE_EVERY;
+        use crate::config::{ROUTE_LEARN, ROUTE_PROBE_EVERY, ROUTE_TIMED_BELOW};
         use crate::dtype::DType;
         use std::time::Duration;
-        // Copies at their usual cost, or crowded ranks (no handoff: by size alone).
-        let usual = Handoff::default();
-        // Call 1 (not a probe call) of `count` float32 per part on `n` members: what the root and any
-        // other member offer for their buffers, and whether the call crosses: when every buffer is
-        // offered and any member asks. The root and the others must ask alike.
-        let decide_with = |p: Policy, kind, count: usize, n: usize, h: Option<&Handoff>| {
+        // A call of `count` float32 per part on `n` members: what the root and any other member offer
+        // for their buffers, and whether the call crosses: when every buffer is offered and any member
+        // asks. The root and the others must ask alike (their timings alike).
+        let decide_with = |p: Policy, kind, count: usize, n: usize, crowded: bool, routes: &RouteTimes| {
             let s = Signature::new(kind, 1, count).dtype(DType::F32);
             let member = |is_root| {
                 let (send, recv) = spans(&s, n, is_root);
                 let offers: Vec<Offer> = [send, recv]
                     .into_iter()
                     .filter(|&b| b > 0)
-                    .map(|b| offer(|| p, &s, n, b, h, 1))
+                    .map(|b| offer(|| p, &s, n, b, routes, crowded))
                     .collect();
                 (offers.iter().all(|&o| o != Offer::Withheld), offers.contains(&Offer::Cross))
             };
@@ -422,59 +416,60 @@ mod tests {
             assert_eq!(root_asks, other_asks, "{kind:?} {count}: the root and the others disagree");
             root_offers && other_offers && root_asks
         };
+        let fresh = RouteTimes::default();
         let decide = |p: Policy, kind, count: usize, n: usize, crowded: bool| {
-            decide_with(p, kind, count, n, (!crowded).then_some(&usual))
+            decide_with(p, kind, count, n, crowded, &fresh)
         };
-        // float32 elements per MiB.
-        let mib = (1 << 20) / 4;
+        // float32 elements of the smallest call not timed, and per MiB.
+        let (big, mib) = (ROUTE_TIMED_BELOW / 4, (1 << 20) / 4);
+        // Calls too large to time: reductions cross, copies cross unless ranks outnumber the cores.
         for kind in [CollKind::AllReduce, CollKind::Reduce] {
-            assert!(!decide(Policy::BySize, kind, 4 * mib, 2, false));
-            assert!(decide(Policy::BySize, kind, 8 * mib, 2, false));
-            assert!(!decide(Policy::BySize, kind, 2 * mib, 4, true));
-            assert!(decide(Policy::BySize, kind, 4 * mib, 4, true));
+            assert!(decide(Policy::Timed, kind, big, 2, false) && decide(Policy::Timed, kind, big, 4, true));
         }
         // reduce_scatter by its input (count per member, n parts), all_gather and gather by their
         // output, scatter by its input: the call's largest buffer.
-        assert!(!decide(Policy::BySize, CollKind::ReduceScatter, 2 * mib, 2, false));
-        assert!(decide(Policy::BySize, CollKind::ReduceScatter, 4 * mib, 2, false));
-        assert!(!decide(Policy::BySize, CollKind::ReduceScatter, mib / 2, 4, true));
-        assert!(decide(Policy::BySize, CollKind::ReduceScatter, mib, 4, true));
+        assert!(decide(Policy::Timed, CollKind::ReduceScatter, big / 2, 2, false));
         for kind in [CollKind::Broadcast, CollKind::AllGather, CollKind::Gather, CollKind::Scatter] {
-            let part = if kind == CollKind::Broadcast { 2 * mib } else { mib };
-            assert!(!decide(Policy::BySize, kind, part - 1, 2, false), "{kind:?}");
-            assert!(decide(Policy::BySize, kind, part, 2, false), "{kind:?}");
-            assert!(!decide(Policy::BySize, kind, 64 * mib, 4, true), "{kind:?}");
-            assert!(decide(Policy::Always, kind, 64 * mib, 4, true), "{kind:?}");
+            let part = if kind == CollKind::Broadcast { big } else { big / 2 };
+            assert!(decide(Policy::Timed, kind, part, 2, false), "{kind:?}");
+            assert!(!decide(Policy::Timed, kind, part, 2, true), "{kind:?}");
+            assert!(decide(Policy::Always, kind, part, 2, true), "{kind:?}");
+        }
+        // A fresh member stages a timed call first (learning, no samples yet).
+        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
+            assert!(!decide(Policy::Timed, kind, mib / 2, 2, false), "{kind:?}");
+            assert!(decide(Policy::Always, kind, mib / 2, 2, false), "{kind:?}");
+        }
+        // Once crossing took less than staging, timed calls of every kind cross, but for the probe
+        // calls, and never when the policy forbids it.
+        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
+            let routes = RouteTimes::default();
+            let s = Signature::new(kind, 1, mib / 2).dtype(DType::F32);
+            let mut crossed = Vec::new();
+            for _ in 0..2 * ROUTE_LEARN + 2 * ROUTE_PROBE_EVERY {
+                let cross = decide_with(Policy::Timed, kind, mib / 2, 2, false, &routes);
+                let took = Duration::from_micros(if cross { 10 } else { 30 });
+                routes.record(&s, 2, cross, took);
+                crossed.push(cross);
+            }
+            let learning = 2 * ROUTE_LEARN as usize;
+            assert!(crossed[..learning].iter().step_by(2).all(|&c| !c), "{kind:?} learns staging first");
+            assert!(crossed[1..learning].iter().step_by(2).all(|&c| c), "{kind:?} then crossing");
+            let staged = crossed[learning..].iter().filter(|&&c| !c).count();
+            assert_eq!(staged, 2, "{kind:?}: one staged probe per {ROUTE_PROBE_EVERY} calls");
+            assert!(!decide_with(Policy::Never, kind, mib / 2, 2, false, &routes), "{kind:?}");
         }
         // A large call whose parts are under CMA_MIN stages (64 members, 2 MiB gathered).
-        assert!(!decide(Policy::BySize, CollKind::AllGather, 2 * mib / 64, 64, false));
+        assert!(!decide(Policy::Timed, CollKind::AllGather, 2 * mib / 64, 64, false));
         assert!(decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4, 2, false));
         assert!(!decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4 - 1, 2, false));
-        assert!(!decide(Policy::Never, CollKind::AllReduce, 64 * mib, 2, false));
-        // While staging's copies are slow, calls of every kind cross from CMA_MIN per buffer
-        // (`handoff`), but not on probe calls, not when ranks outnumber the cores, nor when the policy
-        // forbids it.
-        let slow = Handoff::default();
-        for _ in 0..64 {
-            slow.record(Side::Out, 1 << 20, Duration::from_secs(1));
-        }
-        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
-            assert!(decide_with(Policy::BySize, kind, mib / 4, 2, Some(&slow)), "{kind:?}");
-            assert!(!decide_with(Policy::BySize, kind, CMA_MIN / 4 / 2 - 1, 2, Some(&slow)), "{kind:?}");
-            assert!(!decide_with(Policy::Never, kind, mib, 2, Some(&slow)), "{kind:?}");
-        }
-        let s = Signature::new(CollKind::AllReduce, 1, mib).dtype(DType::F32);
-        assert_eq!(
-            offer(|| Policy::BySize, &s, 2, 1 << 20, Some(&slow), HANDOFF_PROBE_EVERY),
-            Offer::Address
-        );
-        assert_eq!(offer(|| Policy::BySize, &s, 2, 1 << 20, None, 1), Offer::Address);
+        assert!(!decide(Policy::Never, CollKind::AllReduce, big, 2, false));
         // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
         let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
-        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN, None, 1), Offer::Cross);
-        assert_eq!(offer(|| Policy::BySize, &v, 4, CMA_MIN - 1, Some(&usual), 1), Offer::Withheld);
+        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN, &fresh, true), Offer::Cross);
+        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN - 1, &fresh, false), Offer::Withheld);
         // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
-        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&slow), 1), Offer::Withheld);
+        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, &fresh, false), Offer::Withheld);
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

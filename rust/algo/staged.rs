@@ -17,12 +17,9 @@
 //! `STAGE_SKEW` (so copies in and out do not alias, `config::ALIAS_PERIOD`); a region of at least
 //! `PLACE_MIN` bytes keeps one period of room for that.
 
-use std::time::Instant;
-
-use super::handoff::{Handoff, Side};
 use super::owner::owned;
 use super::{part_spans, stream};
-use crate::config::{ALIAS_PERIOD, HANDOFF_CALL_MAX, STAGE_SKEW};
+use crate::config::{ALIAS_PERIOD, STAGE_SKEW};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{reduce_raw, ReduceOp, Scale};
@@ -45,8 +42,6 @@ pub(crate) struct Staged<'a> {
     pub bufs: &'a [[*mut u8; 2]],
     /// Bytes per pipeline buffer.
     pub chunk: usize,
-    /// Where the copies into and out of staging report what they cost (`algo::handoff`), if anywhere.
-    pub handoff: Option<&'a Handoff>,
 }
 
 /// Staging spaces at least this large keep one [`ALIAS_PERIOD`] of room for placing pieces, which
@@ -90,13 +85,6 @@ impl Staged<'_> {
     /// Bytes of this call's send and receive buffers on a member that has them (the root's).
     fn spans(&self) -> (usize, usize) {
         part_spans(self.kind, self.count * self.dtype.size(), self.n, true)
-    }
-
-    /// Where this call's copies report what they cost: calls of at most `HANDOFF_CALL_MAX` bytes in
-    /// their largest buffer, whose data stays in cache, so that the cost is the handoff's.
-    fn sampling(&self) -> Option<&Handoff> {
-        let (send, recv) = self.spans();
-        self.handoff.filter(|_| send.max(recv) <= HANDOFF_CALL_MAX)
     }
 
     /// Run every round. `round` is the communicator's round counter; `publish(s)` stores this member's
@@ -170,25 +158,12 @@ impl Staged<'_> {
             stream::copy(from, to, elems * e, streams)
         };
         let slice = |o: usize| owned(len, e, n, o);
-        // Run `copies` (of `bytes` into this member's staging or out of peers') and report what they
-        // cost (`algo::handoff`).
-        let handoff = self.sampling();
-        let timed = |side: Side, bytes: usize, copies: &dyn Fn()| match handoff {
-            Some(h) => {
-                let t = Instant::now();
-                copies();
-                h.record(side, bytes, t.elapsed());
-            }
-            None => copies(),
-        };
         match self.kind {
             CollKind::AllReduce | CollKind::Reduce => {
-                timed(Side::In, (len - slice(me).len()) * e, &|| {
-                    for o in (0..n).filter(|&o| o != me) {
-                        let s = slice(o);
-                        copy(src(lo + s.start), stage(me, o, lo + s.start), s.len());
-                    }
-                });
+                for o in (0..n).filter(|&o| o != me) {
+                    let s = slice(o);
+                    copy(src(lo + s.start), stage(me, o, lo + s.start), s.len());
+                }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let s = slice(me);
@@ -213,20 +188,16 @@ impl Staged<'_> {
                 publish(3 * g + 2);
                 sync(3 * g + 2)?;
                 if self.kind == CollKind::AllReduce || me == root {
-                    timed(Side::Out, (len - slice(me).len()) * e, &|| {
-                        for o in (0..n).filter(|&o| o != me) {
-                            let s = slice(o);
-                            out(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
-                        }
-                    });
+                    for o in (0..n).filter(|&o| o != me) {
+                        let s = slice(o);
+                        out(stage(o, o, lo + s.start), dst(lo + s.start), s.len());
+                    }
                 }
             }
             CollKind::ReduceScatter => {
-                timed(Side::In, (n - 1) * len * e, &|| {
-                    for o in (0..n).filter(|&o| o != me) {
-                        copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
-                    }
-                });
+                for o in (0..n).filter(|&o| o != me) {
+                    copy(src(o * self.count + lo), stage(me, o, o * self.count + lo), len);
+                }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 let inputs: Vec<*const u8> = (0..n)
@@ -257,25 +228,23 @@ impl Staged<'_> {
             }
             CollKind::Broadcast => {
                 if me == root {
-                    timed(Side::In, len * e, &|| copy(src(lo), stage(me, 0, lo), len));
+                    copy(src(lo), stage(me, 0, lo), len);
                 }
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if me != root {
-                    timed(Side::Out, len * e, &|| out(stage(root, 0, lo), dst(lo), len));
+                    out(stage(root, 0, lo), dst(lo), len);
                 }
             }
             CollKind::AllGather | CollKind::Gather => {
-                timed(Side::In, len * e, &|| copy(src(lo), stage(me, 0, lo), len));
+                copy(src(lo), stage(me, 0, lo), len);
                 publish(3 * g + 1);
                 sync(3 * g + 1)?;
                 if self.kind == CollKind::AllGather || me == root {
                     out(src(lo), dst(me * self.count + lo), len);
-                    timed(Side::Out, (n - 1) * len * e, &|| {
-                        for j in (0..n).filter(|&j| j != me) {
-                            out(stage(j, 0, lo), dst(j * self.count + lo), len);
-                        }
-                    });
+                    for j in (0..n).filter(|&j| j != me) {
+                        out(stage(j, 0, lo), dst(j * self.count + lo), len);
+                    }
                 }
             }
             // The pairwise kinds run `pairwise::Staged`.

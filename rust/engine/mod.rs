@@ -11,8 +11,8 @@
 //!    every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
-//!    (the same between processes, copied by the kernel, for calls large enough or while staging is
-//!    slow: `algo::cma::offer`),
+//!    (the same between processes, copied by the kernel, for calls that took less time that way
+//!    lately or too large to time: `algo::cma::offer`),
 //!    or staged (pipelined through staging buffers, otherwise);
 //! 4. store `done = k` on every way out of a call this member arrived at; after the direct and cma
 //!    paths, wait until every member's `done >= k` (peers may still touch our buffers until then).
@@ -308,8 +308,8 @@ impl<S: Store> Engine<S> {
         }
         let page = Published {
             sig: wire::encode(&sig),
-            send: s.share(call.mine.send, sb, &sig, k),
-            recv: s.share(call.mine.recv, rb, &sig, k),
+            send: s.share(call.mine.send, sb, &sig),
+            recv: s.share(call.mine.recv, rb, &sig),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
@@ -363,6 +363,8 @@ impl<S: Store> Engine<S> {
         k: u64,
         op: &str,
     ) -> (Result<()>, bool) {
+        // Every member arrived: what a route takes counts from here (`algo::route_times`).
+        let started = Instant::now();
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
         let pages: Vec<Published> = (0..n).map(|j| s.ctrl(j).pages[(k % 2) as usize].load()).collect();
@@ -429,6 +431,7 @@ impl<S: Store> Engine<S> {
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
                 let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, op) };
+                self.took(sig, true, started, &moved);
                 // A copy fails when its peer has exited: then say that, as every other wait would
                 // (its exit may show a moment after its memory is gone).
                 let failed = |e| {
@@ -465,13 +468,22 @@ impl<S: Store> Engine<S> {
                     recv: call.mine.recv,
                     bufs: &bufs,
                     chunk,
-                    handoff: s.handoff(),
                 };
                 // SAFETY: the buffers were validated for this signature, which every member shares. Only
                 // their owner touches private buffers (peers read staging, which outlives the call), so
                 // a member may leave the pipeline without waiting for the others.
-                (unsafe { staged.run(&mut local.round, publish, sync) }, false)
+                let moved = unsafe { staged.run(&mut local.round, publish, sync) };
+                self.took(sig, false, started, &moved);
+                (moved, false)
             }
+        }
+    }
+
+    /// Report to the world's route timings (`algo::route_times`) that call `sig`, which `crossed` or
+    /// staged, took this member from `started` until now, if it `moved` its data.
+    fn took(&self, sig: &Signature, crossed: bool, started: Instant, moved: &Result<()>) {
+        if let (Some(routes), Ok(())) = (self.store.routes(), moved) {
+            routes.record(sig, self.store.members().len(), crossed, started.elapsed());
         }
     }
 

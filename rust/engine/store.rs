@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use super::wire;
-use crate::algo::handoff::Handoff;
+use crate::algo::route_times::RouteTimes;
 use crate::algo::Route;
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
@@ -138,12 +138,11 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// and read like one-shot buffers.
     fn layout(&self, j: usize, k: u64) -> *mut u64;
 
-    /// How peers find `bytes` at `ptr`, this member's buffer for `sig` in call `k` (a number for
-    /// [`Published`]).
-    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature, k: u64) -> u64;
-    /// Where the staged pipeline reports what its copies into and out of staging cost
-    /// (`algo::handoff`); none for worlds that never stage, or whose ranks outnumber the cores.
-    fn handoff(&self) -> Option<&Handoff> {
+    /// How peers find `bytes` at `ptr`, this member's buffer for `sig` (a number for [`Published`]).
+    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature) -> u64;
+    /// Where calls that staged or crossed report what they took (`algo::route_times`); none for
+    /// worlds whose calls never choose between the two.
+    fn routes(&self) -> Option<&RouteTimes> {
         None
     }
     /// How the data of `sig` moves, given every member's page and the bytes its send and recv buffers

@@ -24,7 +24,7 @@ fn member1_arrived(theirs: &mut [f32]) -> (ThreadBackend, ThreadStore) {
     let s1 = ThreadStore::world(&shared, 1);
     let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
     let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
-    let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4, &sig, 1);
+    let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4, &sig);
     s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
     s1.ctrl(1).arrive.store(1, SeqCst);
     s1.notify();

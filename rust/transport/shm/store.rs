@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
 use crate::algo::cma::{self, Loc, Member, Offer};
-use crate::algo::handoff::Handoff;
+use crate::algo::route_times::RouteTimes;
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
@@ -192,13 +192,15 @@ impl Store for ShmStore {
         self.oneshot(j, k).cast()
     }
 
-    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature, k: u64) -> u64 {
+    fn share(&self, ptr: *const u8, bytes: usize, sig: &Signature) -> u64 {
         if ptr.is_null() || bytes == 0 {
             NO_BUFFER
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < CROSS {
-            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.handoff(), k) {
+            let crowded = !self.spins();
+            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, &self.world.routes, crowded)
+            {
                 Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
                 Offer::Cross => PRIVATE | CROSS | ptr as u64,
@@ -207,8 +209,8 @@ impl Store for ShmStore {
             NOT_SHARED
         }
     }
-    fn handoff(&self) -> Option<&Handoff> {
-        self.spins().then_some(&self.world.handoff)
+    fn routes(&self) -> Option<&RouteTimes> {
+        Some(&self.world.routes)
     }
     fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, spans)? {

@@ -191,9 +191,9 @@ fn all_reduce_beside(count: usize, published: u64, timeout: Duration) -> (Error,
 #[test]
 fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_clear_error() {
     use super::store::PRIVATE;
-    // Large enough for the cross-memory route; the page-aligned address maps nothing.
+    // Too large to time, so rank 0 asks it to cross; the page-aligned address maps nothing.
     let (e, took, w) =
-        all_reduce_beside(crate::config::CMA_REDUCE / 4, PRIVATE | 0x1000, Duration::from_secs(20));
+        all_reduce_beside(crate::config::ROUTE_TIMED_BELOW / 4, PRIVATE | 0x1000, Duration::from_secs(20));
     let m = e.to_string();
     assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
     assert!(took < Duration::from_secs(10), "failed at once, not at the timeout");
@@ -201,18 +201,18 @@ fn a_peer_publishing_a_private_address_it_does_not_own_aborts_the_world_with_a_c
 }
 
 #[test]
-fn a_call_too_small_to_cross_by_size_crosses_when_a_peer_asks() {
+fn a_timed_call_crosses_when_a_peer_asks() {
     use super::store::{CROSS, PRIVATE};
-    // 256 KiB: rank 0 alone would stage it, and only offers its address; rank 1 asks the call to cross
-    // (as a rank does while its copies through staging are slow, `algo::handoff`), so rank 0 reads
-    // from the address rank 1 published.
+    // 256 KiB: rank 0 alone would stage it (the first call of its class, `algo::route_times`), and
+    // only offers its address; rank 1 asks the call to cross (as a rank does whose crossing calls took
+    // it less time), so rank 0 reads from the address rank 1 published.
     let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | CROSS | 0x1000, Duration::from_secs(20));
     let m = e.to_string();
     assert!(m.contains("reading from rank 1's buffer") && m.contains("0x1000"), "{m}");
 }
 
 #[test]
-fn a_call_too_small_to_cross_by_size_stages_when_no_member_asks() {
+fn a_timed_call_stages_when_no_member_asks() {
     use super::store::PRIVATE;
     // Rank 1 only offers its address: the call stages, so rank 0 never reads it, and waits in vain
     // for rank 1's steps.

@@ -198,7 +198,7 @@ impl Store for ThreadStore {
         UnsafeCell::raw_get(self.comm.layouts[j][(k % 2) as usize].as_ptr())
     }
 
-    fn share(&self, ptr: *const u8, _bytes: usize, _sig: &Signature, _k: u64) -> u64 {
+    fn share(&self, ptr: *const u8, _bytes: usize, _sig: &Signature) -> u64 {
         ptr.expose_provenance() as u64
     }
     fn route(&self, pages: &[Published], _sig: &Signature, _spans: &[(usize, usize)]) -> Result<Route> {

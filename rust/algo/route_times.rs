@@ -1,0 +1,218 @@
+//! What each route took lately, on this member, for each class of calls that could take either: the
+//! choice between the staged pipeline and cross-memory copies (`cma::offer`) for calls under
+//! `ROUTE_TIMED_BELOW`.
+//!
+//! Which route wins depends on the machine and, on a VM, on the moment: staging copies every byte
+//! twice, into lines a peer's core last read and out of lines it just wrote, and the kernel's copy
+//! moves it once at its own speed. On one host of this machine's kind, 2 ranks at 256 KiB, staging
+//! took 25 us for an all_reduce against 39 crossing, and broadcast 17 against 16; on another, 31
+//! against 25 and 28 against 9.5; on the first, for seconds to minutes at a time, 80 against 50 and 61
+//! against 22. No size threshold fits all three, so each member times both and asks for the faster.
+//!
+//! A class is a kind, a group size and the power of two of the call's largest buffer. Every call of a
+//! class that took either route reports how long this member took from the end of the arrival wait to
+//! the end of its share (`RouteTimes::record`), per KiB of that buffer. Until each route has
+//! `ROUTE_LEARN` samples the class's calls alternate (by the count of calls recorded, the same on every
+//! member, which runs the same calls); then a member asks to cross when the median of its last
+//! `ROUTE_WINDOW` crossing samples beats the staged median. One call in every `ROUTE_PROBE_EVERY`
+//! stages on every member and one crosses on every member, so a route that lost keeps being measured.
+//! A call crosses when any member asks (`cma::offer`), so members that disagree never split.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::spans;
+use crate::config::{CMA_MIN, ROUTE_LEARN, ROUTE_PROBE_EVERY, ROUTE_TIMED_BELOW, ROUTE_WINDOW};
+use crate::signature::{CollKind, Signature};
+
+/// Calls timed together: same kind, group size and power of two of the largest buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Class {
+    kind: CollKind,
+    n: usize,
+    log2: u32,
+}
+
+/// The class of call `sig` in a group of `n`, with the bytes of its largest buffer; `None` for calls
+/// chosen by size alone (the pairwise kinds, reduce_scatter_v, calls of `ROUTE_TIMED_BELOW` or more).
+fn class(sig: &Signature, n: usize) -> Option<(Class, usize)> {
+    let timed = matches!(
+        sig.kind,
+        CollKind::AllReduce
+            | CollKind::Reduce
+            | CollKind::ReduceScatter
+            | CollKind::Broadcast
+            | CollKind::AllGather
+            | CollKind::Gather
+            | CollKind::Scatter
+    );
+    let (send, recv) = spans(sig, n, true);
+    let bytes = send.max(recv);
+    (timed && (CMA_MIN..ROUTE_TIMED_BELOW).contains(&bytes))
+        .then(|| (Class { kind: sig.kind, n, log2: bytes.ilog2() }, bytes))
+}
+
+/// The last `ROUTE_WINDOW` samples of one route, in nanoseconds per KiB, and how many came in all.
+#[derive(Debug, Default)]
+struct Window {
+    samples: [u64; ROUTE_WINDOW],
+    seen: u64,
+}
+
+impl Window {
+    fn push(&mut self, per_kib: u64) {
+        self.samples[(self.seen % ROUTE_WINDOW as u64) as usize] = per_kib;
+        self.seen += 1;
+    }
+
+    /// The median of the samples kept (a time slice lost in one call does not move it).
+    fn median(&self) -> u64 {
+        let mut kept: Vec<u64> = self.samples[..(self.seen as usize).min(ROUTE_WINDOW)].to_vec();
+        kept.sort_unstable();
+        kept.get(kept.len() / 2).copied().unwrap_or(0)
+    }
+}
+
+/// Both routes' samples of one class.
+#[derive(Debug, Default)]
+struct Times {
+    staged: Window,
+    crossed: Window,
+}
+
+impl Times {
+    /// Whether this member asks the next call of the class to cross.
+    fn ask(&self) -> bool {
+        let (s, c) = (&self.staged, &self.crossed);
+        if s.seen < ROUTE_LEARN || c.seen < ROUTE_LEARN {
+            // Learning: take the route with fewer samples, staging first.
+            return c.seen < s.seen;
+        }
+        match (s.seen + c.seen) % ROUTE_PROBE_EVERY {
+            0 => false,
+            p if p == ROUTE_PROBE_EVERY / 2 => true,
+            _ => c.median() < s.median(),
+        }
+    }
+}
+
+/// This process's route timings, shared by its groups in one world.
+#[derive(Debug, Default)]
+pub(crate) struct RouteTimes {
+    classes: Mutex<HashMap<Class, Times>>,
+}
+
+impl RouteTimes {
+    fn classes(&self) -> std::sync::MutexGuard<'_, HashMap<Class, Times>> {
+        // The map holds plain numbers: a panic elsewhere cannot leave it half-updated.
+        self.classes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this member asks call `sig` (in a group of `n`) to cross; `None` when the call is not
+    /// timed, and its size decides.
+    pub(crate) fn ask(&self, sig: &Signature, n: usize) -> Option<bool> {
+        let (c, _) = class(sig, n)?;
+        Some(self.classes().get(&c).is_some_and(Times::ask))
+    }
+
+    /// Call `sig` (in a group of `n`) took `took` on this member, `crossed` or staged.
+    pub(crate) fn record(&self, sig: &Signature, n: usize, crossed: bool, took: Duration) {
+        let Some((c, bytes)) = class(sig, n) else { return };
+        let per_kib = u64::try_from(took.as_nanos().saturating_mul(1024) / bytes as u128).unwrap_or(u64::MAX);
+        let mut classes = self.classes();
+        let times = classes.entry(c).or_default();
+        if crossed {
+            times.crossed.push(per_kib);
+        } else {
+            times.staged.push(per_kib);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    fn all_reduce(bytes: usize) -> Signature {
+        Signature::new(CollKind::AllReduce, 1, bytes / 4).dtype(DType::F32)
+    }
+
+    #[test]
+    fn classes_learn_both_routes_then_keep_the_faster_and_probe_the_other() {
+        let r = RouteTimes::default();
+        let s = all_reduce(1 << 20);
+        // Run `calls` calls, staging taking `staged` us and crossing `crossed`; which ones crossed.
+        let run = |calls: u64, staged: u64, crossed: u64| -> Vec<bool> {
+            (0..calls)
+                .map(|_| {
+                    let cross = r.ask(&s, 2).expect("timed");
+                    r.record(&s, 2, cross, Duration::from_micros(if cross { crossed } else { staged }));
+                    cross
+                })
+                .collect()
+        };
+        let learn = 2 * ROUTE_LEARN;
+        let first = run(learn + 2 * ROUTE_PROBE_EVERY, 30, 10);
+        assert_eq!(first[..learn as usize], [false, true].repeat(ROUTE_LEARN as usize), "alternates first");
+        // After learning, crossing wins, but for one staged probe in every ROUTE_PROBE_EVERY calls.
+        let staged: Vec<usize> = (learn as usize..first.len()).filter(|&i| !first[i]).collect();
+        assert_eq!(staged, [ROUTE_PROBE_EVERY as usize, 2 * ROUTE_PROBE_EVERY as usize]);
+        // When crossing turns slow, the probes' samples pull staging ahead once its median moves:
+        // the crossing calls themselves report it at once.
+        let turned = run(2 * ROUTE_PROBE_EVERY, 30, 90);
+        let flipped = turned.iter().position(|&c| !c).expect("stages again");
+        assert!(flipped <= ROUTE_WINDOW / 2 + 1, "staged again after {flipped} slow crossings");
+        let tail = &turned[ROUTE_WINDOW..];
+        assert_eq!(tail.iter().filter(|&&c| c).count(), 2, "then crosses only on probe calls: {turned:?}");
+    }
+
+    #[test]
+    fn one_slow_sample_does_not_change_the_route() {
+        let r = RouteTimes::default();
+        let s = all_reduce(256 << 10);
+        for i in 0..40 {
+            let cross = r.ask(&s, 2).unwrap();
+            // Crossing usually takes 10 us, staging 30; every 7th call lost its core for 1 ms.
+            let us = if i % 7 == 6 {
+                1000
+            } else if cross {
+                10
+            } else {
+                30
+            };
+            r.record(&s, 2, cross, Duration::from_micros(us));
+        }
+        let crossed = (0..10).filter(|_| r.ask(&s, 2).unwrap()).count();
+        assert_eq!(crossed, 10);
+    }
+
+    #[test]
+    fn classes_are_kind_group_and_power_of_two_and_large_or_pairwise_calls_are_not_timed() {
+        let r = RouteTimes::default();
+        let s = all_reduce(1 << 20);
+        for _ in 0..2 * ROUTE_LEARN {
+            let cross = r.ask(&s, 2).unwrap();
+            r.record(&s, 2, cross, Duration::from_micros(if cross { 10 } else { 30 }));
+        }
+        assert_eq!(r.ask(&s, 2), Some(true));
+        // The same class up to the next power of two; another size, group or kind learns anew.
+        assert_eq!(r.ask(&all_reduce((2 << 20) - 4), 2), Some(true));
+        assert_eq!(r.ask(&all_reduce(2 << 20), 2), Some(false));
+        assert_eq!(r.ask(&s, 3), Some(false));
+        let b = Signature::new(CollKind::Broadcast, 1, (1 << 20) / 4).dtype(DType::F32);
+        assert_eq!(r.ask(&b, 2), Some(false));
+        // all_gather by its output, reduce_scatter by its input: the call's largest buffer.
+        let g = Signature::new(CollKind::AllGather, 1, ROUTE_TIMED_BELOW / 4 / 2).dtype(DType::F32);
+        assert_eq!(r.ask(&g, 2), None);
+        assert_eq!(r.ask(&all_reduce(ROUTE_TIMED_BELOW - 4), 2), Some(false));
+        assert_eq!(r.ask(&all_reduce(ROUTE_TIMED_BELOW), 2), None);
+        assert_eq!(r.ask(&all_reduce(CMA_MIN - 4), 2), None);
+        let a = Signature::new(CollKind::AllToAll, 1, 1 << 20).dtype(DType::F32);
+        assert_eq!(r.ask(&a, 2), None);
+        // Untimed calls report nothing.
+        r.record(&a, 2, true, Duration::from_secs(1));
+        assert!(r.classes().keys().all(|c| c.kind == CollKind::AllReduce));
+    }
+}
