@@ -80,10 +80,16 @@ pub(crate) const SHM_CHUNK: usize = 1 << 20;
 pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
 /// the kernel allows it, every member's every buffer has at least this many bytes (each buffer is
-/// judged alone, so a small part of a large call stages the whole call) and the call is large enough
-/// for its kind (below), or, under `ROUTE_TIMED_BELOW`, when crossing took less than staging lately
-/// (`algo::route_times`).
+/// judged alone, so a small part of a large call stages the whole call) and a member asks
+/// (`algo::cma::offer`: under `ROUTE_TIMED_BELOW` when crossing took it less time than staging lately,
+/// above by kind).
 pub(crate) const CMA_MIN: usize = 64 << 10;
+/// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
+/// between processes when ranks outnumber cores, where calls are not timed (`algo::cma::offer`). 4 ranks
+/// on 2 cores, all_reduce staged against crossing: on one host 256 KiB 120 against 191 us, 2 MiB about
+/// even, 4 MiB 2.34 against 2.00 ms; on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us,
+/// 2 MiB 737 against 583 us (reduce_scatter 2 MiB 564 against 485 us).
+pub(crate) const CMA_REDUCE_CROWDED: usize = 2 << 20;
 /// Largest tile members claim in the cross-memory collectives (`algo::cma::Claims`): a reduction reads
 /// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member
 /// it goes to.

@@ -27,7 +27,7 @@ use super::layout::Plan;
 use super::route_times::RouteTimes;
 use super::stream;
 use crate::call::Call;
-use crate::config::{cma_forced_by_env, CMA_MIN};
+use crate::config::{cma_forced_by_env, CMA_MIN, CMA_REDUCE_CROWDED};
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, ReduceOp};
 use crate::signature::{CollKind, Signature};
@@ -115,7 +115,10 @@ pub(crate) fn offer(
     let ask = match policy() {
         Policy::Never => return Offer::Withheld,
         Policy::Always => true,
-        Policy::Timed => routes.ask(sig, n).unwrap_or_else(|| by_size(sig.kind, crowded)),
+        // Timings where ranks outnumber cores say more about who held a core than about the route.
+        Policy::Timed => {
+            (!crowded).then(|| routes.ask(sig, n)).flatten().unwrap_or_else(|| by_size(sig, n, crowded))
+        }
     };
     if ask {
         Offer::Cross
@@ -124,16 +127,24 @@ pub(crate) fn offer(
     }
 }
 
-/// Whether a member asks a call not timed (`route_times`: one of `ROUTE_TIMED_BELOW` or more, or of
-/// the pairwise kinds) to cross: yes, but for the copy kinds when the world's ranks outnumber the cores
-/// (`crowded`). There the staged copies run at user-space speed and stream their output: 4 ranks on 2
-/// cores, all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms through the kernel; broadcast 64 MiB
-/// beside a CPU-bound process 19 against 28 ms. With a core each, 2 ranks: all_reduce 8 MiB 1.34 ms
-/// staged against 1.18 crossing.
-fn by_size(kind: CollKind, crowded: bool) -> bool {
-    let copies =
-        matches!(kind, CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter);
-    !(copies && crowded)
+/// Whether a member asks a call it does not time to cross: calls of `ROUTE_TIMED_BELOW` or more, or
+/// of the pairwise kinds, or any call when the world's ranks outnumber the cores (`crowded`: there a
+/// member's time depends mostly on when the scheduler ran it, and the samples of both routes spread
+/// over the same range). Then the pairwise kinds always cross; the reductions cross from
+/// [`CMA_REDUCE_CROWDED`] when crowded, always otherwise; the copy kinds never cross when crowded,
+/// where the staged copies run at user-space speed and stream their output (4 ranks on 2 cores,
+/// all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms through the kernel; broadcast 64 MiB beside
+/// a CPU-bound process 19 against 28 ms), and always otherwise (2 ranks: all_reduce 8 MiB 1.34 ms
+/// staged against 1.18 crossing).
+fn by_size(sig: &Signature, n: usize, crowded: bool) -> bool {
+    let (send, recv) = super::spans(sig, n, true);
+    match sig.kind {
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
+            !crowded || send.max(recv) >= CMA_REDUCE_CROWDED
+        }
+        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => !crowded,
+        _ => true,
+    }
 }
 
 #[repr(C, align(64))]
@@ -426,6 +437,20 @@ mod tests {
         for kind in [CollKind::AllReduce, CollKind::Reduce] {
             assert!(decide(Policy::Timed, kind, big, 2, false) && decide(Policy::Timed, kind, big, 4, true));
         }
+        // Where ranks outnumber cores nothing is timed: reductions cross from CMA_REDUCE_CROWDED by
+        // their largest buffer, copies never.
+        let crowded = CMA_REDUCE_CROWDED / 4;
+        assert!(!decide(Policy::Timed, CollKind::AllReduce, crowded - 1, 4, true));
+        assert!(decide(Policy::Timed, CollKind::AllReduce, crowded, 4, true));
+        assert!(!decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4 - 1, 4, true));
+        assert!(decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4, 4, true));
+        let timed_crossing = RouteTimes::default();
+        let s = Signature::new(CollKind::AllReduce, 1, crowded / 2).dtype(DType::F32);
+        for i in 0..2 * ROUTE_LEARN {
+            timed_crossing.record(&s, 4, i % 2 == 1, Duration::from_micros(if i % 2 == 1 { 1 } else { 100 }));
+        }
+        assert!(decide_with(Policy::Timed, CollKind::AllReduce, crowded / 2, 4, false, &timed_crossing));
+        assert!(!decide_with(Policy::Timed, CollKind::AllReduce, crowded / 2, 4, true, &timed_crossing));
         // reduce_scatter by its input (count per member, n parts), all_gather and gather by their
         // output, scatter by its input: the call's largest buffer.
         assert!(decide(Policy::Timed, CollKind::ReduceScatter, big / 2, 2, false));

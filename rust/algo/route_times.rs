@@ -10,8 +10,10 @@
 //! against 22. No size threshold fits all three, so each member times both and asks for the faster.
 //!
 //! A class is a kind, a group size and the power of two of the call's largest buffer. Every call of a
-//! class that took either route reports how long this member took from the end of the arrival wait to
-//! the end of its share (`RouteTimes::record`), per KiB of that buffer. Until each route has
+//! class that took either route reports how long this member took from the end of the arrival wait
+//! (`RouteTimes::record`), per KiB of that buffer: to the end of its share when it staged, to the end
+//! of every member's share when it crossed (its drain; without it, a member that finished its equal
+//! run of tiles early would count crossing cheaper than it is where ranks outnumber cores). Until each route has
 //! `ROUTE_LEARN` samples the class's calls alternate (by the count of calls recorded, the same on every
 //! member, which runs the same calls); then a member asks to cross when the median of its last
 //! `ROUTE_WINDOW` crossing samples beats the staged median. One call in every `ROUTE_PROBE_EVERY`

@@ -67,6 +67,19 @@ enum Placement {
     Unknown,
 }
 
+/// What a member does once it moved a call's data (`Engine::run`).
+#[derive(Clone, Copy)]
+enum After {
+    /// Leave: no peer touches its buffers any more.
+    Leave,
+    /// Drain: peers may still touch its buffers until they store their done.
+    Drain,
+    /// Drain, then report that the call crossed, taking from the instant given until the drain ended
+    /// (`algo::route_times`): a crossing call ends when every member's share is done, as a staged
+    /// one ends for the member that steps last.
+    DrainTimed(Instant),
+}
+
 /// Per-handle counters, behind a lock that doubles as the "one collective at a time" check.
 #[derive(Default)]
 struct Local {
@@ -317,12 +330,13 @@ impl<S: Store> Engine<S> {
         self.publish(|c| &c.arrive, k, SeqCst);
         let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
         let everyone = arrived.is_ok();
-        let (result, drain) = match arrived {
+        let (result, after) = match arrived {
             Ok(()) => self.run(&mut local, &call, &sig, oneshot, k, &op),
             // `wait_all` aborted the world (or found it aborted): a peer that sees every arrival now
             // re-checks the abort flag before touching our buffers, or else we see its arrival below.
-            Err(e) => (Err(e), true),
+            Err(e) => (Err(e), After::Drain),
         };
+        let drain = !matches!(after, After::Leave);
         // From here on we touch nothing of this call: peers waiting for us may go.
         if !drain && result.is_ok() {
             ctrl.completed.store(k, Release);
@@ -345,6 +359,9 @@ impl<S: Store> Engine<S> {
             (Ok(()), Ok(())) => self.check_abort(&op, true),
             (err, _) => err,
         };
+        if let After::DrainTimed(started) = after {
+            self.took(&sig, true, started, &result);
+        }
         if result.is_ok() {
             ctrl.completed.store(k, Release);
         }
@@ -352,7 +369,8 @@ impl<S: Store> Engine<S> {
     }
 
     /// Steps 2 and 3 for a call every member arrived at: compare, re-check the abort flag, move data.
-    /// Returns the outcome and whether peers may still touch our buffers (then the caller drains).
+    /// Returns the outcome and what the caller does next (drain while peers may still touch our
+    /// buffers).
     /// Errors found in the pages need no drain: every member reads the same pages and fails alike.
     fn run(
         &self,
@@ -362,7 +380,7 @@ impl<S: Store> Engine<S> {
         oneshot: bool,
         k: u64,
         op: &str,
-    ) -> (Result<()>, bool) {
+    ) -> (Result<()>, After) {
         // Every member arrived: what a route takes counts from here (`algo::route_times`).
         let started = Instant::now();
         let s = &self.store;
@@ -374,20 +392,23 @@ impl<S: Store> Engine<S> {
                 let rank = s.members()[j];
                 let e =
                     Error::invalid(format!("rank {rank} published an unreadable call (corrupted segment?)"));
-                return (Err(self.fail(e)), false);
+                return (Err(self.fail(e)), After::Leave);
             };
             calls.push((s.members()[j], sig));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return (Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })), false);
+            return (
+                Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })),
+                After::Leave,
+            );
         }
         let plan = match self.plan(call, sig, k, calls) {
             Ok(plan) => plan,
-            Err(e) => return (Err(self.fail(e)), false),
+            Err(e) => return (Err(self.fail(e)), After::Leave),
         };
         let bytes = call.count * call.dtype.size();
         if sig.kind == CollKind::Barrier || plan.as_ref().map_or(bytes == 0, Plan::is_empty) {
-            return (Ok(()), false);
+            return (Ok(()), After::Leave);
         }
         let red = sig.op.unwrap_or(ReduceOp::Sum);
         if oneshot {
@@ -395,7 +416,7 @@ impl<S: Store> Engine<S> {
             // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
             // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
             unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, &inputs, call.mine.recv, call.count) };
-            return (Ok(()), false);
+            return (Ok(()), After::Leave);
         }
         let spans: Vec<(usize, usize)> = match &plan {
             Some(p) => p.spans.clone(),
@@ -403,7 +424,7 @@ impl<S: Store> Engine<S> {
         };
         let route = match s.route(&pages, sig, &spans) {
             Ok(route) => route,
-            Err(e) => return (Err(self.fail(e)), false),
+            Err(e) => return (Err(self.fail(e)), After::Leave),
         };
         // Members claim tiles (`algo::claims`) on the direct and cma routes; the staged ones step.
         let word = |j: usize| &*s.ctrl(j).claim;
@@ -416,22 +437,21 @@ impl<S: Store> Engine<S> {
                 // touch none of the peers' buffers (module docs).
                 fence(SeqCst);
                 if s.aborted() {
-                    return (self.check_abort(op, true), true);
+                    return (self.check_abort(op, true), After::Drain);
                 }
                 // SAFETY: every member validated its buffers for this signature, all agree on it, and
                 // each keeps its buffers until every member stored its done (drain).
                 unsafe { algo::direct(call, red, &peers, me, plan.as_ref(), &claims) };
-                (Ok(()), true)
+                (Ok(()), After::Drain)
             }
             Route::Cma(members) => {
                 // As for the direct path: touch no peer's buffer once a member's arrival wait failed.
                 fence(SeqCst);
                 if s.aborted() {
-                    return (self.check_abort(op, true), true);
+                    return (self.check_abort(op, true), After::Drain);
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
                 let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, op) };
-                self.took(sig, true, started, &moved);
                 // A copy fails when its peer has exited: then say that, as every other wait would
                 // (its exit may show a moment after its memory is gone).
                 let failed = |e| {
@@ -444,7 +464,7 @@ impl<S: Store> Engine<S> {
                         }
                     }
                 };
-                (moved.map_err(failed), true)
+                (moved.map_err(failed), After::DrainTimed(started))
             }
             Route::Staged { bufs, chunk } if plan.is_some() => {
                 let (send, recv) = (call.mine.send, call.mine.recv);
@@ -452,7 +472,7 @@ impl<S: Store> Engine<S> {
                 let staged =
                     pairwise::Staged { plan, dtype: call.dtype, op: red, me, send, recv, bufs: &bufs, chunk };
                 // SAFETY: as below, for the plan every member shares.
-                (unsafe { staged.run(&mut local.round, publish, sync) }, false)
+                (unsafe { staged.run(&mut local.round, publish, sync) }, After::Leave)
             }
             Route::Staged { bufs, chunk } => {
                 let staged = Staged {
@@ -474,7 +494,7 @@ impl<S: Store> Engine<S> {
                 // a member may leave the pipeline without waiting for the others.
                 let moved = unsafe { staged.run(&mut local.round, publish, sync) };
                 self.took(sig, false, started, &moved);
-                (moved, false)
+                (moved, After::Leave)
             }
         }
     }
