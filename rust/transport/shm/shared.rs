@@ -14,7 +14,6 @@ use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
 use crate::algo::cma::Policy;
-use crate::algo::route_times::RouteTimes;
 use crate::engine::{Ctrl, Splits};
 use crate::error::Result;
 
@@ -48,8 +47,6 @@ pub(crate) struct Shared {
     /// When this process lets peers copy straight to and from its memory (`algo::cma`): probed on
     /// first need, `Never` when the environment forbids it or a peer cannot be reached.
     cma: OnceLock<Policy>,
-    /// What each route took lately for this process's calls (`algo::route_times`).
-    pub routes: RouteTimes,
 }
 
 impl Shared {
@@ -80,7 +77,6 @@ impl Shared {
             sends: (0..size).map(|_| Mutex::default()).collect(),
             recvs: (0..size).map(|_| Mutex::default()).collect(),
             cma: OnceLock::new(),
-            routes: RouteTimes::default(),
         })
     }
 

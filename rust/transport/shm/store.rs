@@ -36,6 +36,9 @@ pub(crate) struct ShmStore {
     members: Vec<usize>,
     index: usize,
     first_block: usize,
+    /// What each route took lately for this communicator's calls (`algo::route_times`): per
+    /// communicator, so that every member counts the same calls.
+    routes: RouteTimes,
 }
 
 impl Drop for ShmStore {
@@ -57,7 +60,14 @@ impl ShmStore {
         let head = world.comm_head(0);
         head.members.store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
         head.state.store(super::layout::IN_USE, Release);
-        ShmStore { world, slot: 0, members: (0..n).collect(), index: rank, first_block: 0 }
+        ShmStore {
+            world,
+            slot: 0,
+            members: (0..n).collect(),
+            index: rank,
+            first_block: 0,
+            routes: RouteTimes::default(),
+        }
     }
 
     /// Member `j`'s staging block.
@@ -199,8 +209,7 @@ impl Store for ShmStore {
             off
         } else if (ptr as u64) < CROSS {
             let crowded = !self.spins();
-            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, &self.world.routes, crowded)
-            {
+            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, &self.routes, crowded) {
                 Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
                 Offer::Cross => PRIVATE | CROSS | ptr as u64,
@@ -210,7 +219,8 @@ impl Store for ShmStore {
         }
     }
     fn routes(&self) -> Option<&RouteTimes> {
-        Some(&self.world.routes)
+        // Where ranks outnumber cores no call is timed (`cma::offer`).
+        self.spins().then_some(&self.routes)
     }
     fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, spans)? {
@@ -260,7 +270,14 @@ impl Store for ShmStore {
     fn split(&self, members: Vec<usize>, index: usize) -> Result<Self> {
         let (slot, first) = self.world.claim(&members, "new_group")?;
         // From here on dropping the store leaves the slot.
-        let group = ShmStore { world: self.world.clone(), slot, members, index, first_block: first as usize };
+        let group = ShmStore {
+            world: self.world.clone(),
+            slot,
+            members,
+            index,
+            first_block: first as usize,
+            routes: RouteTimes::default(),
+        };
         self.world.own_block(group.first_block + index, true)?;
         Ok(group)
     }
