@@ -103,12 +103,16 @@ pub(crate) const STEAL_SPARE: usize = 2;
 /// (`algo::route_times`), instead of by size alone: they are frequent enough to time both routes.
 /// (The bench runs 12 calls of 8 MiB per launch, too few to learn on.)
 pub(crate) const ROUTE_TIMED_BELOW: usize = 8 << 20;
-/// Samples kept per route and class (`algo::route_times`): a member compares the medians.
-pub(crate) const ROUTE_WINDOW: usize = 5;
-/// Samples of each route a class takes, alternating, before the faster route wins (`algo::route_times`).
-pub(crate) const ROUTE_LEARN: u64 = 3;
-/// Of this many calls of a class, one stages and one crosses on every member, so a route that lost is
-/// measured again (`algo::route_times`).
+/// Samples kept per route and class (`algo::route_times`): a member compares the best of each.
+pub(crate) const ROUTE_WINDOW: usize = 6;
+/// Samples of each route a class takes, in alternating runs, before the faster route wins
+/// (`algo::route_times`).
+pub(crate) const ROUTE_LEARN: u64 = 6;
+/// Calls in a run of one route while learning or probing (`algo::route_times`): the first call after
+/// the other route is slower for that alone.
+pub(crate) const ROUTE_RUN: u64 = 2;
+/// Of this many calls of a class, one run stages and one crosses on every member, so a route that
+/// lost is measured again (`algo::route_times`).
 pub(crate) const ROUTE_PROBE_EVERY: u64 = 32;
 /// Local copies of transfers this large stream past the caches (`algo::stream`): 8 MiB copies here
 /// ran at 22 GB/s streamed against 12 GB/s with `memcpy`, 4 MiB ones at 23 against 28 GB/s.

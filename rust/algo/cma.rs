@@ -246,7 +246,7 @@ pub(crate) unsafe fn run(
     let local = |l: Loc| l.addr as *mut u8;
     let stream = stream::worth(bytes);
     // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter).
-    let unit = claims.unit(bytes, n);
+    let unit = Claims::unit(bytes, n);
     let tiles = bytes.div_ceil(unit);
     let tile = |t: usize| Claims::tile(t, unit, bytes);
     // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`:
@@ -406,7 +406,7 @@ mod tests {
     #[test]
     fn calls_cross_by_timing_or_size_and_every_member_of_a_call_decides_alike() {
         use crate::algo::spans;
-        use crate::config::{ROUTE_LEARN, ROUTE_PROBE_EVERY, ROUTE_TIMED_BELOW};
+        use crate::config::{ROUTE_LEARN, ROUTE_PROBE_EVERY, ROUTE_RUN, ROUTE_TIMED_BELOW};
         use crate::dtype::DType;
         use std::time::Duration;
         // A call of `count` float32 per part on `n` members: what the root and any other member offer
@@ -478,10 +478,10 @@ mod tests {
                 crossed.push(cross);
             }
             let learning = 2 * ROUTE_LEARN as usize;
-            assert!(crossed[..learning].iter().step_by(2).all(|&c| !c), "{kind:?} learns staging first");
-            assert!(crossed[1..learning].iter().step_by(2).all(|&c| c), "{kind:?} then crossing");
-            let staged = crossed[learning..].iter().filter(|&&c| !c).count();
-            assert_eq!(staged, 2, "{kind:?}: one staged probe per {ROUTE_PROBE_EVERY} calls");
+            let crossings = crossed[..learning].iter().filter(|&&c| c).count();
+            assert!(!crossed[0] && crossings as u64 == ROUTE_LEARN, "{kind:?} learns both, staging first");
+            let staged = crossed[learning..].iter().filter(|&&c| !c).count() as u64;
+            assert_eq!(staged, 2 * ROUTE_RUN, "{kind:?}: one staged probe run per {ROUTE_PROBE_EVERY} calls");
             assert!(!decide_with(Policy::Never, kind, mib / 2, 2, false, &routes), "{kind:?}");
         }
         // A large call whose parts are under CMA_MIN stages (64 members, 2 MiB gathered).
