@@ -151,9 +151,10 @@ def w_collectives(rank, n, ports, job, timeout, q):
     return fails, digests
 
 
-# The route a call of private arrays takes: by its size and kind (the default: most of these tests'
-# calls stage, the largest cross), or straight between processes from 64 KiB per buffer whenever the
-# kernel allows (`AXONML_SHM_CMA=1`).
+# The route a call of private arrays takes: by what each route took lately for calls like it, or by
+# kind for the largest (the default: these tests' calls are mostly first of their kind, and those
+# stage), or straight between processes from 64 KiB per buffer whenever the kernel allows
+# (`AXONML_SHM_CMA=1`).
 ROUTES = {"by size": None, "cross-memory": "1"}
 
 
@@ -186,13 +187,54 @@ def w_collectives_with_rank_0_on(rank, n, ports, job, timeout, q, rank0):
 
 
 # Rank 0 refusing cross-memory copies (as a sandbox would make it) makes every call stage; with rank 0
-# by size, the others ask for every call of 64 KiB or more per buffer to cross (which route a call took
-# is not visible from here: the Rust tests `a_call_too_small_to_cross_by_size_*` check the rule). Either
-# way every rank must take the same route for each call and results stay exact.
+# on its timings, the others ask for every call of 64 KiB or more per buffer to cross (which route a
+# call took is not visible from here: the Rust tests `a_timed_call_*` check the rule). Either way every
+# rank must take the same route for each call and results stay exact.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank0", ["0", None], ids=["refusing", "by size"])
 def test_ranks_choosing_routes_differently_agree_on_each_call_and_results_stay_exact(rank0):
     results = ok(run_world(2, w_collectives_with_rank_0_on, rank0, limit=110))
+    for rank, (fails, _) in enumerate(results):
+        assert not fails, f"rank {rank}: {fails[:5]}"
+    assert results[1][1] == results[0][1], "rank 1 differs from rank 0"
+
+
+def w_repeated(rank, n, ports, job, timeout, q, calls):
+    """`calls` calls of each bulk collective at 256 KiB of float32 per buffer, new data each time:
+    enough for the timed route choice to learn both routes and probe each again (`route_times.rs`)."""
+    pg = connect(rank, n, ports[0], timeout)
+    fails: list[str] = []
+    digests: list[str] = []
+    size = (256 << 10) // 4
+    for call in range(calls):
+        xs = [wide_values(r, call, size, np.float32) for r in range(n)]
+        x = xs[rank].copy()
+        pg.all_reduce(x)
+        want = reduce_ref(xs, "SUM")
+        digests.append(digest(x))
+        if not same_bits(x, want):
+            fails.append(f"all_reduce call {call}")
+        root = call % n
+        x = xs[rank].copy()
+        pg.broadcast(x, root)
+        if not same_bits(x, xs[root]):
+            fails.append(f"broadcast call {call}")
+        out = np.empty((n, size // n), np.float32)
+        pg.all_gather(xs[rank][: size // n], out)
+        if not same_bits(out, np.stack([v[: size // n] for v in xs])):
+            fails.append(f"all_gather call {call}")
+        out = np.empty(size // n, np.float32)
+        pg.reduce_scatter(xs[rank], out)
+        if not same_bits(out, reduce_ref(xs, "SUM")[rank * (size // n) : (rank + 1) * (size // n)]):
+            fails.append(f"reduce_scatter call {call}")
+    return fails, digests
+
+
+# With a core per rank, calls of one kind and size switch routes while the choice learns (runs of 2
+# staged, then 2 crossing, ...) and at every probe; each call must still be exact on every rank.
+@pytest.mark.timeout(120)
+def test_calls_that_switch_routes_while_learning_and_probing_stay_exact():
+    results = ok(run_world(2, w_repeated, 40, limit=110))
     for rank, (fails, _) in enumerate(results):
         assert not fails, f"rank {rank}: {fails[:5]}"
     assert results[1][1] == results[0][1], "rank 1 differs from rank 0"
