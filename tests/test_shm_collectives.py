@@ -155,7 +155,7 @@ def w_collectives(rank, n, ports, job, timeout, q):
 # kind for the largest (the default: these tests' calls are mostly first of their kind, and those
 # stage), or straight between processes from 64 KiB per buffer whenever the kernel allows
 # (`AXONML_SHM_CMA=1`).
-ROUTES = {"by size": None, "cross-memory": "1"}
+ROUTES = {"timed": None, "cross-memory": "1"}
 
 
 def w_on_route(rank, n, ports, job, timeout, q, cma, work, *args):
@@ -191,7 +191,7 @@ def w_collectives_with_rank_0_on(rank, n, ports, job, timeout, q, rank0):
 # call took is not visible from here: the Rust tests `a_timed_call_*` check the rule). Either way every
 # rank must take the same route for each call and results stay exact.
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rank0", ["0", None], ids=["refusing", "by size"])
+@pytest.mark.parametrize("rank0", ["0", None], ids=["refusing", "timed"])
 def test_ranks_choosing_routes_differently_agree_on_each_call_and_results_stay_exact(rank0):
     results = ok(run_world(2, w_collectives_with_rank_0_on, rank0, limit=110))
     for rank, (fails, _) in enumerate(results):

@@ -34,12 +34,15 @@ impl<'a> Claims<'a> {
         word.store((k & 0xffff_ffff) << 32, Release);
     }
 
-    /// Bytes of a tile of a `bytes`-long message (or part) among `n` members: about one per member,
-    /// at most [`CMA_TILE`]. Each tile costs a system call on the cross-memory route, and a member
-    /// held back before it claims one leaves it to the others anyway: 2 ranks, broadcast 256 KiB
-    /// crossing took 10.5 us in tiles of 64 KiB, 7.3 us in tiles of 128 KiB.
-    pub(crate) fn unit(bytes: usize, n: usize) -> usize {
-        bytes.div_ceil(n).next_multiple_of(4096).clamp(4096, CMA_TILE)
+    /// Bytes of a tile of a `bytes`-long message (or part) among `n` members, at most [`CMA_TILE`]:
+    /// about one per member for the tiles any member may take ([`Claims::share`]), where each tile
+    /// costs a system call on the cross-memory route and a member held back before it claims one
+    /// leaves it to the others anyway (2 ranks, broadcast 256 KiB crossing took 10.5 us in tiles of
+    /// 64 KiB, 7.2 us in tiles of 128 KiB); for parts with owners ([`Claims::owned_first`]) about two
+    /// per member when members help each other, so that a helper finds tiles to take.
+    pub(crate) fn unit(&self, bytes: usize, n: usize, owned: bool) -> usize {
+        let per = if owned && self.helping { 2 * n } else { n };
+        bytes.div_ceil(per).next_multiple_of(4096).clamp(4096, CMA_TILE)
     }
 
     /// Offset and length of tile `t` of a `bytes`-long message cut in tiles of `unit` bytes.

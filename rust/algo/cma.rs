@@ -246,7 +246,8 @@ pub(crate) unsafe fn run(
     let local = |l: Loc| l.addr as *mut u8;
     let stream = stream::worth(bytes);
     // Tiles of the message (of each part, for all_gather; of each block, for reduce_scatter).
-    let unit = Claims::unit(bytes, n);
+    let owned = matches!(call.sig.kind, CollKind::AllGather | CollKind::ReduceScatter);
+    let unit = claims.unit(bytes, n, owned);
     let tiles = bytes.div_ceil(unit);
     let tile = |t: usize| Claims::tile(t, unit, bytes);
     // Copy `len` bytes at `from` (in this process) to `to(j)` for every member j but those in `skip`:

@@ -13,7 +13,7 @@ use super::Peer;
 /// Every buffer holds `bytes` bytes and stays alive until the done-sync; every member claims from the
 /// same `claims`.
 pub(crate) unsafe fn broadcast(peers: &[Peer], index: usize, root: usize, bytes: usize, claims: &Claims<'_>) {
-    let (n, unit, stream) = (peers.len(), Claims::unit(bytes, peers.len()), worth(bytes));
+    let (n, unit, stream) = (peers.len(), claims.unit(bytes, peers.len(), false), worth(bytes));
     // The work never fails: the Result is the claims' general signature.
     let _ = claims.share(index, bytes.div_ceil(unit), |t| {
         let (off, len) = Claims::tile(t, unit, bytes);
