@@ -96,7 +96,9 @@ pub(crate) enum Offer {
 
 /// What a member offers for a private buffer of `bytes` of call `sig` (in a group of `n`) under
 /// `policy`: by default it asks the call to cross when crossing took it less time than staging lately
-/// (`routes`, for the calls it times), else by [`by_size`]. A call crosses when any member asks, so a
+/// (`routes`, for the calls it times), else by [`by_size`]. `routes` is `None` where the world's ranks
+/// outnumber the cores (crowded): timings there say more about who held a core than about the route,
+/// so nothing is timed and [`by_size`] decides. A call crosses when any member asks, so a
 /// member with other settings (`AXONML_SHM_CMA=1`) or other timings can make it cross; one that
 /// withholds makes it stage. The policy is asked only for buffers of at least [`CMA_MIN`] bytes, so
 /// smaller ones never make a process probe its peers (`Policy::Never` after a refused probe).
@@ -105,8 +107,7 @@ pub(crate) fn offer(
     sig: &Signature,
     n: usize,
     bytes: usize,
-    routes: &RouteTimes,
-    crowded: bool,
+    routes: Option<&RouteTimes>,
 ) -> Offer {
     if bytes < CMA_MIN {
         return Offer::Withheld;
@@ -114,11 +115,10 @@ pub(crate) fn offer(
     let ask = match policy() {
         Policy::Never => return Offer::Withheld,
         Policy::Always => true,
-        // Timings where ranks outnumber cores say more about who held a core than about the route.
-        Policy::Timed => {
-            let timed = if crowded { None } else { routes.ask(sig, n) };
-            timed.unwrap_or_else(|| by_size(sig, n, crowded))
-        }
+        Policy::Timed => match routes {
+            Some(routes) => routes.ask(sig, n).unwrap_or_else(|| by_size(sig, n, false)),
+            None => by_size(sig, n, true),
+        },
     };
     if ask {
         Offer::Cross
@@ -413,14 +413,14 @@ mod tests {
         // A call of `count` float32 per part on `n` members: what the root and any other member offer
         // for their buffers, and whether the call crosses: when every buffer is offered and any member
         // asks. The root and the others must ask alike (their timings alike).
-        let decide_with = |p: Policy, kind, count: usize, n: usize, crowded: bool, routes: &RouteTimes| {
+        let decide_with = |p: Policy, kind, count: usize, n: usize, routes: Option<&RouteTimes>| {
             let s = Signature::new(kind, 1, count).dtype(DType::F32);
             let member = |is_root| {
                 let (send, recv) = spans(&s, n, is_root);
                 let offers: Vec<Offer> = [send, recv]
                     .into_iter()
                     .filter(|&b| b > 0)
-                    .map(|b| offer(|| p, &s, n, b, routes, crowded))
+                    .map(|b| offer(|| p, &s, n, b, routes))
                     .collect();
                 (offers.iter().all(|&o| o != Offer::Withheld), offers.contains(&Offer::Cross))
             };
@@ -430,7 +430,7 @@ mod tests {
         };
         let fresh = RouteTimes::default();
         let decide = |p: Policy, kind, count: usize, n: usize, crowded: bool| {
-            decide_with(p, kind, count, n, crowded, &fresh)
+            decide_with(p, kind, count, n, (!crowded).then_some(&fresh))
         };
         // float32 elements of the smallest call not timed, and per MiB.
         let (big, mib) = (ROUTE_TIMED_BELOW / 4, (1 << 20) / 4);
@@ -445,13 +445,6 @@ mod tests {
         assert!(decide(Policy::Timed, CollKind::AllReduce, crowded, 4, true));
         assert!(!decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4 - 1, 4, true));
         assert!(decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4, 4, true));
-        let timed_crossing = RouteTimes::default();
-        let s = Signature::new(CollKind::AllReduce, 1, crowded / 2).dtype(DType::F32);
-        for i in 0..2 * ROUTE_LEARN {
-            timed_crossing.record(&s, 4, i % 2 == 1, Duration::from_micros(if i % 2 == 1 { 1 } else { 100 }));
-        }
-        assert!(decide_with(Policy::Timed, CollKind::AllReduce, crowded / 2, 4, false, &timed_crossing));
-        assert!(!decide_with(Policy::Timed, CollKind::AllReduce, crowded / 2, 4, true, &timed_crossing));
         // reduce_scatter by its input (count per member, n parts), all_gather and gather by their
         // output, scatter by its input: the call's largest buffer.
         assert!(decide(Policy::Timed, CollKind::ReduceScatter, big / 2, 2, false));
@@ -473,7 +466,7 @@ mod tests {
             let s = Signature::new(kind, 1, mib / 2).dtype(DType::F32);
             let mut crossed = Vec::new();
             for _ in 0..2 * ROUTE_LEARN + 2 * ROUTE_PROBE_EVERY {
-                let cross = decide_with(Policy::Timed, kind, mib / 2, 2, false, &routes);
+                let cross = decide_with(Policy::Timed, kind, mib / 2, 2, Some(&routes));
                 let took = Duration::from_micros(if cross { 10 } else { 30 });
                 routes.record(&s, 2, cross, took);
                 crossed.push(cross);
@@ -483,7 +476,7 @@ mod tests {
             assert!(!crossed[0] && crossings as u64 == ROUTE_LEARN, "{kind:?} learns both, staging first");
             let staged = crossed[learning..].iter().filter(|&&c| !c).count() as u64;
             assert_eq!(staged, 2 * ROUTE_RUN, "{kind:?}: one staged probe run per {ROUTE_PROBE_EVERY} calls");
-            assert!(!decide_with(Policy::Never, kind, mib / 2, 2, false, &routes), "{kind:?}");
+            assert!(!decide_with(Policy::Never, kind, mib / 2, 2, Some(&routes)), "{kind:?}");
         }
         // A large call whose parts are under CMA_MIN stages (64 members, 2 MiB gathered).
         assert!(!decide(Policy::Always, CollKind::AllGather, 2 * mib / 64, 64, false));
@@ -492,10 +485,10 @@ mod tests {
         assert!(!decide(Policy::Never, CollKind::AllReduce, big, 2, false));
         // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
         let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
-        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN, &fresh, true), Offer::Cross);
-        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN - 1, &fresh, false), Offer::Withheld);
+        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN, None), Offer::Cross);
+        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN - 1, Some(&fresh)), Offer::Withheld);
         // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
-        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, &fresh, false), Offer::Withheld);
+        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&fresh)), Offer::Withheld);
     }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first

@@ -21,11 +21,10 @@
 //! the best staged one. The best, not the median: a lost time slice only ever adds time, and so does
 //! the first call of a route after the other (its lines sit in the other route's places), which once
 //! kept a 2-rank all_reduce of 256 KiB staging at 32 us for a whole run against 18 crossing. The cost:
-//! a route that is now and then much faster than usual wins while such a sample is in its window,
-//! even if it is slower on average. Of every
-//! `ROUTE_PROBE_EVERY` calls, one run stages on every member and one crosses on every member, so a
-//! route that lost keeps being measured. A call crosses when any member asks (`cma::offer`), so
-//! members that disagree never split.
+//! a route that is now and then much faster than usual wins while such a sample is in its window, even
+//! if it is slower on average. Of every `ROUTE_PROBE_EVERY` calls, one run stages on every member and
+//! one crosses on every member, so a route that lost keeps being measured. A call crosses when any
+//! member asks (`cma::offer`), so members that disagree never split.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

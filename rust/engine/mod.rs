@@ -499,7 +499,7 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// Report to the world's route timings (`algo::route_times`) that call `sig`, which `crossed` or
+    /// Report to the communicator's route timings (`algo::route_times`) that call `sig`, which `crossed` or
     /// staged, took this member from `started` until now, if it `moved` its data.
     fn took(&self, sig: &Signature, crossed: bool, started: Instant, moved: &Result<()>) {
         if let (Some(routes), Ok(())) = (self.store.routes(), moved) {

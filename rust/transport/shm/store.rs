@@ -208,8 +208,7 @@ impl Store for ShmStore {
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < CROSS {
-            let crowded = !self.spins();
-            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, &self.routes, crowded) {
+            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.routes()) {
                 Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
                 Offer::Cross => PRIVATE | CROSS | ptr as u64,
