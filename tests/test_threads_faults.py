@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import axonml_distributed as ad
+from finished_then_aborted import CASES, expect_abort_reported_next, finish_then_abort
 from interrupts import sigint_once_in
 from reference import data, same_bits
 from threads_run import outcomes
@@ -133,6 +134,18 @@ def test_bad_input_raises_a_clear_error_and_aborts_the_peers(case: str) -> None:
     start = time.monotonic()
     assert outcomes(2, fn, timeout=30) == [None, None]
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_collective_every_rank_finished_succeeds_everywhere_though_a_rank_aborts_right_after(
+    case: str,
+) -> None:
+    # Issue 26: the slower ranks must not take rank 1's abort, which comes from its next call, for a
+    # failure of the call every rank finished; that abort is for their own next call to report.
+    for trial in range(30):
+        ran = outcomes(3, lambda pg: finish_then_abort(pg, case, trial))  # noqa: B023 - run at once
+        expect_abort_reported_next(ran, f"{case}, trial {trial}")
 
 
 def test_a_non_member_cannot_call_a_group_collective() -> None:
