@@ -1,6 +1,7 @@
 //! Validation of one collective call, shared by every backend: checks the caller's buffers and
 //! arguments and turns them into a [`Call`] (signature plus the addresses to publish). Bad input fails
-//! here, before any peer is involved or any byte is written.
+//! here, before any peer is involved or any byte is written; only a reduction its dtype does not take
+//! is refused later, where every member refuses alike ([`supported`]).
 
 use std::time::Duration;
 
@@ -280,8 +281,23 @@ fn need_len(what: &str, got: usize, want: usize, why: &str) -> Result<()> {
     }
 }
 
-/// A reduction's call: `op` and `scale` checked for the dtype, `send` (when given: out of place) of
-/// the same dtype and length as `recv`, which it is read from instead of `recv`.
+/// Fails when the reduction of `sig` is not defined for its dtype (`ReduceOp::check`, `Scale::check`).
+/// Not one of a call's own checks, whose failure aborts the world: the engine applies it once every
+/// member's signature agrees, so a pair every member asks for alike is refused on every member and the
+/// world goes on (a rank refusing alone, before it arrives, would leave its peers waiting); the call
+/// check of the Python backends (`bindings::check`) applies it after the call's own checks.
+pub(crate) fn supported(sig: &Signature) -> Result<()> {
+    match (sig.op, sig.dtype) {
+        (Some(op), Some(dtype)) => {
+            op.check(dtype)?;
+            sig.scale.check(dtype)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A reduction's call: `send` (when given: out of place) of the same dtype and length as `recv`, which
+/// it is read from instead of `recv`; `op` and `scale` go into the signature (see [`supported`]).
 fn reduction(
     kind: CollKind,
     send: Option<&Buf<'_>>,
@@ -289,8 +305,6 @@ fn reduction(
     op: ReduceOp,
     scale: Scale,
 ) -> Result<Call> {
-    op.check(recv.dtype())?;
-    scale.check(recv.dtype())?;
     let input = match send {
         None => recv.as_mut_ptr().cast_const(),
         Some(send) => {
@@ -336,7 +350,6 @@ pub(crate) fn all_gather(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Res
 }
 
 pub(crate) fn reduce_scatter(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>, op: ReduceOp) -> Result<Call> {
-    op.check(send.dtype())?;
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
     if send.len() % n != 0 {
         return Err(Error::invalid(format!(
@@ -532,7 +545,6 @@ pub(crate) fn reduce_scatter_v(
     op: ReduceOp,
 ) -> Result<Call> {
     let kind = CollKind::ReduceScatterV;
-    op.check(send.dtype())?;
     let (i, sum) = counts_of(kind, members, me, counts)?;
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
     need_len("the send buffer", send.len(), sum, "the sum of the counts")?;

@@ -416,6 +416,80 @@ def check_new_mistakes(pg: Any) -> list[str]:
     return messages
 
 
+# Issue 26's three refused reductions, and one more of every other collective that takes an op (in and
+# out of place, queued too): (collective, dtype, op, elements per member part).
+REFUSED = [
+    ("reduce_scatter", np.complex128, "MAX", 3),
+    ("reduce", np.float16, "BAND", 8),
+    ("reduce_scatter_v", np.float32, "BAND", 3),
+    ("all_reduce", np.complex64, "MIN", 4096 * 4 + 3),
+    ("all_reduce out=", np.float64, "BXOR", 7),
+    ("reduce out=", np.int32, "AVERAGE", 5),
+    ("all_reduce async", np.float16, "BOR", 1023),
+    ("reduce_scatter", np.float32, "BXOR", 4096),
+]
+
+
+def refused_once(pg: Any, kind: str, dtype: Any, op: str, count: int, case: str) -> str:
+    """Call `kind` with `op`, which its dtype does not take: a TypeError, no buffer changed; then the same
+    call with SUM gives the reference result. Returns the TypeError's message."""
+    n, me, root = pg.size(), pg.group_rank(pg.rank()), pg.ranks()[-1]
+    inputs = all_inputs(n, case, (n * count,), dtype)
+    reduced, mine = reduce_ref(inputs, "SUM"), inputs[me].copy()
+    part = np.split(reduced, n)[me]
+    recv = np.zeros(count if kind.startswith("reduce_scatter") else n * count, dtype)
+    at_root = pg.rank() == root
+    # The call, its buffers, and what they hold after the same call with SUM.
+    calls: dict[str, tuple[Callable[[Any], object], list[np.ndarray], list[np.ndarray]]] = {
+        "reduce_scatter": (lambda op: pg.reduce_scatter(mine, recv, op), [mine, recv], [inputs[me], part]),
+        "reduce": (lambda op: pg.reduce(mine, root, op), [mine], [reduced if at_root else inputs[me]]),
+        "reduce_scatter_v": (
+            lambda op: pg.reduce_scatter_v(mine, recv, [count] * n, op),
+            [mine, recv],
+            [inputs[me], part],
+        ),
+        "all_reduce": (lambda op: pg.all_reduce(mine, op), [mine], [reduced]),
+        "all_reduce out=": (
+            lambda op: pg.all_reduce(mine, op, out=recv),
+            [mine, recv],
+            [inputs[me], reduced],
+        ),
+        "reduce out=": (
+            lambda op: pg.reduce(mine, root, op, out=recv),
+            [mine, recv],
+            [inputs[me], reduced if at_root else np.zeros_like(recv)],
+        ),
+        "all_reduce async": (
+            lambda op: started(pg.all_reduce(mine, op, async_op=True)).wait(),
+            [mine],
+            [reduced],
+        ),
+    }
+    call, bufs, summed = calls[kind]
+    before = [b.copy() for b in bufs]
+    message = raises(TypeError, call, getattr(ReduceOp, op), match="is not defined for")
+    for b, was in zip(bufs, before, strict=True):
+        expect_same(b, was, f"{case}: a buffer of the refused call")
+    call(ReduceOp.SUM)
+    for b, want in zip(bufs, summed, strict=True):
+        expect_same(b, want, f"{case}: the same call with SUM after the refusal")
+    return message
+
+
+def check_refused_reductions(pg: Any) -> list[str]:
+    """A reduction the op/dtype table refuses, asked by every rank alike (`REFUSED`): a TypeError on every
+    rank, nothing moved, and the group goes on. Several rounds, as a refusal that ended the world only at
+    times would show."""
+    messages = []
+    for trial in range(5):
+        for kind, dtype, op, count in REFUSED:
+            case = f"{kind} {op} of {np.dtype(dtype).name}"
+            message = refused_once(pg, kind, dtype, op, count, f"{case}, round {trial}")
+            if trial == 0:
+                messages.append(f"{case}: {message}")
+    return messages
+
+
 # --- all_to_all and the collectives with per-member sizes ---------------------------------------------
 
 
@@ -575,6 +649,7 @@ CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "new_dtypes_and_ops": check_new_dtypes_and_ops,
     "scaling": check_scaling,
     "out_of_place": check_out_of_place,
+    "refused_reductions": check_refused_reductions,
     # all_to_all and the collectives with per-member sizes
     "all_to_all": check_all_to_all,
     "uneven": check_uneven,

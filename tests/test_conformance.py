@@ -120,3 +120,12 @@ def test_a_mistake_reads_the_same_in_every_world(check: str, world: str) -> None
 def test_a_layout_mismatch_reads_the_same_in_every_world(check: str, world: str) -> None:
     # Split sizes or counts that disagree: the core's message, from the layouts every member published.
     assert alone(world, check, 3)[0] == alone("threads", check, 3)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [pytest.param(w, marks=needs_mpi if w == "mpi" else ()) for w in WORLDS])
+def test_a_refused_reduction_leaves_the_group_usable_at_three_ranks(world: str) -> None:
+    # Issue 26: at 3 ranks a refusal sometimes ended the in-process world; every world refuses alike.
+    digests = alone(world, "refused_reductions", 3)
+    assert all(d == digests[0] for d in digests)
+    assert digests[0] == alone("threads", "refused_reductions", 3)[0]

@@ -19,6 +19,7 @@ from axonml_distributed import (
     CollectiveTimeoutError,
     PeerFailureError,
 )
+from finished_then_aborted import CASES, expect_abort_reported_next, finish_then_abort
 from interrupts import sigint_once_in
 from reference import same_bits
 from shm_run import (
@@ -147,6 +148,30 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor_within_2s(n, se
         assert "rank 1" in msg, msg
         assert t - killed["t"] < 2.0, t - killed["t"]
     assert not os.path.exists(f"{SHM}/{PREFIX}{job}")
+
+
+def w_finished_then_aborted(rank, n, ports, job, timeout, q, case, segment):
+    """One fresh world per trial of `finish_then_abort`; what each trial's next call raised (or the
+    error that ended the trial)."""
+    out = []
+    for trial, port in enumerate(ports):
+        pg = connect(rank, n, port, timeout)
+        try:
+            out.append(finish_then_abort(pg, case, trial, segment))
+        except Exception as e:  # noqa: BLE001 - the parent asserts on every rank's outcome
+            out.append(e)
+        del pg
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("segment", [False, True], ids=["private", "segment"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_collective_every_rank_finished_succeeds_everywhere_though_a_rank_aborts_right_after(case, segment):
+    # As in the thread world (tests/finished_then_aborted.py): one world per trial, as the abort ends it.
+    per_rank = ok(run_world(3, w_finished_then_aborted, case, segment, worlds=12, timeout=20, limit=200))
+    for trial, ran in enumerate(zip(*per_rank, strict=True)):
+        expect_abort_reported_next(list(ran), f"{case}, trial {trial}")
 
 
 def w_crowd(rank, n, ports, job, timeout, q):

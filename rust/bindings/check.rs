@@ -50,6 +50,7 @@ impl Checker<'_> {
     }
     fn keep(&self, call: Result<Call>) -> Result<()> {
         let c = call?;
+        call::supported(&c.sig)?;
         if let Some(l) = c.layout {
             let _ = self.layout.set(l.words);
         }

@@ -8,19 +8,32 @@
 //!    (`algo::claims`), store `arrive = k` (with the core it runs on) and wake the communicator's event;
 //! 2. wait until every member's `arrive >= k`, then compare the signatures (and the layouts, which
 //!    make the plan of a pairwise collective, `algo::layout`): any difference aborts the world and
-//!    every member fails with the same mismatch, before any buffer is touched;
+//!    every member fails with the same mismatch, before any buffer is touched; a reduction the
+//!    agreed dtype does not take (`call::supported`) fails every member alike, without an abort;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
 //!    (the same between processes, copied by the kernel, for calls that took less time that way
 //!    lately or too large to time: `algo::cma::offer`),
 //!    or staged (pipelined through staging buffers, otherwise);
-//! 4. store `done = k` on every way out of a call this member arrived at; after the direct and cma
-//!    paths, wait until every member's `done >= k` (peers may still touch our buffers until then).
+//! 4. store `moved = k` if this member moved its data in full, then `done = k` on every way out of a
+//!    call this member arrived at; after the direct and cma paths, wait until every member's
+//!    `done >= k` (peers may still touch our buffers until then): the call succeeded when every
+//!    member's `moved >= k`.
+//!
+//! A call that every member finished succeeds on every member, even if the world was aborted by the
+//! time a member looks (a peer that left may have failed its next call at once): the next call
+//! reports the abort. After a drain, a member decides from the `moved` words, not the abort flag: a
+//! member that failed before moving its share aborted the world before its done, so every drain
+//! reads its missing `moved` and fails alike; when every member moved, every member succeeds. A wait
+//! whose counters all got there (arrivals, pipeline steps) succeeds whatever the abort flag says: the
+//! flag is read first, then the counters, so the counters a member saw before it aborted are seen
+//! too. Aborts do reach a member still waiting for a counter, and the direct and cma paths below.
 //!
 //! A member does not leave a call while a peer may still touch its buffers. A member whose arrival
 //! wait fails (abort, timeout, interrupt, dead peer) first makes sure the world is aborted, then waits
 //! for the `done` of every peer it sees arrived; a member that saw every arrival re-checks the abort
-//! flag before the direct path. Both sides order their store and their load with `SeqCst` fences, so
+//! flag before the direct and cma paths (no member leaves those before our done, so the flag cannot
+//! come from a later call there). Both sides order their store and their load with `SeqCst` fences, so
 //! one always sees the other: either the failed member waits for us, or we touch none of its buffers.
 //! Peers past step 2 never block before step 4, so these drains end at once in practice; they are
 //! still bounded (Ctrl-C, the timeout, dead peers), and a drain that gives up marks the handle
@@ -237,7 +250,14 @@ impl<S: Store> Engine<S> {
             wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
         }
         let timeout = within.unwrap_or_else(|| s.timeout());
-        let e = match wait.until_apart(ready, || self.check_abort(op, true), slow, apart) {
+        // An abort does not undo a wait whose counters all got there: it may come from a peer that
+        // finished this call and failed a later one. The flag is read first, so counters a member saw
+        // before it aborted are seen here too.
+        let quick = || match self.check_abort(op, true) {
+            Err(_) if ready() => Ok(()),
+            checked => checked,
+        };
+        let e = match wait.until_apart(ready, quick, slow, apart) {
             Ok(()) => return Ok(()),
             // A peer's timeout in this same call: it waited as long as this call's, not the world's.
             Err(Stop::Failed(Error::Timeout { rank, op, missing, group, progress, .. })) => {
@@ -302,7 +322,10 @@ impl<S: Store> Engine<S> {
         let mut sig = call.sig;
         sig.seq = k;
         let op = sig.to_string();
-        self.check_abort(&op, false)?;
+        if let Err(e) = self.check_abort(&op, false) {
+            // Argument errors come first in an aborted world too, the refused reductions included.
+            return Err(call::supported(&sig).err().unwrap_or(e));
+        }
         local.seq = k;
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
@@ -337,10 +360,14 @@ impl<S: Store> Engine<S> {
             Err(e) => (Err(e), After::Drain),
         };
         let drain = !matches!(after, After::Leave);
-        // From here on we touch nothing of this call: peers waiting for us may go.
-        if !drain && result.is_ok() {
-            ctrl.completed.store(k, Release);
+        if result.is_ok() {
+            // Published by the done below: a member that drains us reads it after our done.
+            ctrl.moved.store(k, Release);
+            if !drain {
+                ctrl.completed.store(k, Release);
+            }
         }
+        // From here on we touch nothing of this call: peers waiting for us may go.
         self.publish(|c| &c.done, k, Release);
         if !drain {
             return result;
@@ -355,8 +382,13 @@ impl<S: Store> Engine<S> {
         let result = match (result, drained) {
             // An interrupted drain reports the interrupt: the signal it consumed must reach Python.
             (_, Err(e @ Error::Interrupted { .. })) | (Ok(()), Err(e)) => Err(e),
-            // A member that failed meanwhile did not do its share of our buffers.
-            (Ok(()), Ok(())) => self.check_abort(&op, true),
+            // Every member moved its share: the call succeeded, on every member alike, whatever the
+            // abort flag says by now (a peer that left may since have failed a later call, which
+            // reports that abort).
+            (Ok(()), Ok(())) if self.all_moved(k) => Ok(()),
+            // A member that failed did not do its share of our buffers; it aborted the world before
+            // its done.
+            (Ok(()), Ok(())) => Err(self.store.abort_error(&op, true)),
             (err, _) => err,
         };
         if let After::DrainTimed(started) = after {
@@ -366,6 +398,12 @@ impl<S: Store> Engine<S> {
             ctrl.completed.store(k, Release);
         }
         result.map_err(|e| self.with_progress(e))
+    }
+
+    /// Whether every member stored `moved >= k`: read after their done (`drain`), which publishes it.
+    fn all_moved(&self, k: u64) -> bool {
+        let s = &self.store;
+        (0..s.members().len()).all(|j| s.ctrl(j).moved.load(Acquire) >= k)
     }
 
     /// Steps 2 and 3 for a call every member arrived at: compare, re-check the abort flag, move data.
@@ -397,10 +435,15 @@ impl<S: Store> Engine<S> {
             calls.push((s.members()[j], sig));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return (
-                Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })),
-                After::Leave,
-            );
+            let mismatch = self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls });
+            // A member whose own reduction its dtype does not take is told so: that is its mistake,
+            // whatever its peers called.
+            return (Err(call::supported(sig).err().unwrap_or(mismatch)), After::Leave);
+        }
+        // A reduction its dtype does not take, asked by every member alike: refused on every member,
+        // before anything moves, and the world goes on (no abort: nobody is left waiting).
+        if let Err(e) = call::supported(sig) {
+            return (Err(e), After::Leave);
         }
         let plan = match self.plan(call, sig, k, calls) {
             Ok(plan) => plan,

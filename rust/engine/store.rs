@@ -29,6 +29,10 @@ pub(crate) struct Ctrl {
     pub done: CachePadded<AtomicU64>,
     /// Sequence number of the last collective this member completed successfully (timeout reports).
     pub completed: CachePadded<AtomicU64>,
+    /// Sequence number of the last collective whose data this member moved in full, its share of
+    /// every member's buffers included; stored before its `done`, so a member that drained it reads
+    /// whether the call succeeded there (`Engine::execute`).
+    pub moved: CachePadded<AtomicU64>,
     /// Pipeline steps completed (three per staged round, see `algo::staged`).
     pub step: CachePadded<AtomicU64>,
     /// The core this member ran on when it last published progress, plus one (0: not yet; see

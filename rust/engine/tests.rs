@@ -40,6 +40,17 @@ fn member0_did_its_share(s1: &ThreadStore) {
     }
 }
 
+/// Member 1 adds its input `theirs` into its half of member 0's buffer (member 0's page gives its
+/// address), its share of call 1, and records that it moved it.
+fn member1_does_its_half(s1: &ThreadStore, theirs: &[f32]) {
+    let x0 = s1.ctrl(0).pages[1].load().recv as usize as *mut f32;
+    for (i, v) in theirs.iter().enumerate().skip(COUNT / 2) {
+        // SAFETY: member 0 published COUNT floats at this address and waits for our done.
+        unsafe { *x0.add(i) += v };
+    }
+    s1.ctrl(1).moved.store(1, SeqCst);
+}
+
 /// A peer that saw every arrival and did its share, whose peer then failed its own arrival wait
 /// without doing its share (the arrival it missed came a moment too late), must not report success:
 /// its buffer lacks that peer's part of the result.
@@ -66,6 +77,31 @@ fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
     assert!(theirs[..COUNT / 2].iter().all(|&v| v == 3.0), "member 0 did its half of member 1's buffer");
 }
 
+/// A member whose peers all did their share succeeds even when the world is aborted before it looks
+/// (a peer that finished may fail its next call at once): the call is done everywhere, and its next
+/// call reports the abort.
+#[test]
+fn a_call_every_member_finished_succeeds_though_the_world_was_aborted_meanwhile() {
+    let mut theirs = vec![2.0f32; COUNT];
+    let (mine, s1) = member1_arrived(&mut theirs);
+    std::thread::scope(|s| {
+        let member0 = s.spawn(|| {
+            let mut x = vec![1.0f32; COUNT];
+            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
+            (r, x)
+        });
+        member0_did_its_share(&s1);
+        member1_does_its_half(&s1, &theirs);
+        s1.abort("rank 1's next call was refused", Cause::Other);
+        s1.ctrl(1).done.store(1, SeqCst);
+        s1.notify();
+        let (r, x) = member0.join().unwrap();
+        assert!(r.is_ok(), "{r:?}");
+        assert!(x.iter().all(|&v| v == 3.0), "both halves reduced");
+        assert!(matches!(mine.barrier(), Err(Error::Aborted { by: 1, .. })), "the next call reports it");
+    });
+}
+
 /// A member whose peer left the world (its spawn function returned) while the peer's queued call still
 /// runs must wait for that call to finish with its buffers: a thread that left is not a dead process.
 #[test]
@@ -83,13 +119,7 @@ fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
         s1.leave();
         std::thread::sleep(Duration::from_millis(300));
         assert!(!member0.is_finished(), "member 0 returned while member 1 still owed it its half");
-        // Member 1 now does its half of member 0's buffer (member 0's page gives its address).
-        let page = s1.ctrl(0).pages[1].load();
-        let x0 = page.recv as usize as *mut f32;
-        for (i, v) in theirs.iter().enumerate().skip(COUNT / 2) {
-            // SAFETY: member 0 published COUNT floats at this address and waits for our done.
-            unsafe { *x0.add(i) += v };
-        }
+        member1_does_its_half(&s1, &theirs);
         s1.ctrl(1).done.store(1, SeqCst);
         s1.notify();
         let (r, x) = member0.join().unwrap();
@@ -111,6 +141,7 @@ fn members_publish_their_core_and_waiters_read_where_peers_are() {
         member0_did_its_share(&s1);
         let core = s1.ctrl(0).cpu.load(SeqCst);
         assert!(core >= 1 && rustix::thread::sched_getaffinity(None).unwrap().is_set(core as usize - 1));
+        member1_does_its_half(&s1, &theirs);
         s1.ctrl(1).done.store(1, SeqCst);
         s1.notify();
         member0.join().unwrap().unwrap();

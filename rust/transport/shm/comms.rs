@@ -84,7 +84,7 @@ impl Shared {
                 // A slot's counters are monotonic over one binding: start it from zero.
                 for j in 0..n {
                     let c = self.ctrl(slot, j);
-                    for counter in [&c.arrive, &c.done, &c.completed, &c.step, &c.claim] {
+                    for counter in [&c.arrive, &c.done, &c.completed, &c.moved, &c.step, &c.claim] {
                         counter.store(0, Relaxed);
                     }
                     // No core known yet (not the last binding's).

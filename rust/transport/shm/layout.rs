@@ -28,7 +28,7 @@ use crate::transport::wait::Event;
 /// The segment header's first word: "AXONSHM" + format generation, little endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// The segment format's version, bumped whenever the layout or protocol changes.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member

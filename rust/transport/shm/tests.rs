@@ -219,3 +219,29 @@ fn a_timed_call_stages_when_no_member_asks() {
     let (e, _, _) = all_reduce_beside(64 << 10, PRIVATE | 0x1000, Duration::from_secs(2));
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
 }
+
+/// Every counter of member `j`'s control block in `slot`.
+fn counters(s: &Shared, slot: usize, j: usize) -> [&std::sync::atomic::AtomicU64; 6] {
+    let c = s.ctrl(slot, j);
+    [&*c.arrive, &*c.done, &*c.completed, &*c.moved, &*c.step, &*c.claim]
+}
+
+/// A slot bound again starts every counter of its members from zero, the `moved` words included: a
+/// previous binding's count must not pass for a member's share of the new communicator's calls.
+#[test]
+fn a_slot_bound_again_starts_every_counter_from_zero() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let [a, b] = pair(Duration::from_secs(10));
+    let (slot, _) = a.claim(&[0, 1], "new_group").unwrap();
+    assert_eq!(b.claim(&[0, 1], "new_group").unwrap().0, slot);
+    for j in 0..2 {
+        counters(&a, slot, j).iter().for_each(|w| w.store(7, SeqCst));
+    }
+    a.leave(slot);
+    b.leave(slot);
+    let (again, _) = a.claim(&[0, 1], "new_group").unwrap();
+    assert_eq!(again, slot, "the freed slot is bound again");
+    for j in 0..2 {
+        assert!(counters(&a, slot, j).iter().all(|w| w.load(SeqCst) == 0), "member {j}");
+    }
+}
