@@ -63,10 +63,13 @@ def _pause(workers: list[Worker], exits: list[int | None]) -> None:
     running = [
         fd for worker, fd in zip(workers, exits, strict=True) if fd is not None and worker.returncode is None
     ]
-    if running:
-        select.select(running, [], [], _POLL_INTERVAL)
-    else:
+    if not running:
         time.sleep(_POLL_INTERVAL)
+        return
+    exited = select.poll()  # not select.select: no limit on the descriptors' numbers
+    for fd in running:
+        exited.register(fd, select.POLLIN)
+    exited.poll(_POLL_INTERVAL * 1000)
 
 
 def _note_failures(workers: list[Worker], failed_at: dict[int, float]) -> list[int | None]:
