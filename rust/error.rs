@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use crate::signature::Signature;
 
+mod exit_status;
+pub use exit_status::{ExitStatus, Unknown};
+
 /// What went wrong in a collective, a group operation or an argument.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
@@ -47,15 +50,31 @@ pub enum Error {
         progress: String,
     },
 
-    /// A peer process died (or a rank failed) while this rank was waiting for it.
+    /// A peer left the world while this rank was waiting for it, by some other way than its process
+    /// ending (see [`Error::PeerExited`]): it closed its rendezvous connection, or its thread left.
     #[error("peer rank {peer} died during {op}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
     PeerDied {
         /// Global rank of the dead peer.
         peer: usize,
         /// The operation this rank was in.
         op: String,
-        /// Exit status or other detail, when known.
+        /// How it left, when known.
         detail: Option<String>,
+    },
+
+    /// A peer's process ended while this rank was waiting for it; how it ended, when this rank can
+    /// tell. (The same message start as [`Error::PeerDied`]: the launcher's error files find the rank
+    /// it blames by it.)
+    #[error("peer rank {peer} died during {op} (pid {pid} {status})")]
+    PeerExited {
+        /// Global rank of the dead peer.
+        peer: usize,
+        /// Its process id.
+        pid: u32,
+        /// The operation this rank was in.
+        op: String,
+        /// Its exit code or the signal that killed it, or why that is unknown.
+        status: ExitStatus,
     },
 
     /// The world was aborted by a rank (an error on that rank, a timeout, a mismatch, or an explicit abort).

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from axonml_distributed import error_file, supervise
+from deaths import DEATHS, Death, survivor_says
 from launcher_run import alive, finish_launcher, start_launcher, wait_for, worker_script
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +35,7 @@ def test_failed_worker_ends_the_job_quickly(tmp_path: Path) -> None:
     # Far below the survivors' 60 s sleep, with room for starting three Pythons on a loaded machine.
     assert time.monotonic() - started < 40
     assert launcher.returncode == 1
-    assert "axonml-run: rank 1 failed (exit code 3); terminated ranks 0, 2\n" in err
+    assert "axonml-run: rank 1 failed first (exit code 3); terminated ranks 0, 2\n" in err
 
 
 def test_teardown_reaches_the_children_of_workers(tmp_path: Path) -> None:
@@ -76,7 +77,42 @@ def test_worker_killed_by_a_signal_is_named(tmp_path: Path) -> None:
     launcher = start_launcher("--nproc-per-node", "2", script, tmp_path)
     _, err = finish_launcher(launcher)
     assert launcher.returncode == 1
-    assert "axonml-run: rank 0 failed (killed by SIGKILL); terminated rank 1\n" in err
+    assert "axonml-run: rank 0 failed first (killed by SIGKILL); terminated rank 1\n" in err
+
+
+@pytest.mark.parametrize("death", DEATHS.values(), ids=DEATHS.keys())
+def test_a_dead_workers_exit_status_reaches_its_peer_and_the_summary(tmp_path: Path, death: Death) -> None:
+    # Rank 1 dies while rank 0 reduces over the shared-memory world: rank 0's PeerFailureError (shown in
+    # the summary's secondary line) and the summary's first line both say how.
+    script = worker_script(
+        tmp_path,
+        f"""
+        import numpy as np
+        import axonml_distributed as ad
+
+        pg = ad.init_process_group("shm", timeout=60)
+        (OUT / f"pid.{{RANK}}").write_text(str(os.getpid()))
+        pg.barrier()
+        if RANK == 1:
+            {death.code}
+        while True:
+            pg.all_reduce(np.ones(4, np.float32))
+    """,
+    )
+    launcher = start_launcher("--nproc-per-node", "2", script, tmp_path)
+    _, err = finish_launcher(launcher)
+    assert launcher.returncode == 1
+    pid = (tmp_path / "pid.1").read_text()
+    lines = _failure_lines(err)
+    assert lines[0].startswith(f"axonml-run: rank 1 failed first ({death.launcher})"), err
+    secondary = (
+        "axonml-run: secondary: rank 0 failed (exit code 1): PeerFailureError: peer rank 1 died during "
+    )
+    assert any(
+        line.startswith(secondary) and f"(pid {pid} {survivor_says(death)}" in line for line in lines
+    ), err
+    oom_hint = "axonml-run: SIGKILL is sent by kill -9, and by the kernel's OOM killer when memory runs out"
+    assert (oom_hint in err) == (death is DEATHS["sigkill"]), err
 
 
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
@@ -96,7 +132,7 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path
     _, err = finish_launcher(launcher)
     assert 1 <= time.monotonic() - started < 40  # far below the worker's 60 s sleep
     assert launcher.returncode == 1
-    assert "axonml-run: rank 0 failed (exit code 3); terminated rank 1\n" in err
+    assert "axonml-run: rank 0 failed first (exit code 3); terminated rank 1\n" in err
     assert "axonml-run: rank 1 still running 1 s after SIGTERM; sent SIGKILL\n" in err
     assert (tmp_path / "signals.1").read_text() == "SIGTERM\n"
 
@@ -126,7 +162,7 @@ def test_the_rank_that_failed_first_is_named_not_the_first_to_exit(tmp_path: Pat
     _, err = finish_launcher(launcher)
     assert launcher.returncode == 1
     lines = _failure_lines(err)
-    assert lines[0].startswith("axonml-run: rank 3 failed ("), err
+    assert lines[0].startswith("axonml-run: rank 3 failed first ("), err
     # The summary: rank 3's traceback first, then the ranks it took down.
     summary = err[err.index(lines[0]) :]
     traceback = summary.index("axonml-run: traceback of rank 3, the first to fail:\nTraceback")
@@ -168,7 +204,7 @@ def test_the_root_cause_is_not_terminated_while_it_reports(tmp_path: Path) -> No
     assert (tmp_path / "reported").exists()
     assert not (tmp_path / "signals.1").exists(), "rank 1 was signalled while it reported"
     lines = _failure_lines(err)
-    assert lines[0] == "axonml-run: rank 1 failed (exit code 1)", err
+    assert lines[0] == "axonml-run: rank 1 failed first (exit code 1)", err
     assert lines[1] == "axonml-run: traceback of rank 1, the first to fail:", err
     assert lines[2].startswith("axonml-run: secondary: rank 0 failed (exit code 1): PeerFailureError: "), err
 

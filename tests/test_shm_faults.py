@@ -19,6 +19,7 @@ from axonml_distributed import (
     CollectiveTimeoutError,
     PeerFailureError,
 )
+from deaths import DEATHS, UNKNOWN, kernel_tells_exit_status, survivor_says
 from finished_then_aborted import CASES, expect_abort_reported_next, finish_then_abort
 from interrupts import sigint_once_in
 from reference import same_bits
@@ -172,6 +173,54 @@ def test_a_collective_every_rank_finished_succeeds_everywhere_though_a_rank_abor
     per_rank = ok(run_world(3, w_finished_then_aborted, case, segment, worlds=12, timeout=20, limit=200))
     for trial, ran in enumerate(zip(*per_rank, strict=True)):
         expect_abort_reported_next(list(ran), f"{case}, trial {trial}")
+
+
+def w_child_dies(rank, n, ports, job, timeout, q, code, failed):
+    """Rank 1 is a child that rank 1's process forks, started by hand (no launcher), and dies by `code`
+    after a barrier; its parent reaps it as it dies (as a shell does), or, given the path `failed`, only
+    once rank 0 has failed (rank 0 then creates that file). Rank 0 reduces until it fails."""
+    if rank == 1:
+        child = os.fork()
+        if child == 0:
+            connect(rank, n, ports[0], timeout, job).barrier()
+            exec(code)
+        deadline = time.monotonic() + 30
+        while failed and not os.path.exists(failed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return child, os.waitpid(child, 0)[1]
+    pg = connect(rank, n, ports[0], timeout, job)
+    pg.barrier()
+    try:
+        while True:
+            pg.all_reduce(np.ones(1000, np.float32))
+    finally:
+        if failed:
+            open(failed, "w").close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("death", DEATHS.values(), ids=DEATHS.keys())
+def test_a_dead_peer_is_named_with_its_exit_status(death):
+    res = run_world(2, w_child_dies, death.code, None, timeout=30)
+    assert res[1][0] == "ok", res[1]
+    child, _ = res[1][1]
+    status, msg, _ = res[0]
+    assert status == "PeerFailureError", res[0]
+    assert msg.startswith("peer rank 1 died during "), msg
+    assert f"(pid {child} {survivor_says(death)}" in msg, msg
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_peer_not_yet_reaped_has_an_unknown_exit_status(tmp_path):
+    res = run_world(2, w_child_dies, DEATHS["sigkill"].code, str(tmp_path / "failed"), timeout=30)
+    assert res[1][0] == "ok", res[1]
+    child, wait_status = res[1][1]
+    assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL
+    status, msg, _ = res[0]
+    assert status == "PeerFailureError", res[0]
+    assert f"(pid {child} {UNKNOWN}" in msg, msg
+    if kernel_tells_exit_status():
+        assert "its parent had not reaped it yet" in msg, msg
 
 
 def w_crowd(rank, n, ports, job, timeout, q):

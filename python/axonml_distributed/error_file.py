@@ -21,7 +21,8 @@ from types import TracebackType
 
 ENV = "AXONML_ERROR_FILE"
 
-# How the shm world's PeerFailureError names the rank behind it (rust/error.rs, `Aborted` and `PeerDied`).
+# How the shm world's PeerFailureError names the rank behind it (rust/error.rs: `Aborted`, `PeerDied`,
+# `PeerExited`).
 _BLAMED = re.compile(r"the world was aborted by rank (\d+)|peer rank (\d+) died")
 
 

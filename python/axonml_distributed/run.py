@@ -62,9 +62,11 @@ lifecycle:
   end in any case.
 
 failure summary:
-  The launcher names the rank that failed first, the root cause, and prints its traceback; then the
-  ranks that failed after it (secondary: most fail because that rank aborted the world). It decides
-  from the error files, not from the order in which processes happen to exit.
+  The launcher names the rank that failed first, the root cause, with its exit code or the signal that
+  killed it, and prints its traceback; then the ranks that failed after it (secondary: most fail
+  because that rank aborted the world). It decides from the error files, not from the order in which
+  processes happen to exit. The launcher reaps a worker as it exits, so on Linux 6.15 and later the
+  kernel tells its exit status to its peers, whose PeerFailureError names it.
 
 exit status:
   0 when every worker exits 0, 1 when a worker fails; a signalled launcher dies by that same signal.

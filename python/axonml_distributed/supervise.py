@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from axonml_distributed import error_file
 
 Worker = subprocess.Popen[bytes]
 
-# A worker's exit is noticed within this long. Polling is simpler than waiting on child exits and signals
-# at once, and 20 wake-ups a second cost nothing measurable.
+# A forwarded signal is noticed within this long. Polling is simpler than waiting on child exits and
+# signals at once, and 20 wake-ups a second cost nothing measurable. A worker's exit wakes the poll at once
+# (`_pause`).
 _POLL_INTERVAL = 0.05
 
 
@@ -26,15 +28,48 @@ def supervise(
 ) -> int:
     """Wait until every worker exits 0 (returns 0), one fails (1), or a signal arrives (128 + signal)."""
     failed_at: dict[int, float] = {}  # rank -> time.time() when its failure was noticed
-    while True:
-        if received:
-            return _forward(workers, received[0], grace)
-        codes = _note_failures(workers, failed_at)
-        if failed_at:
-            return _end_after_failure(workers, received, grace, failure_grace, errors, failed_at)
-        if all(code == 0 for code in codes):
-            return 0
+    exits = _exit_fds(workers)
+    try:
+        while True:
+            if received:
+                return _forward(workers, received[0], grace)
+            codes = _note_failures(workers, failed_at)
+            if failed_at:
+                return _end_after_failure(workers, exits, received, grace, failure_grace, errors, failed_at)
+            if all(code == 0 for code in codes):
+                return 0
+            _pause(workers, exits)
+    finally:
+        for fd in exits:
+            if fd is not None:
+                os.close(fd)
+
+
+def _exit_fds(workers: list[Worker]) -> list[int | None]:
+    """A pidfd of each worker (None where the kernel has none): readable once it exits."""
+    fds: list[int | None] = []
+    for worker in workers:
+        try:
+            fds.append(os.pidfd_open(worker.pid))  # not reaped yet: the pid is still the worker's
+        except (AttributeError, OSError):  # not Linux, or older than 5.3
+            fds.append(None)
+    return fds
+
+
+def _pause(workers: list[Worker], exits: list[int | None]) -> None:
+    """Sleep `_POLL_INTERVAL`, or until a running worker exits: it is then reaped at once, and the kernel
+    tells its exit status to its peers, which wait a moment for it to name it in their errors (Linux
+    6.15; rust/transport/shm/liveness.rs)."""
+    running = [
+        fd for worker, fd in zip(workers, exits, strict=True) if fd is not None and worker.returncode is None
+    ]
+    if not running:
         time.sleep(_POLL_INTERVAL)
+        return
+    exited = select.poll()  # not select.select: no limit on the descriptors' numbers
+    for fd in running:
+        exited.register(fd, select.POLLIN)
+    exited.poll(_POLL_INTERVAL * 1000)
 
 
 def _note_failures(workers: list[Worker], failed_at: dict[int, float]) -> list[int | None]:
@@ -57,6 +92,7 @@ def _forward(workers: list[Worker], signum: int, grace: float) -> int:
 
 def _end_after_failure(
     workers: list[Worker],
+    exits: list[int | None],
     received: list[int],
     grace: float,
     failure_grace: float,
@@ -70,7 +106,7 @@ def _end_after_failure(
     while time.monotonic() < deadline and any(worker.poll() is None for worker in workers):
         if received:
             return _forward(workers, received[0], grace)
-        time.sleep(_POLL_INTERVAL)
+        _pause(workers, exits)
         _note_failures(workers, failed_at)
     records = _read_records(errors, len(workers))
     root = root_cause(failed_at, records)
@@ -119,9 +155,14 @@ def _summarize(
     """Name the root cause with its traceback, then the secondary failures, grouped by how they failed."""
     codes = [worker.wait() for worker in workers]
     _say(
-        f"rank {root} failed ({_describe(codes[root])})"
+        f"rank {root} failed first ({_describe(codes[root])})"
         + (f"; terminated {_ranks(sorted(terminated))}" if terminated else "")
     )
+    if codes[root] == -signal.SIGKILL:
+        _say(
+            "SIGKILL is sent by kill -9, and by the kernel's OOM killer when memory runs out "
+            "('dmesg' or 'journalctl -k' name the processes it killed)"
+        )
     record = records.get(root)
     if record is not None:
         _say(f"traceback of rank {root}, the first to fail:\n{record.traceback.rstrip()}")

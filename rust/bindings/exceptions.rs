@@ -36,7 +36,9 @@ impl From<Error> for PyErr {
             Error::UnsupportedDtype(_) => PyTypeError::new_err(msg),
             Error::Mismatch { .. } => CollectiveMismatchError::new_err(msg),
             Error::Timeout { .. } => CollectiveTimeoutError::new_err(msg),
-            Error::PeerDied { .. } | Error::Aborted { .. } => PeerFailureError::new_err(msg),
+            Error::PeerDied { .. } | Error::PeerExited { .. } | Error::Aborted { .. } => {
+                PeerFailureError::new_err(msg)
+            }
             Error::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
             Error::OutOfMemory(_) => PyMemoryError::new_err(msg),
             Error::Usage(_) | Error::Internal(_) => DistributedError::new_err(msg),

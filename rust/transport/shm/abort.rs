@@ -32,8 +32,10 @@ impl Shared {
         // writer's bytes is only a garbled message.
         let bytes = unsafe { std::ptr::read_volatile(h.abort_reason.get()) };
         let reason = String::from_utf8_lossy(&bytes[..len]).into_owned();
-        if peer != u32::MAX {
-            return Err(Error::PeerDied { peer: peer as usize, op: op.to_string(), detail: Some(reason) });
+        if (peer as usize) < self.size {
+            // The rank that found it dead named it (`check_alive`); this rank watches it too, and asks
+            // how it ended itself.
+            return Err(self.liveness.exited(peer as usize, op));
         }
         match waiting {
             Some(group) if missing != 0 => Err(Error::Timeout {
@@ -84,10 +86,11 @@ impl Shared {
     pub(crate) fn check_alive(&self, ranks: &[usize], op: &str) -> Result<()> {
         match self.liveness.first_dead(ranks) {
             None => Ok(()),
-            Some((peer, pid)) => {
-                let detail = format!("rank {peer} (pid {pid}) exited during {op}");
-                self.abort(&detail, Cause::Dead(peer));
-                Err(Error::PeerDied { peer, op: op.to_string(), detail: Some(format!("pid {pid} exited")) })
+            Some(peer) => {
+                let pid = self.liveness.pid(peer);
+                // Abort first: the other ranks must not wait while this one learns the exit status.
+                self.abort(&format!("rank {peer} (pid {pid}) exited during {op}"), Cause::Dead(peer));
+                Err(self.liveness.exited(peer, op))
             }
         }
     }

@@ -15,7 +15,8 @@
 //!
 //! Every wait spins briefly, then sleeps on a shared futex in slices that check the abort word
 //! (`abort`), the deadline, and the pidfds of the ranks waited for (`liveness`): a SIGKILLed rank
-//! aborts the world within one slice, and every member raises `PeerDied` naming it.
+//! aborts the world within one slice, and every member raises `PeerExited` naming it and, once its
+//! parent has reaped it, how it ended.
 //!
 //! Subgroups live in a fixed table of communicator slots (`comms`), changed only under a lock in the
 //! header: the n-th split of a rank set finds the slot bound to (members, n), or, for the first

@@ -92,7 +92,10 @@ pub(crate) fn join(token: &str, rank: usize, world: usize, timeout: Duration) ->
     let w =
         Wait { event: &h.event, shared: true, spin: may_spin(world), deadline: Instant::now() + timeout, op };
     let all = || h.attached.load(std::sync::atomic::Ordering::SeqCst) as usize >= world;
-    let waited = w.until(all, || Ok(()), || registered_alive(&mapping, world, rank));
+    // Every rank is watched from when its pid shows: one that attached and then exited is reported at
+    // once, with its exit status, instead of after the timeout.
+    let mut liveness = Liveness::new(world);
+    let waited = w.until(all, || Ok(()), || watch_registered(&mut liveness, &mapping, world, rank, op));
     match waited {
         Ok(()) => {}
         Err(Stop::Failed(e)) => return Err(e),
@@ -104,27 +107,23 @@ pub(crate) fn join(token: &str, rank: usize, world: usize, timeout: Duration) ->
     }
     // Everyone has it mapped: from now on no crash can leak the name.
     segment::unlink(&name);
-    let liveness = Liveness::open(&pids(&mapping, world), rank)?;
+    watch_registered(&mut liveness, &mapping, world, rank, op)?;
     Ok(Joined { mapping, layout, liveness })
 }
 
-/// Fails when a rank that already attached has exited (it will never make its collectives).
-fn registered_alive(m: &Mapping, world: usize, me: usize) -> Result<()> {
+/// Watch every other rank that has registered its pid; fails when a watched one has exited (it will
+/// never make its collectives).
+fn watch_registered(liveness: &mut Liveness, m: &Mapping, world: usize, me: usize, op: &str) -> Result<()> {
     for (r, pid) in pids(m, world).into_iter().enumerate() {
-        let Some(p) =
-            rustix::process::Pid::from_raw(pid as i32).filter(|_| r != me && pid <= i32::MAX as u32)
-        else {
-            continue;
-        };
-        if rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH) {
-            return Err(Error::PeerDied {
-                peer: r,
-                op: "init".into(),
-                detail: Some(format!("pid {pid} exited after attaching the segment")),
-            });
+        if r != me && pid != 0 && !liveness.watches(r) {
+            liveness.watch(r, pid, op)?;
         }
     }
-    Ok(())
+    let everyone: Vec<usize> = (0..world).collect();
+    match liveness.first_dead(&everyone) {
+        Some(dead) => Err(liveness.exited(dead, op)),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
