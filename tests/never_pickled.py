@@ -62,6 +62,8 @@ def same(a: Any, b: Any) -> bool:
 
 
 def raw(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:  # torch views an empty tensor as bytes only if its last stride is 1
+        return b""
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
