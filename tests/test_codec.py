@@ -203,7 +203,7 @@ def node(tag: bytes, n: int) -> bytes:
         (HEADER + b"P\x01\x00" + b"\xff", "a bool array holds a byte other than 0 and 1"),
         (HEADER + b"P\x63\x01" + U64.pack(1), "unknown tensor dtype code 99"),
         (HEADER + b"P\x0c\x41", "an array of 65 dimensions"),
-        (HEADER + node(b"d", 1) + b"f" + b"\x00" * 8 + b"N", "a dict key at offset 13 is not a str or an int"),
+        (HEADER + node(b"d", 1) + b"f" + b"\x00" * 8 + b"N", "key at offset 13 is not a str or an int"),
         (HEADER + (node(b"l", 1)) * (MAX_DEPTH + 2) + b"N", f"nested deeper than {MAX_DEPTH} levels"),
     ],
 )  # fmt: skip
