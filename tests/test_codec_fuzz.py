@@ -112,19 +112,31 @@ def test_arbitrary_bytes(data: bytes) -> None:
     decoded_or_refused(HEADER + data)
 
 
-# Pieces a payload is made of: tags (array and tensor ones with a dtype code and ndim), lengths small
-# and huge, and stray bytes.
+# Pieces a payload is made of: tags, array and tensor headers (dtype code, ndim and dims, small and
+# huge), lengths small and huge, and stray bytes.
+LENGTHS = st.sampled_from(
+    [0, 1, 2, 3, 8, 2**20, 2**31, 2**32, 2**62, 2**63, 2**64 - 1, DEFAULT_MAX_BYTES + 1]
+)
+LENGTHS |= st.integers(0, 2**64 - 1)
+
+
+def array_header(tag: int, code: int, dims: list[int]) -> bytes:
+    return bytes((tag, code, len(dims))) + b"".join(U64.pack(d) for d in dims)
+
+
 TOKENS = (
     st.sampled_from([bytes([t]) for t in b"NFTifsbltdaP"])
     | st.tuples(st.sampled_from(b"aP"), st.integers(0, 17), st.integers(0, 66)).map(bytes)
-    | st.sampled_from([0, 1, 2, 3, 8, 2**31, 2**32, 2**63, 2**64 - 1, DEFAULT_MAX_BYTES + 1]).map(U64.pack)
-    | st.integers(0, 2**64 - 1).map(U64.pack)
+    | st.builds(array_header, st.sampled_from(b"aP"), st.integers(1, 15), st.lists(LENGTHS, max_size=4))
+    | LENGTHS.map(U64.pack)
     | st.binary(max_size=9)
 )
 
 
 @settings(deadline=None)
 @given(st.lists(TOKENS, max_size=24).map(b"".join))
+@example(array_header(ord("a"), 12, [2**20]))  # dims that promise more than the bytes hold
+@example(array_header(ord("P"), 5, [2**16, 2**16]))
 def test_payloads_made_of_tags_and_lengths(body: bytes) -> None:
     decoded_or_refused(HEADER + body)
 
