@@ -248,8 +248,8 @@ class MpiProcessGroup:
     ) -> None:
         """A barrier that waits at most `timeout` (seconds or a timedelta; None: the group's timeout),
         as the native groups': it is the group's barrier (it meets a plain `barrier` of another member,
-        and a member calling anything else makes every member raise CollectiveMismatchError, the
-        signature check permitting), and a member that does not arrive in time is named, with every
+        and, with the signature check on, a member calling anything else makes every member raise
+        CollectiveMismatchError), and a member that does not arrive in time is named, with every
         other missing one (whatever `wait_all_ranks`), by the members that did: they raise
         CollectiveTimeoutError to their caller, within twice `timeout`.
 
