@@ -1,9 +1,17 @@
+import os
 import signal
 import sys
 from pathlib import Path
 
+from hypothesis import settings
+
 # The tests share the `reference` helpers next to this file.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Property tests that take their example count from the profile (the codec's fuzzing) run Hypothesis'
+# 100 by default, a few seconds; HYPOTHESIS_PROFILE=long runs them for minutes.
+settings.register_profile("long", max_examples=50_000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config) -> None:

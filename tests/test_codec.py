@@ -116,7 +116,8 @@ class Mine:
         (OrderedDict(a=1), "obj is a collections.OrderedDict (a subclass"),
         (np.float64(1.0), "obj is a numpy.float64 (a numpy scalar: convert it with .item()"),
         ([np.int64(3)], "obj[0] is a numpy.int64 (a numpy scalar"),
-        ({"x": {1: 2}}, "obj['x'] has the key 1, an int: dict keys must be str"),
+        ({"x": {1.5: 2}}, "obj['x'] has the key 1.5, a float: dict keys must be str or int"),
+        ({"x": {True: 2}}, "obj['x'] has the key True, a bool: dict keys must be str or int"),
         ({"x": {(1,): 2}}, "obj['x'] has the key (1,), a tuple"),
         (np.array([object()], dtype=object), "obj is an array of dtype object"),
         (np.zeros(2, [("a", "i4"), ("b", "f4")]), "obj is an array of dtype"),
@@ -197,6 +198,12 @@ def node(tag: bytes, n: int) -> bytes:
         (HEADER + b"a\x0c\x02" + U64.pack(0) + U64.pack(2**63), "an array of shape (0, 9223372036854775808)"),
         (HEADER + b"a\x0c\x01" + U64.pack(3) + b"\x00" * 23, "24 bytes needed"),
         (HEADER + b"l" * 5, "needed"),
+        # A bool array (or tensor) is bytes 0 and 1: anything else is no bool numpy or torch should hold.
+        (HEADER + b"a\x01\x01" + U64.pack(2) + b"\x01\x02", "a bool array holds a byte other than 0 and 1"),
+        (HEADER + b"P\x01\x00" + b"\xff", "a bool array holds a byte other than 0 and 1"),
+        (HEADER + b"P\x63\x01" + U64.pack(1), "unknown tensor dtype code 99"),
+        (HEADER + b"P\x0c\x41", "an array of 65 dimensions"),
+        (HEADER + node(b"d", 1) + b"f" + b"\x00" * 8 + b"N", "key at offset 13 is not a str or an int"),
         (HEADER + (node(b"l", 1)) * (MAX_DEPTH + 2) + b"N", f"nested deeper than {MAX_DEPTH} levels"),
     ],
 )  # fmt: skip

@@ -1,8 +1,10 @@
 """monitored_barrier in every world: a barrier with its own timeout that, when members do not arrive,
 makes every member that did raise CollectiveTimeoutError naming all the missing ones (so
 wait_all_ranks changes nothing), well before the world's timeout; the world is then aborted, as by
-any timeout (the late ranks get PeerFailureError; over MPI the job ends). On the torch backend it is the
-group's method (torch's own dist.monitored_barrier refuses a backend that is a ProcessGroup)."""
+any timeout (the late ranks get PeerFailureError; over MPI, where nothing can cancel the barrier, the
+caller gets the error first and the job ends at the group's next use or at exit). It is the group's
+barrier: it meets a plain one, and a member calling anything else is a mismatch. On the torch backend it
+is the group's method (torch's own dist.monitored_barrier refuses a backend that is a ProcessGroup)."""
 
 from __future__ import annotations
 
@@ -151,13 +153,31 @@ def test_mpi_passes_when_everyone_arrives() -> None:
 
 @needs_mpi
 @pytest.mark.timeout(120)
-def test_mpi_names_every_missing_rank_and_ends_the_job() -> None:
-    result, wall = run_job(4, "monitored.py", "missing", limit=60)
-    assert result.returncode != 0
-    assert "CollectiveTimeoutError: monitored_barrier in MPI group [0, 1, 2, 3]" in result.stderr
-    assert "but rank(s) [2, 3] of group [0, 1, 2, 3] never arrived" in result.stderr, result.stderr
-    # The missing ranks sleep 60 s: the job ends at the monitored barrier's deadline.
+@pytest.mark.parametrize("then", ["use", "exit"])
+def test_mpi_names_every_missing_rank_to_the_caller_then_ends_the_job(then: str) -> None:
+    result, wall = run_job(4, "monitored.py", f"missing-{then}", limit=60)
+    report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode != 0, report
+    # Rank 0's own code caught the error naming every missing rank, before anything was aborted.
+    caught = "rank 0 caught CollectiveTimeoutError: monitored_barrier in MPI group [0, 1, 2, 3]"
+    assert caught in result.stdout, report
+    assert "but rank(s) [2, 3] of group [0, 1, 2, 3] never arrived" in result.stdout, report
+    # Then the group's next use, or the end of the interpreter, aborts the job saying why.
+    if then == "use":
+        assert "all_reduce called on MPI group [0, 1, 2, 3], unusable since CollectiveTimeoutError" in (
+            result.stderr
+        ), report
+    else:
+        assert "rank 0 returns" in result.stdout, report
+        assert "exiting with MPI group [0, 1, 2, 3] unusable (CollectiveTimeoutError" in result.stderr, report
+    # The missing ranks sleep 60 s: the job ends at the monitored barrier's deadline (twice it, at most).
     assert wall < 30, f"the job took {wall:.1f} s to end"
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_mpi_call_matching_as_the_native_worlds() -> None:
+    assert "monitored mismatch ok" in passes(3, "monitored.py", "mismatch")
 
 
 @pytest.mark.timeout(180)

@@ -36,6 +36,12 @@ def test_mismatched_calls_raise_on_every_rank(n: int) -> None:
 
 
 @needs_mpi
+@pytest.mark.timeout(240)
+def test_an_op_the_dtype_does_not_support_raises_type_error_on_every_rank_and_moves_nothing() -> None:
+    assert "unsupported ok" in passes(3, "unsupported_ops.py")
+
+
+@needs_mpi
 @pytest.mark.timeout(60)
 def test_a_rank_that_raises_ends_the_job() -> None:
     result, wall = run_job(2, "failures.py", "raise", limit=30)

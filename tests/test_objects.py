@@ -91,10 +91,19 @@ def test_torch_order_arguments_are_a_type_error_naming_the_call() -> None:
         ad.all_gather_object([None, None], [1])  # type: ignore[arg-type]
 
 
-def test_a_tensor_is_refused_with_the_fix() -> None:
+def test_a_tensor_the_codec_does_not_carry_is_refused_with_the_fix() -> None:
     torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"obj\['w'\] is a torch.Tensor \(convert a tensor with .numpy\(\)\)"):
-        ad.broadcast_object({"w": torch.zeros(2)}, 0, ad.ProcessGroup.mock())
+    pg = ad.ProcessGroup.mock()
+    with pytest.raises(
+        TypeError, match=r"obj\['w'\] is a torch.nn.parameter.Parameter \(a tensor subclass: send"
+    ):
+        ad.broadcast_object({"w": torch.nn.Parameter(torch.zeros(2))}, 0, pg)
+    with pytest.raises(
+        TypeError, match=r"obj\[0\] is a torch.Tensor of dtype float32 on cpu \(torch.strided, requ"
+    ):
+        ad.broadcast_object([torch.zeros(2, requires_grad=True)], 0, pg)
+    with pytest.raises(TypeError, match=r"obj is a torch.Tensor of dtype float8_e4m3fn on cpu"):
+        ad.broadcast_object(torch.zeros(2).to(torch.float8_e4m3fn), 0, pg)
 
 
 def test_a_negative_root_is_refused_not_taken_for_no_root() -> None:

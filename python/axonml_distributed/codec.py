@@ -1,26 +1,29 @@
 """The restricted codec of the object collectives: a fixed set of plain types, never pickle.
 
-`encode` takes None, bool, int (any size), float, str, bytes, list, tuple, dict with str keys, and numpy
-arrays of numeric or bool dtypes (bfloat16 too, with ml_dtypes); anything else (a set, a numpy scalar, an
-object array, a subclass of the types above ...) is a TypeError naming the type and where it sits
-(``obj['a'][2] is a set``). Types are exact, so what `decode` returns equals what was encoded, with the
-same types; arrays come back C-ordered, writable and native-endian.
+`encode` takes None, bool, int (any size), float, str, bytes, list, tuple, dict with str or int keys
+(a torch optimizer's ``state_dict()`` keys its state by parameter index), numpy arrays of numeric or bool
+dtypes (bfloat16 too, with ml_dtypes) and CPU torch tensors of those dtypes (not requiring grad);
+anything else (a set, a numpy scalar, an object array, a subclass of the types above such as an
+``nn.Parameter`` ...) is a TypeError naming the type and where it sits (``obj['a'][2] is a set``). Types
+are exact, so what `decode` returns equals what was encoded, with the same types; arrays and tensors
+come back C-ordered, writable and native-endian, tensors with their dtype and shape.
 
 `decode` trusts nothing: every length is checked against the bytes that remain before anything is
 allocated, nesting is bounded, unknown tags, bad UTF-8, duplicate dict keys and trailing bytes are
-errors (ValueError), and nothing of the payload's choosing is ever executed or imported (a bfloat16
-array loads ml_dtypes, the one module that gives numpy that dtype). Both sides refuse payloads over
-`max_bytes` (64 MiB by default).
+errors (ValueError), a bool array holds only 0 and 1, and nothing of the payload's choosing is ever
+executed or imported (a bfloat16 array loads ml_dtypes, the one module that gives numpy that dtype, and a
+tensor loads torch). Both sides refuse payloads over `max_bytes` (64 MiB by default).
 
 The format: ``b"AXO" + version``, then one value. A value is a one-byte tag and its body; lengths and
-counts are little-endian u64, ints little-endian two's complement, floats IEEE-754 binary64 and arrays
-``dtype code, ndim, dims, data``.
+counts are little-endian u64, ints little-endian two's complement, floats IEEE-754 binary64, arrays
+and tensors ``dtype code, ndim, dims, data`` and a dict's keys the str or int values before each item.
 """
 
 from __future__ import annotations
 
 import importlib
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -33,7 +36,7 @@ _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _DIMS_MAX = 64  # numpy's own limit
 
-_NONE, _FALSE, _TRUE, _INT, _FLOAT, _STR, _BYTES, _LIST, _TUPLE, _DICT, _ARRAY = b"NFTifsbltda"
+_NONE, _FALSE, _TRUE, _INT, _FLOAT, _STR, _BYTES, _LIST, _TUPLE, _DICT, _ARRAY, _TENSOR = b"NFTifsbltdaP"
 
 
 _NAMES = [
@@ -96,6 +99,9 @@ class _Writer:
     def value(self, obj: object, path: str, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise ValueError(f"{path} nests deeper than {MAX_DEPTH} levels (or contains itself)")
+        if _is_plain_tensor(obj):
+            self.tensor(obj, path)
+            return
         if type(obj) not in _CARRIED:
             raise TypeError(f"{path} is {_a(obj)}{_hint(obj)}")
         if obj is None:
@@ -103,8 +109,7 @@ class _Writer:
         elif isinstance(obj, bool):
             self.add(bytes((_TRUE if obj else _FALSE,)))
         elif isinstance(obj, int):
-            body = obj.to_bytes((obj + (obj < 0)).bit_length() // 8 + 1, "little", signed=True)
-            self.blob(_INT, body)
+            self.integer(obj)
         elif isinstance(obj, float):
             self.add(bytes((_FLOAT,)) + _F64.pack(obj))
         elif isinstance(obj, str):
@@ -118,10 +123,13 @@ class _Writer:
         elif isinstance(obj, dict):
             self.length(_DICT, len(obj))
             for key, item in obj.items():
-                if type(key) is not str:
-                    raise TypeError(f"{path} has the key {key!r}, {_a(key)}: dict keys must be str")
-                self.blob(_STR, key.encode("utf-8", "surrogatepass"))
-                self.value(item, f"{path}[{key!r}]", depth + 1)
+                if type(key) is str:
+                    self.blob(_STR, key.encode("utf-8", "surrogatepass"))
+                elif type(key) is int:
+                    self.integer(key)
+                else:
+                    raise TypeError(f"{path} has the key {key!r}, {_a(key)}: dict keys must be str or int")
+                self.value(item, f"{path}[{_key(key)}]", depth + 1)
         else:
             assert isinstance(obj, np.ndarray)
             self.array(obj, path)
@@ -130,6 +138,9 @@ class _Writer:
         self.length(tag, len(data))
         self.add(data)
 
+    def integer(self, n: int) -> None:
+        self.blob(_INT, n.to_bytes((n + (n < 0)).bit_length() // 8 + 1, "little", signed=True))
+
     def array(self, a: np.ndarray, path: str) -> None:
         code = _CODES.get(a.dtype.name) if a.dtype.fields is None else None
         if code is None:
@@ -137,9 +148,41 @@ class _Writer:
                 f"{path} is an array of dtype {a.dtype}, which the object codec does not carry "
                 "(numeric and bool dtypes only)"
             )
-        self.add(bytes((_ARRAY, code, a.ndim)) + b"".join(_U64.pack(d) for d in a.shape))
-        self.reserve(a.nbytes)
+        self.header(_ARRAY, code, a.shape, a.nbytes)
         self.parts.append(np.ascontiguousarray(a, _dtype(code)).tobytes())
+
+    def tensor(self, t: Any, path: str) -> None:
+        torch = sys.modules["torch"]
+        name = str(t.dtype).removeprefix("torch.")
+        code = _CODES.get(name)
+        if t.layout != torch.strided or t.device.type != "cpu" or t.requires_grad or code is None:
+            raise TypeError(
+                f"{path} is a torch.Tensor of dtype {name} on {t.device} ({t.layout}"
+                f"{', requiring grad' if t.requires_grad else ''}): the object codec carries dense CPU "
+                "tensors of numeric and bool dtypes that do not require grad (send t.detach().cpu())"
+            )
+        self.header(_TENSOR, code, tuple(t.shape), t.numel() * t.element_size())
+        # bfloat16 travels as its 16-bit patterns (numpy has no bfloat16 without ml_dtypes).
+        plain = t.resolve_conj().resolve_neg()
+        a = (plain.view(torch.int16) if code == _BFLOAT16 else plain).numpy()
+        self.parts.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
+
+    def header(self, tag: int, code: int, shape: tuple[int, ...], nbytes: int) -> None:
+        self.add(bytes((tag, code, len(shape))) + b"".join(_U64.pack(d) for d in shape))
+        self.reserve(nbytes)  # before the data is copied
+
+
+def _is_plain_tensor(obj: object) -> bool:
+    # A tensor can only exist once torch is imported: the codec never imports it to encode.
+    torch = sys.modules.get("torch")
+    return torch is not None and type(obj) is torch.Tensor
+
+
+def _key(key: str | int) -> str:
+    """A dict key as paths show it (an int key of thousands of digits has no repr)."""
+    if isinstance(key, int) and key.bit_length() > 64:
+        return f"<an int of {key.bit_length()} bits>"
+    return repr(key)
 
 
 def _a(obj: object) -> str:
@@ -152,11 +195,15 @@ def _a(obj: object) -> str:
 def _hint(obj: object) -> str:
     if isinstance(obj, np.generic):
         return " (a numpy scalar: convert it with .item(), or send a 0-d array)"
-    if type(obj).__module__.startswith("torch"):
-        return " (convert a tensor with .numpy())"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return " (a tensor subclass: send a plain torch.Tensor, t.detach())"
     if isinstance(obj, int | float | str | bytes | list | tuple | dict | np.ndarray):
         return " (a subclass: the object codec carries the exact built-in types only)"
-    return " (the object codec carries None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays)"
+    return (
+        " (the object codec carries None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and "
+        "torch tensors)"
+    )
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
@@ -213,7 +260,7 @@ class _Reader:
         if tag in (_FALSE, _TRUE):
             return tag == _TRUE
         if tag == _INT:
-            return int.from_bytes(self.take(self.count(1)), "little", signed=True)
+            return self.integer()
         if tag == _FLOAT:
             return float(_F64.unpack(self.take(8))[0])
         if tag == _STR:
@@ -227,18 +274,30 @@ class _Reader:
             return self.mapping(depth)
         if tag == _ARRAY:
             return self.array()
+        if tag == _TENSOR:
+            return self.tensor()
         raise ValueError(f"invalid object payload: unknown tag {tag} at offset {self.pos - 1}")
 
-    def mapping(self, depth: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for _ in range(self.count(2 + 8)):
-            if self.take(1)[0] != _STR:
-                raise ValueError(f"invalid object payload: a dict key at offset {self.pos - 1} is not a str")
-            key = self.text()
+    def mapping(self, depth: int) -> dict[str | int, Any]:
+        out: dict[str | int, Any] = {}
+        key: str | int
+        for _ in range(self.count(1 + 8 + 1)):  # a key's tag and length, an item's tag
+            tag = self.take(1)[0]
+            if tag == _STR:
+                key = self.text()
+            elif tag == _INT:
+                key = self.integer()
+            else:
+                raise ValueError(
+                    f"invalid object payload: a dict key at offset {self.pos - 1} is not a str or an int"
+                )
             if key in out:
-                raise ValueError(f"invalid object payload: the dict key {key!r} appears twice")
+                raise ValueError(f"invalid object payload: the dict key {_key(key)} appears twice")
             out[key] = self.value(depth + 1)
         return out
+
+    def integer(self) -> int:
+        return int.from_bytes(self.take(self.count(1)), "little", signed=True)
 
     def array(self) -> np.ndarray:
         code, ndim = self.take(2)
@@ -247,6 +306,24 @@ class _Reader:
             raise ValueError("the object payload holds a bfloat16 array; decoding it needs ml_dtypes")
         if dtype is None:
             raise ValueError(f"invalid object payload: unknown array dtype code {code}")
+        return self.data(dtype, ndim)
+
+    def tensor(self) -> Any:
+        code, ndim = self.take(2)
+        # bfloat16 arrives as its 16-bit patterns, viewed as bfloat16 by torch itself.
+        dtype = _DTYPES.get(code, np.dtype("<i2") if code == _BFLOAT16 else None)
+        if dtype is None:
+            raise ValueError(f"invalid object payload: unknown tensor dtype code {code}")
+        a = self.data(dtype, ndim)
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError:
+            raise ValueError("the object payload holds a torch tensor; decoding it needs torch") from None
+        t = torch.from_numpy(a)
+        return t.view(torch.bfloat16) if code == _BFLOAT16 else t
+
+    def data(self, dtype: np.dtype[Any], ndim: int) -> np.ndarray:
+        """An array's dims and data (after its dtype code and ndim), as a new native-endian array."""
         if ndim > _DIMS_MAX:
             raise ValueError(f"invalid object payload: an array of {ndim} dimensions")
         shape = tuple(self.u64() for _ in range(ndim))
@@ -254,6 +331,8 @@ class _Reader:
         for d in shape:
             n *= d
         data = self.take(n * dtype.itemsize)  # checked against what remains before anything is allocated
+        if dtype == np.bool_ and np.frombuffer(data, np.uint8).max(initial=0) > 1:
+            raise ValueError("invalid object payload: a bool array holds a byte other than 0 and 1")
         try:
             return np.frombuffer(data, dtype).astype(dtype.newbyteorder("="), copy=True).reshape(shape)
         except (ValueError, OverflowError):  # an empty array with a dimension numpy cannot hold

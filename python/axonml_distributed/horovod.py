@@ -11,14 +11,13 @@ torch stays optional: nothing here imports it before a torch object is passed in
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from axonml_distributed.buckets import broadcast_arrays, bucket_bytes
+from axonml_distributed.codec import DEFAULT_MAX_BYTES
 from axonml_distributed.ddp import check_group
+from axonml_distributed.objects import broadcast_object
 from axonml_distributed.tensors import is_tensor, raw_memory
 
 
@@ -37,29 +36,24 @@ def broadcast_parameters(params: Any, root_rank: int, pg: Any = None) -> None:
     broadcast_arrays(group, [raw_memory(t) for t in tensors], root_rank)
 
 
-def broadcast_optimizer_state(optimizer: Any, root_rank: int, pg: Any = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: Any, root_rank: int, pg: Any = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> None:
     """Make every rank's torch optimizer state (its ``state_dict()``: per-parameter state such as momentum
     buffers and step counts, and the param groups' options such as ``lr``) global rank `root_rank`'s. Ranks
-    whose optimizer never stepped get the root's state too."""
-    import torch
+    whose optimizer never stepped get the root's state too.
 
+    The state travels through the object codec (`broadcast_object`), never pickle: its tensors as arrays
+    of their dtype, its numbers, strings, tuples and nested dicts and lists as themselves. A state whose
+    encoding exceeds `max_bytes` (64 MiB by default; pass the same larger value on every rank) or holds
+    anything else (a tensor requiring grad, an object of the optimizer's own) raises on every rank
+    before anything moves."""
     group = check_group(pg)
     is_root = group.rank() == root_rank
-    payload = b""
-    if is_root:
-        buffer = io.BytesIO()
-        torch.save(optimizer.state_dict(), buffer)
-        payload = buffer.getvalue()
-    size = group.empty((1,), np.int64)
-    size[0] = len(payload)
-    group.broadcast(size, root_rank)
-    data = group.empty((int(size[0]),), np.uint8)
-    if is_root:
-        data[:] = np.frombuffer(payload, np.uint8)
-    group.broadcast(data, root_rank)
+    state = broadcast_object(
+        optimizer.state_dict() if is_root else None, root_rank, group, max_bytes=max_bytes
+    )
     if not is_root:
-        # weights_only: tensors, numbers and containers only, whatever the peer sent.
-        state = torch.load(io.BytesIO(data.tobytes()), weights_only=True)
         optimizer.load_state_dict(state)
 
 

@@ -24,6 +24,9 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   `new_group`) has no such form: the ranks first wait, with the deadline, until every member has
   arrived (an empty message to and from each, on the largest tag MPI allows, which send and recv
   therefore refuse), and a rank that never arrives is named in the CollectiveTimeoutError.
+  `monitored_barrier` is the exception: it raises its CollectiveTimeoutError (naming the missing ranks,
+  found by that same exchange once its deadline passed) to the caller, and the group is then unusable:
+  its next use, or the interpreter's exit, calls MPI_Abort saying why.
 - Signature check (on by default): before data moves, the ranks agree on (kind, dtype, count, root, op,
   scaling factors, sequence number) with one small float64 SUM-allreduce, the same MPI call on every
   rank (a persistent one with MPI 4; see `check_signatures` in mpi.check); on disagreement every rank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -39,11 +40,14 @@ from axonml_distributed.mpi.check import (
 )
 from axonml_distributed.mpi.plans import Call
 from axonml_distributed.mpi.queue import (
+    MonitorExpired,
     MpiWork,
     OpQueue,
     abort_job,
     abort_mpi,
     await_peers,
+    missing_peers,
+    never_arrived,
     tag_ub,
     wait_until,
 )
@@ -243,16 +247,48 @@ class MpiProcessGroup:
         self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
         """A barrier that waits at most `timeout` (seconds or a timedelta; None: the group's timeout),
-        as the native groups': a member that does not arrive in time is named, with every other
-        missing one (whatever `wait_all_ranks`), by the members that did, and the job is aborted (MPI
-        cannot cancel what the missing ranks would match later). Every member exchanges an empty
-        message with every other on the reserved tag, so each knows itself who is missing."""
+        as the native groups': it is the group's barrier (it meets a plain `barrier` of another member,
+        and, with the signature check on, a member calling anything else makes every member raise
+        CollectiveMismatchError), and a member that does not arrive in time is named, with every
+        other missing one (whatever `wait_all_ranks`), by the members that did: they raise
+        CollectiveTimeoutError to their caller, within twice `timeout`.
+
+        MPI cannot cancel the barrier that the missing ranks would still match, so the group is then
+        unusable: its next use, or the end of the interpreter if it is never used again, aborts the
+        job (MPI_Abort) saying why. To name the missing, the members that arrived exchange an empty
+        message with every other on the reserved tag once the deadline passed, and wait for each other
+        for up to `timeout` more."""
         seconds = self._timeout if timeout is None else checked_timeout(timeout)
         queue = self._member_queue("monitored_barrier")
-        peers = {i: r for i, r in enumerate(self._ranks) if r != self._rank}
-        describe = f"monitored_barrier in MPI group {self._ranks}"
         with queue.lock:
-            await_peers(queue.comm, peers, seconds, describe, self._ranks)
+            queue.monitor_deadline = time.monotonic() + seconds
+            try:
+                self._issue(queue, "barrier", plans.barrier, False)
+                return
+            except MonitorExpired:
+                pass
+            finally:
+                queue.monitor_deadline = None
+            describe = f"monitored_barrier in MPI group {self._ranks}"
+            peers = {i: r for i, r in enumerate(self._ranks) if r != self._rank}
+            missing = missing_peers(queue.comm, peers, seconds, describe)
+            if missing:
+                error = never_arrived(describe, seconds, missing, self._ranks)
+            else:  # every member came, too late for this one's deadline
+                error = CollectiveTimeoutError(f"{describe} did not complete within {seconds:g} s")
+            self._poison(queue, f"{type(error).__name__}: {error}")
+        raise error
+
+    def _poison(self, queue: OpQueue, why: str) -> None:
+        """Leave the group unusable after an operation left pending (`why`): its next use aborts the job,
+        and so does the end of the interpreter."""
+        queue.poisoned = why
+        atexit.register(
+            abort_mpi,
+            MPI.COMM_WORLD,
+            f"axonml_distributed: exiting with MPI group {self._ranks} unusable ({why}); aborting the MPI "
+            "job, as MPI cannot cancel the operation the other ranks may still be waiting in",
+        )
 
     def all_to_all(self, send: Buf, recv: Buf, *, async_op: bool = False) -> MpiWork | None:
         send, recv = numpy_view(send), numpy_view(recv)
@@ -492,9 +528,17 @@ class MpiProcessGroup:
         return self._describe("all_reduce", self._member_queue("all_reduce").seq)
 
     def _member_queue(self, what: str) -> OpQueue:
-        if self._queue is None:
+        queue = self._queue
+        if queue is None:
             raise ValueError(f"{what}: rank {self._rank} is not a member of MPI group {self._ranks}")
-        return self._queue
+        if queue.poisoned is not None:
+            abort_mpi(
+                MPI.COMM_WORLD,
+                f"axonml_distributed: {what} called on MPI group {self._ranks}, unusable since "
+                f"{queue.poisoned}; aborting the MPI job, as MPI cannot cancel the operation the other "
+                "ranks may still be waiting in",
+            )
+        return queue
 
     def _peer(self, rank: int, tag: int, what: str) -> int:
         """The group index of `rank`, a peer the core accepted, once `tag` is one MPI can carry."""

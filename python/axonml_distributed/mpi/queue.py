@@ -87,9 +87,17 @@ def await_peers(
     abort the job with a CollectiveTimeoutError naming those that did not within `timeout` seconds.
 
     For the collectives that have no non-blocking form with a deadline (creating a communicator): once
-    every rank is known to be there, they complete at once. Each rank exchanges an empty message with
-    every peer on the reserved tag, so every rank learns itself who is missing; every message is
-    received before this returns, so none is left behind for the application to match."""
+    every rank is known to be there, they complete at once."""
+    missing = missing_peers(comm, peers, timeout, describe)
+    if missing:
+        raise abort_job(comm, never_arrived(describe, timeout, missing, group))
+
+
+def missing_peers(comm: MPI.Intracomm, peers: dict[int, int], timeout: float, describe: str) -> list[int]:
+    """The global ranks of the `peers` (rank in `comm` -> global rank) that did not make this same call
+    within `timeout` seconds. Each rank exchanges an empty message with every peer on the reserved tag,
+    so every rank learns itself who is missing; when none is, every message was received, so none is
+    left behind for the application to match."""
     tag = tag_ub()
     empty = bytearray(0)
     recvs = {peer: comm.Irecv([empty, MPI.BYTE], peer, tag) for peer in peers}
@@ -101,7 +109,7 @@ def await_peers(
             recvs = {peer: req for peer, req in recvs.items() if not req.Test()}
             sends = {peer: req for peer, req in sends.items() if not req.Test()}
             if not recvs and not sends:
-                return
+                return []
             now = time.monotonic()
             if now >= deadline:
                 break
@@ -110,12 +118,20 @@ def await_peers(
     except MPI.Exception as exc:
         raise mpi_error(describe, exc) from exc
     # A peer that arrived has received this rank's message too, unless its MPI is stuck.
-    missing = sorted(peers[peer] for peer in recvs or sends)
-    error = CollectiveTimeoutError(
+    return sorted(peers[peer] for peer in recvs or sends)
+
+
+def never_arrived(
+    describe: str, timeout: float, missing: list[int], group: list[int]
+) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
         f"{describe}: rank {MPI.COMM_WORLD.Get_rank()} waited {timeout:g} s, but rank(s) {missing} of "
         f"group {group} never arrived (they are hung, dead, or never made this call)"
     )
-    raise abort_job(comm, error)
+
+
+class MonitorExpired(Exception):
+    """A wait under `OpQueue.monitor_deadline` passed it (`monitored_barrier` then names who is missing)."""
 
 
 # How long the launcher gets to end the job after MPI_Abort before this rank exits by itself: MPICH's
@@ -218,6 +234,10 @@ class OpQueue:
         self._pending: deque[MpiWork] = deque()
         # The signature check's buffers and MPI request (see `check_signatures`); None without the check.
         self.check = check
+        # While set (time.monotonic), waits end there and raise MonitorExpired instead of aborting the job.
+        self.monitor_deadline: float | None = None
+        # Why the group cannot be used any more: an operation MPI cannot cancel was left pending.
+        self.poisoned: str | None = None
 
     def run(
         self,
@@ -257,18 +277,18 @@ class OpQueue:
         signature check), or abort the job at the deadline."""
         try:
             # One Test before reading the clock: small operations are often complete already.
-            done = req.Test(status) or wait_until(req, time.monotonic() + self.timeout, nbytes, status)
+            done = req.Test(status) or wait_until(req, self._deadline(), nbytes, status)
         except MPI.Exception as exc:
             raise mpi_error(describe(), exc) from exc
         if not done:
-            raise abort_job(self.comm, self._timeout_error(describe()))
+            raise self._expired(describe())
 
     def complete(self, work: MpiWork, block: bool) -> None:
         with self.lock:
             self._complete(work, block)
 
     def _complete(self, work: MpiWork, block: bool) -> None:
-        deadline = time.monotonic() + self.timeout
+        deadline = self._deadline()
         while not work.done:
             front = self._pending[0]
             try:
@@ -285,9 +305,19 @@ class OpQueue:
             if not finished:
                 if not block:
                     return
-                raise abort_job(self.comm, self._timeout_error(front.describe()))
+                raise self._expired(front.describe())
             self._pending.popleft()
             front.done, front.buffers = True, None
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout if self.monitor_deadline is None else self.monitor_deadline
+
+    def _expired(self, describe: str) -> Exception:
+        """What a wait that passed its deadline raises: MonitorExpired under a monitored barrier, else the
+        timeout error, once the job is aborted."""
+        if self.monitor_deadline is not None:
+            return MonitorExpired()
+        return abort_job(self.comm, self._timeout_error(describe))
 
     def _timeout_error(self, describe: str) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
