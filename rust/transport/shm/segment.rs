@@ -205,23 +205,7 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
         let m = map(&fd, layout.total, name)?;
         // SAFETY: the fresh file is zero-filled (so every atomic starts at 0), and no one else can open
         // it before we send its name; the header fits in the first page.
-        unsafe {
-            let h = m.base().cast::<Header>();
-            (*h).magic = MAGIC;
-            (*h).version = VERSION;
-            (*h).world = layout.params.world as u32;
-            (*h).uid = rustix::process::geteuid().as_raw();
-            (*h).creator = rustix::process::getpid().as_raw_nonzero().get() as u32;
-            (*h).nonce = nonce;
-            (*h).total = layout.total as u64;
-            (*h).shape = Layout::shape_hash();
-            (*h).chunk = layout.params.chunk as u64;
-            (*h).small = layout.params.small as u64;
-            (*h).arena = layout.params.arena as u64;
-            (*h).cell = layout.params.cell as u64;
-            (*h).pool = layout.params.pool as u64;
-            (*h).abort_peer.store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
-        }
+        unsafe { (*m.base().cast::<Header>()).init(layout, nonce) };
         Ok(m)
     })();
     if made.is_err() {
@@ -294,19 +278,8 @@ mod tests {
     use super::*;
 
     fn header_for(layout: &Layout, nonce: [u8; 16]) -> Box<Header> {
-        // SAFETY: all-zero is a valid Header (integers, atomics, byte arrays).
-        let mut h: Box<Header> = Box::new(unsafe { std::mem::zeroed() });
-        h.magic = MAGIC;
-        h.version = VERSION;
-        h.world = layout.params.world as u32;
-        h.nonce = nonce;
-        h.total = layout.total as u64;
-        h.shape = Layout::shape_hash();
-        h.chunk = layout.params.chunk as u64;
-        h.small = layout.params.small as u64;
-        h.arena = layout.params.arena as u64;
-        h.cell = layout.params.cell as u64;
-        h.pool = layout.params.pool as u64;
+        let mut h = Header::zeroed();
+        h.init(layout, nonce);
         h
     }
 

@@ -44,16 +44,22 @@ impl SegmentToken {
 
     /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
     pub fn token(&self) -> String {
-        let hex: String = self.nonce.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{} {hex} {}", self.name, self.world)
+        token(&self.name, self.nonce, self.world)
     }
 }
 
+/// The token of segment `name` with `nonce` for `world` ranks.
+pub(crate) fn token(name: &str, nonce: [u8; 16], world: usize) -> String {
+    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{name} {hex} {world}")
+}
+
 /// Parse a token from the store: it came through a channel others may write, so check everything.
-fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
+pub(crate) fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
     let bad = || Error::invalid(format!("malformed shared-memory token {token:?} in the store"));
     let mut parts = token.split(' ');
-    let (Some(name), Some(hex), Some(n), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(name), Some(hex), Some(digits), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return Err(bad());
     };
@@ -67,7 +73,7 @@ fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
     for (i, b) in nonce.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
     }
-    let n: usize = n.parse().map_err(|_| bad())?;
+    let n: usize = digits.parse().map_err(|_| bad())?;
     if n != world {
         return Err(Error::invalid(format!(
             "this rank was started with world_size {world}, but rank 0 created the world for {n}"
