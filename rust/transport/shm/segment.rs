@@ -141,9 +141,13 @@ pub fn name_for(suffix: &str) -> String {
     format!("{PREFIX}{}-{suffix}", rustix::process::geteuid().as_raw())
 }
 
-/// Whether a name received from a peer or a store may be a segment's: never a path elsewhere.
+/// Whether a name received from a peer or a store may be a segment's: [`PREFIX`] and then only what
+/// [`name_for`] writes (a uid, a job id or hex: letters, digits, '-', '_'), so never a path elsewhere.
 pub(crate) fn plausible_name(name: &str) -> bool {
-    name.starts_with(PREFIX) && !name[1..].contains('/') && name.len() < 250
+    name.len() < 250
+        && name.strip_prefix(PREFIX).is_some_and(|rest| {
+            !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 /// A random segment name: it keeps a job's segment apart from other jobs of the same user (the
@@ -281,6 +285,25 @@ mod tests {
         let mut h = Header::zeroed();
         h.init(layout, nonce);
         h
+    }
+
+    /// Names from peers and stores are what `name_for` writes: no path, no control or other characters
+    /// (a NUL, a newline or a dot used to pass as long as no '/' followed the first).
+    #[test]
+    fn plausible_names_are_what_name_for_writes() {
+        assert!(plausible_name(&name_for("job-1_a")) && plausible_name(&random_name().unwrap()));
+        for bad in [
+            "/axonml-",
+            "axonml-1-x",
+            "/axonml-1/x",
+            "/axonml-1-\0",
+            "/axonml-1-x\n",
+            "/axonml-..",
+            "/axonml-é",
+        ] {
+            assert!(!plausible_name(bad), "{bad:?}");
+        }
+        assert!(!plausible_name(&format!("{PREFIX}{}", "a".repeat(250))));
     }
 
     #[test]
