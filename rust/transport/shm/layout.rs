@@ -237,7 +237,7 @@ impl Header {
     }
 
     /// A header of zeros, off the segment (for tests, and for reading one from bytes).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn zeroed() -> Box<Header> {
         // SAFETY: every bit pattern, zeros included, is a valid Header (integers, atomics, byte arrays).
         Box::new(unsafe { std::mem::zeroed() })
