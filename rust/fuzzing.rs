@@ -14,7 +14,7 @@ use crate::algo::layout::{words, Fault, Plan};
 use crate::engine::wire;
 use crate::error::Error;
 use crate::signature::{CollKind, Signature};
-use crate::transport::shm::parsers::{self as p, Header, Layout};
+use crate::transport::shm::parsers::{self as p, Header, Layout, Params};
 
 #[cfg(test)]
 mod tests;
@@ -79,10 +79,45 @@ pub fn token(data: &[u8]) {
     }
 }
 
-/// A segment's header as `segment::attach` checks it: `data` is the attaching rank's world size (one
-/// byte), the file's size (8 bytes), the nonce the rank was given (16), then the header's bytes.
+/// What [`segment_header`] reads for a valid segment of `world` ranks with `arena` bytes each (and
+/// `chunk`, when given): the attaching rank's world size (one byte), the file's size (8 bytes), the
+/// nonce the rank was given (16), then the header's bytes. `None` when a creator refuses them.
+pub(crate) fn valid_header(
+    world: usize,
+    arena: usize,
+    chunk: Option<usize>,
+    nonce: [u8; 16],
+) -> Option<Vec<u8>> {
+    let mut params = Params::new(world, arena);
+    params.chunk = chunk.unwrap_or(params.chunk);
+    let layout = Layout::new(params).ok()?;
+    let mut h = Header::zeroed();
+    h.init(&layout, nonce);
+    // SAFETY: the header is plain bytes to read (integers, atomics, byte arrays).
+    let bytes =
+        unsafe { std::slice::from_raw_parts((&*h as *const Header).cast::<u8>(), size_of::<Header>()) };
+    Some([&[world as u8][..], &(layout.total as u64).to_le_bytes(), &nonce, bytes].concat())
+}
+
+/// A segment's header as `segment::attach` checks it. `data` starts with a mode byte: when odd, the
+/// next three bytes choose a valid segment ([`valid_header`]: world size, arena pages) and the rest
+/// of `data` flips its bits (XOR), so the fuzzer starts from headers that pass; when even, the rest
+/// is what `valid_header` describes.
 pub fn segment_header(data: &[u8]) {
-    let mut d = data;
+    let Some((&mode, rest)) = data.split_first() else { return };
+    let flipped;
+    let mut d = if mode & 1 == 1 {
+        let mut r = rest;
+        let [w, a0, a1] = take::<3>(&mut r);
+        let pages = usize::from(u16::from_le_bytes([a0, a1]));
+        let base = valid_header(1 + usize::from(w) % p::MAX_RANKS, pages * 4096, None, [7; 16])
+            .expect("default parameters make a layout");
+        flipped =
+            base.iter().zip(r.iter().chain(std::iter::repeat(&0))).map(|(b, x)| b ^ x).collect::<Vec<u8>>();
+        &flipped[..]
+    } else {
+        rest
+    };
     let world = usize::from(take::<1>(&mut d)[0]);
     let size = word(&mut d);
     let nonce = take::<16>(&mut d);

@@ -48,9 +48,7 @@ mod tests;
 pub(crate) mod parsers {
     pub(crate) use super::auth::{Hello, HELLO};
     pub(crate) use super::handshake::{answer, frame, frame_head, parse_answer, MAX_BODY};
-    #[cfg(test)]
-    pub(crate) use super::layout::Params;
-    pub(crate) use super::layout::{Header, Layout, MAX_RANKS};
+    pub(crate) use super::layout::{Header, Layout, Params, MAX_RANKS};
     pub(crate) use super::p2p::Head;
     pub(crate) use super::segment::{plausible_name, validate};
     pub(crate) use super::store_join::{parse as parse_token, token};
