@@ -43,6 +43,9 @@ pub mod config;
 pub mod dtype;
 mod engine;
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 pub mod reduce;
 pub mod signature;

@@ -16,8 +16,13 @@ pub(crate) fn encode(s: &Signature) -> [u64; WORDS] {
     [s.seq, s.count, s.root.map_or(NONE, u64::from), codes, pre, post]
 }
 
+/// The signature `w` encodes, if it is one: exactly the words [`encode`] writes, so two pages that
+/// decode alike hold the same words (a corrupted bit never passes for the call it was).
 pub(crate) fn decode(w: [u64; WORDS]) -> Option<Signature> {
     let [seq, count, root, codes, pre, post] = w;
+    if codes >> 24 != 0 {
+        return None;
+    }
     let byte = |shift: u32| (codes >> shift) as u8;
     let opt = |code: u8| (code != 0).then_some(code);
     let root = match root {
@@ -63,5 +68,20 @@ mod tests {
         assert_eq!(decode([1, 1, NONE, 99, one, one]), None);
         assert_eq!(decode([1, 1, NONE, 1 | 99 << 8, one, one]), None);
         assert_eq!(decode([1, 1, 1 << 40, 1, one, one]), None);
+    }
+
+    /// Found by `fuzzing::signature`: bits above the three codes were ignored, so a page whose code word
+    /// was corrupted there decoded as the very call it had been (and compared equal to it).
+    #[test]
+    fn codes_with_stray_high_bits_are_refused() {
+        let s = Signature::new(CollKind::AllReduce, 3, 8).dtype(DType::F32).op(ReduceOp::Sum);
+        let mut w = encode(&s);
+        w[3] |= 1 << 24;
+        assert_eq!(decode(w), None);
+        w[3] = encode(&s)[3] | 1 << 63;
+        assert_eq!(decode(w), None);
+        // libFuzzer's input: all_to_all_single, dtype 13, op 1, and 0x24 above them.
+        assert_eq!(decode([u64::MAX, u64::MAX, NONE, 0x2401_0d0a, 0, 0]), None);
+        assert!(decode([u64::MAX, u64::MAX, NONE, 0x01_0d0a, 0, 0]).is_some());
     }
 }

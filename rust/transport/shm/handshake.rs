@@ -65,12 +65,27 @@ pub(super) fn read_full(
     Ok(())
 }
 
-pub(super) fn send_frame(s: &mut TcpStream, status: u8, body: &[u8]) -> std::io::Result<()> {
-    let len = u16::try_from(body.len()).unwrap_or(u16::MAX);
+/// Longest frame body: its length travels in 16 bits, so whatever a peer says, a frame costs at most
+/// 64 KiB.
+pub(crate) const MAX_BODY: usize = u16::MAX as usize;
+
+/// A frame: status, body length (16 bits, little endian), body. A longer body is cut at [`MAX_BODY`]
+/// (only a refusal's text could be that long).
+pub(crate) fn frame(status: u8, body: &[u8]) -> Vec<u8> {
+    let body = &body[..body.len().min(MAX_BODY)];
     let mut msg = vec![status];
-    msg.extend_from_slice(&len.to_le_bytes());
-    msg.extend_from_slice(&body[..len as usize]);
-    s.write_all(&msg)
+    msg.extend_from_slice(&(body.len() as u16).to_le_bytes());
+    msg.extend_from_slice(body);
+    msg
+}
+
+/// The status and body length (at most [`MAX_BODY`]) that a frame's first three bytes announce.
+pub(crate) fn frame_head(head: [u8; 3]) -> (u8, usize) {
+    (head[0], usize::from(u16::from_le_bytes([head[1], head[2]])))
+}
+
+pub(super) fn send_frame(s: &mut TcpStream, status: u8, body: &[u8]) -> std::io::Result<()> {
+    s.write_all(&frame(status, body))
 }
 
 pub(super) fn read_frame(
@@ -80,9 +95,26 @@ pub(super) fn read_frame(
 ) -> std::result::Result<(u8, Vec<u8>), Cut> {
     let mut head = [0u8; 3];
     read_full(s, &mut head, deadline, watch)?;
-    let mut body = vec![0u8; u16::from_le_bytes([head[1], head[2]]) as usize];
+    let (status, len) = frame_head(head);
+    let mut body = vec![0u8; len];
     read_full(s, &mut body, deadline, watch)?;
-    Ok((head[0], body))
+    Ok((status, body))
+}
+
+/// Rank 0's answer to an admitted rank: the segment's name, then its session nonce.
+pub(crate) fn answer(name: &str, nonce: [u8; 16]) -> Vec<u8> {
+    [name.as_bytes(), &nonce].concat()
+}
+
+/// The segment name and nonce of rank 0's [`answer`], or a clear error for anything else.
+pub(crate) fn parse_answer(body: &[u8]) -> Result<(String, [u8; 16])> {
+    let malformed = || Error::invalid("rendezvous: malformed answer from rank 0");
+    let split = body.len().checked_sub(16).ok_or_else(malformed)?;
+    let name = std::str::from_utf8(&body[..split]).map_err(|_| malformed())?;
+    if !segment::plausible_name(name) {
+        return Err(malformed());
+    }
+    Ok((name.to_string(), body[split..].try_into().expect("16 bytes")))
 }
 
 /// What rank 0's connection threads share with it.
@@ -217,10 +249,5 @@ pub(super) fn knock(
         let why = String::from_utf8_lossy(&body);
         return Err(Cut::Stop(Error::invalid(format!("rendezvous refused by rank 0: {why}"))));
     }
-    let split = body.len().checked_sub(16).ok_or(Cut::Lost)?;
-    let name = std::str::from_utf8(&body[..split]).map_err(|_| Cut::Lost)?;
-    if !segment::plausible_name(name) {
-        return Err(Cut::Stop(Error::invalid("rendezvous: malformed answer from rank 0")));
-    }
-    Ok((name.to_string(), body[split..].try_into().expect("16 bytes")))
+    parse_answer(&body).map_err(Cut::Stop)
 }

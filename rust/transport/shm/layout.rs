@@ -216,6 +216,34 @@ pub(crate) struct Header {
     pub probes: [AtomicU64; MAX_RANKS],
 }
 
+impl Header {
+    /// Write what the creator writes once, before anyone else can open the segment, into a zeroed
+    /// header.
+    pub(crate) fn init(&mut self, layout: &Layout, nonce: [u8; 16]) {
+        self.magic = MAGIC;
+        self.version = VERSION;
+        self.world = layout.params.world as u32;
+        self.uid = rustix::process::geteuid().as_raw();
+        self.creator = rustix::process::getpid().as_raw_nonzero().get() as u32;
+        self.nonce = nonce;
+        self.total = layout.total as u64;
+        self.shape = Layout::shape_hash();
+        self.chunk = layout.params.chunk as u64;
+        self.small = layout.params.small as u64;
+        self.arena = layout.params.arena as u64;
+        self.cell = layout.params.cell as u64;
+        self.pool = layout.params.pool as u64;
+        self.abort_peer.store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A header of zeros, off the segment (for tests, and for reading one from bytes).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn zeroed() -> Box<Header> {
+        // SAFETY: every bit pattern, zeros included, is a valid Header (integers, atomics, byte arrays).
+        Box::new(unsafe { std::mem::zeroed() })
+    }
+}
+
 /// `CommHead::state` of a slot no communicator uses.
 pub(crate) const FREE: u32 = 0;
 /// `CommHead::state` of a slot bound to a communicator.

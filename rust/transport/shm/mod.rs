@@ -44,6 +44,17 @@ mod store_join;
 #[cfg(test)]
 mod tests;
 
+/// The parsers of what peers, stores and files say, for the fuzz entry points (`crate::fuzzing`).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) mod parsers {
+    pub(crate) use super::auth::{Hello, HELLO};
+    pub(crate) use super::handshake::{answer, frame, frame_head, parse_answer, MAX_BODY};
+    pub(crate) use super::layout::{Header, Layout, Params, MAX_RANKS};
+    pub(crate) use super::p2p::Head;
+    pub(crate) use super::segment::{plausible_name, validate};
+    pub(crate) use super::store_join::{parse as parse_token, token};
+}
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -29,6 +29,33 @@ use crate::sync::lock;
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;
 
+/// What travels at the front of a message's first chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Head {
+    pub tag: u64,
+    pub dtype: DType,
+    /// Elements.
+    pub count: u64,
+    /// The message's number on its channel (1, 2, ...).
+    pub number: u64,
+}
+
+impl Head {
+    pub(crate) fn words(&self) -> [u64; 4] {
+        [self.tag, self.dtype as u64, self.count, self.number]
+    }
+
+    /// The header a peer posted as message `m` of a channel, with the message's length in bytes; `None`
+    /// when the words are not one (a corrupted segment): an unknown dtype, another number, or a length
+    /// that does not fit in memory.
+    pub(crate) fn read(w: [u64; 4], m: u64) -> Option<(Head, usize)> {
+        let [tag, code, count, number] = w;
+        let dtype = u8::try_from(code).ok().and_then(DType::from_code).filter(|_| number == m)?;
+        let bytes = usize::try_from(count).ok()?.checked_mul(dtype.size())?;
+        Some((Head { tag, dtype, count, number }, bytes))
+    }
+}
+
 /// Chunks taken by a message of `bytes` bytes with cells of `cell` bytes.
 fn chunks(bytes: usize, cell: usize) -> u64 {
     (HEADER + bytes).div_ceil(cell) as u64
@@ -49,7 +76,7 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> 
     let refusal = || call::refused(w.rank, op);
     let cell = w.layout.params.cell;
     let data = buf.bytes();
-    let header = [tag, buf.dtype() as u64, buf.len() as u64, m];
+    let header = Head { tag, dtype: buf.dtype(), count: buf.len() as u64, number: m }.words();
     let mut sent = 0;
     let mut first = true;
     while first || sent < data.len() {
@@ -90,15 +117,8 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> 
 /// length.
 pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
     let mut st = lock(&w.recvs[src]);
-    let mismatch = |count: u64, dtype: u64| {
-        let what =
-            DType::from_code(dtype as u8).map_or_else(|| format!("dtype code {dtype}"), |d| d.to_string());
-        call::wrong_message(w.rank, op, count, &what, src)
-    };
-    let fits = |count: u64, dtype: u64| {
-        DType::from_code(dtype as u8).filter(|_| dtype < 256) == Some(buf.dtype())
-            && count == buf.len() as u64
-    };
+    let mismatch = |count: u64, dtype: DType| call::wrong_message(w.rank, op, count, &dtype, src);
+    let fits = |count: u64, dtype: DType| dtype == buf.dtype() && count == buf.len() as u64;
     if let Some((dtype, count, data)) = st.early.get_mut(&tag).and_then(|q| q.pop_front()) {
         w.early_bytes.fetch_sub(data.len(), AcqRel);
         if !fits(count, dtype) {
@@ -127,11 +147,7 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64, op: &s
                 HEADER,
             )
         };
-        let [got, dtype, count, number] = header;
-        let bytes = DType::from_code(dtype as u8)
-            .filter(|_| dtype < 256 && number == m)
-            .and_then(|d| usize::try_from(count).ok()?.checked_mul(d.size()));
-        let Some(bytes) = bytes else {
+        let Some((Head { tag: got, dtype, count, .. }, bytes)) = Head::read(header, m) else {
             return Err(Error::invalid(format!(
                 "rank {}: {op}: rank {src} posted an unreadable message (corrupted segment?)",
                 w.rank

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::handshake::{greet, interrupted, knock, read_frame, send_frame, Cut, Door, Knock, FAILED, OK};
+use super::handshake::{
+    answer, greet, interrupted, knock, read_frame, send_frame, Cut, Door, Knock, FAILED, OK,
+};
 use super::layout::{check_member, Layout, Params};
 use super::liveness::Liveness;
 use super::segment::{self, Mapping};
@@ -122,13 +124,11 @@ fn serve(opts: &ShmOptions, deadline: Instant) -> Result<Joined> {
         None => segment::create_random(&layout, nonce)?,
     };
     register(&mapping, 0);
-    let mut answer = name.as_bytes().to_vec();
-    answer.extend_from_slice(&nonce);
     let door = Arc::new(Door {
         secret: opts.secret.clone(),
         world: n,
         uid: rustix::process::geteuid().as_raw(),
-        answer,
+        answer: answer(&name, nonce),
         taken: AtomicU64::new(1),
         open: AtomicBool::new(true),
         pending: AtomicUsize::new(0),

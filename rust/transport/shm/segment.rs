@@ -141,9 +141,13 @@ pub fn name_for(suffix: &str) -> String {
     format!("{PREFIX}{}-{suffix}", rustix::process::geteuid().as_raw())
 }
 
-/// Whether a name received from a peer or a store may be a segment's: never a path elsewhere.
+/// Whether a name received from a peer or a store may be a segment's: [`PREFIX`] and then only what
+/// [`name_for`] writes (a uid, a job id or hex: letters, digits, '-', '_'), so never a path elsewhere.
 pub(crate) fn plausible_name(name: &str) -> bool {
-    name.starts_with(PREFIX) && !name[1..].contains('/') && name.len() < 250
+    name.len() < 250
+        && name.strip_prefix(PREFIX).is_some_and(|rest| {
+            !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 /// A random segment name: it keeps a job's segment apart from other jobs of the same user (the
@@ -205,23 +209,7 @@ pub(crate) fn create(name: &str, layout: &Layout, nonce: [u8; 16]) -> Result<Map
         let m = map(&fd, layout.total, name)?;
         // SAFETY: the fresh file is zero-filled (so every atomic starts at 0), and no one else can open
         // it before we send its name; the header fits in the first page.
-        unsafe {
-            let h = m.base().cast::<Header>();
-            (*h).magic = MAGIC;
-            (*h).version = VERSION;
-            (*h).world = layout.params.world as u32;
-            (*h).uid = rustix::process::geteuid().as_raw();
-            (*h).creator = rustix::process::getpid().as_raw_nonzero().get() as u32;
-            (*h).nonce = nonce;
-            (*h).total = layout.total as u64;
-            (*h).shape = Layout::shape_hash();
-            (*h).chunk = layout.params.chunk as u64;
-            (*h).small = layout.params.small as u64;
-            (*h).arena = layout.params.arena as u64;
-            (*h).cell = layout.params.cell as u64;
-            (*h).pool = layout.params.pool as u64;
-            (*h).abort_peer.store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
-        }
+        unsafe { (*m.base().cast::<Header>()).init(layout, nonce) };
         Ok(m)
     })();
     if made.is_err() {
@@ -294,20 +282,28 @@ mod tests {
     use super::*;
 
     fn header_for(layout: &Layout, nonce: [u8; 16]) -> Box<Header> {
-        // SAFETY: all-zero is a valid Header (integers, atomics, byte arrays).
-        let mut h: Box<Header> = Box::new(unsafe { std::mem::zeroed() });
-        h.magic = MAGIC;
-        h.version = VERSION;
-        h.world = layout.params.world as u32;
-        h.nonce = nonce;
-        h.total = layout.total as u64;
-        h.shape = Layout::shape_hash();
-        h.chunk = layout.params.chunk as u64;
-        h.small = layout.params.small as u64;
-        h.arena = layout.params.arena as u64;
-        h.cell = layout.params.cell as u64;
-        h.pool = layout.params.pool as u64;
+        let mut h = Header::zeroed();
+        h.init(layout, nonce);
         h
+    }
+
+    /// Names from peers and stores are what `name_for` writes: no path, no control or other characters
+    /// (a NUL, a newline or a dot used to pass as long as no '/' followed the first).
+    #[test]
+    fn plausible_names_are_what_name_for_writes() {
+        assert!(plausible_name(&name_for("job-1_a")) && plausible_name(&random_name().unwrap()));
+        for bad in [
+            "/axonml-",
+            "axonml-1-x",
+            "/axonml-1/x",
+            "/axonml-1-\0",
+            "/axonml-1-x\n",
+            "/axonml-..",
+            "/axonml-é",
+        ] {
+            assert!(!plausible_name(bad), "{bad:?}");
+        }
+        assert!(!plausible_name(&format!("{PREFIX}{}", "a".repeat(250))));
     }
 
     #[test]

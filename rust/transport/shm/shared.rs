@@ -14,6 +14,7 @@ use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
 use crate::algo::cma::Policy;
+use crate::dtype::DType;
 use crate::engine::{Ctrl, Splits};
 use crate::error::Result;
 
@@ -23,8 +24,8 @@ pub(crate) struct ChanState {
     pub msgs: u64,
     pub chunks: u64,
     /// Receive side: messages taken off the channel before a recv asked for their tag, per tag in
-    /// arrival order: (dtype code, count, bytes).
-    pub early: HashMap<u64, VecDeque<(u64, u64, Vec<u8>)>>,
+    /// arrival order: (dtype, count, bytes).
+    pub early: HashMap<u64, VecDeque<(DType, u64, Vec<u8>)>>,
 }
 
 /// The shared-memory world as one rank's process sees it, shared by all of this rank's handles.

@@ -44,30 +44,38 @@ impl SegmentToken {
 
     /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
     pub fn token(&self) -> String {
-        let hex: String = self.nonce.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{} {hex} {}", self.name, self.world)
+        token(&self.name, self.nonce, self.world)
     }
 }
 
+/// The token of segment `name` with `nonce` for `world` ranks.
+pub(crate) fn token(name: &str, nonce: [u8; 16], world: usize) -> String {
+    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{name} {hex} {world}")
+}
+
 /// Parse a token from the store: it came through a channel others may write, so check everything.
-fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
+/// Only what [`token`] writes is accepted (lower-case hex, a plain decimal world size).
+pub(crate) fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
     let bad = || Error::invalid(format!("malformed shared-memory token {token:?} in the store"));
     let mut parts = token.split(' ');
-    let (Some(name), Some(hex), Some(n), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(name), Some(hex), Some(digits), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return Err(bad());
     };
     if !segment::plausible_name(name) {
         return Err(bad());
     }
-    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if hex.len() != 32 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return Err(bad());
     }
     let mut nonce = [0u8; 16];
     for (i, b) in nonce.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
     }
-    let n: usize = n.parse().map_err(|_| bad())?;
+    // `parse` also takes "+2" and "02": not what `token` writes.
+    let n: usize = digits.parse().ok().filter(|n: &usize| n.to_string() == digits).ok_or_else(bad)?;
     if n != world {
         return Err(Error::invalid(format!(
             "this rank was started with world_size {world}, but rank 0 created the world for {n}"
@@ -147,6 +155,23 @@ mod tests {
         ] {
             assert!(parse(&bad, 2).is_err(), "{bad:?}");
         }
+    }
+
+    /// Found by `fuzzing::token`: tokens `token` never writes (upper-case hex, "+2", "02") were taken.
+    #[test]
+    fn only_canonical_tokens_are_taken() {
+        let hex = "0a".repeat(16);
+        assert!(parse(&format!("/axonml-1-x {hex} 2"), 2).is_ok());
+        for bad in [
+            format!("/axonml-1-x {} 2", "0A".repeat(16)),
+            format!("/axonml-1-x {hex} +2"),
+            format!("/axonml-1-x {hex} 02"),
+        ] {
+            assert!(parse(&bad, 2).is_err(), "{bad:?}");
+        }
+        // libFuzzer's input (one upper-case digit).
+        assert!(parse("/axonml-l2511 eeeeeeeeee5eeeeE5eeeeeee1eeee1ee 0", 0).is_err());
+        assert!(parse("/axonml-l2511 eeeeeeeeee5eeeee5eeeeeee1eeee1ee 0", 0).is_ok());
     }
 
     #[test]
