@@ -1,7 +1,8 @@
 //! Validation of one collective call, shared by every backend: checks the caller's buffers and
 //! arguments and turns them into a [`Call`] (signature plus the addresses to publish). Bad input fails
-//! here, before any peer is involved or any byte is written; only a reduction its dtype does not take
-//! is refused later, where every member refuses alike ([`supported`]).
+//! here, before any peer is involved or any byte is written, and aborts the world; only a reduction its
+//! dtype does not take is refused without an abort, so that members asking it alike all go on
+//! ([`supported`]).
 
 use std::time::Duration;
 
@@ -282,10 +283,10 @@ fn need_len(what: &str, got: usize, want: usize, why: &str) -> Result<()> {
 }
 
 /// Fails when the reduction of `sig` is not defined for its dtype (`ReduceOp::check`, `Scale::check`).
-/// Not one of a call's own checks, whose failure aborts the world: the engine applies it once every
-/// member's signature agrees, so a pair every member asks for alike is refused on every member and the
-/// world goes on (a rank refusing alone, before it arrives, would leave its peers waiting); the call
-/// check of the Python backends (`bindings::check`) applies it after the call's own checks.
+/// Not one of a call's own checks, whose failure aborts the world: the engine applies it before the
+/// member arrives and without an abort, so a pair every member asks for alike is refused on every
+/// member, at once, and the world goes on; the call check of the Python backends (`bindings::check`)
+/// applies it after the call's own checks.
 pub(crate) fn supported(sig: &Signature) -> Result<()> {
     match (sig.op, sig.dtype) {
         (Some(op), Some(dtype)) => {

@@ -8,8 +8,7 @@
 //!    (`algo::claims`), store `arrive = k` (with the core it runs on) and wake the communicator's event;
 //! 2. wait until every member's `arrive >= k`, then compare the signatures (and the layouts, which
 //!    make the plan of a pairwise collective, `algo::layout`): any difference aborts the world and
-//!    every member fails with the same mismatch, before any buffer is touched; a reduction the
-//!    agreed dtype does not take (`call::supported`) fails every member alike, without an abort;
+//!    every member fails with the same mismatch, before any buffer is touched;
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
 //!    (the same between processes, copied by the kernel, for calls that took less time that way
@@ -317,15 +316,17 @@ impl<S: Store> Engine<S> {
     /// Run one validated collective through the protocol in the module docs.
     fn execute(&self, call: Result<Call>) -> Result<()> {
         let call = call.map_err(|e| self.fail(e))?;
+        // A reduction its dtype does not take is refused here, before this member arrives and without
+        // an abort: every member that asks for it alike is refused alike, at once, and the world goes
+        // on (no member counted the call). A member asking alone is refused as well, and its next call
+        // meets its peers' call as a mismatch.
+        call::supported(&call.sig)?;
         let mut local = self.enter()?;
         let k = local.seq + 1;
         let mut sig = call.sig;
         sig.seq = k;
         let op = sig.to_string();
-        if let Err(e) = self.check_abort(&op, false) {
-            // Argument errors come first in an aborted world too, the refused reductions included.
-            return Err(call::supported(&sig).err().unwrap_or(e));
-        }
+        self.check_abort(&op, false)?;
         local.seq = k;
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
@@ -435,15 +436,10 @@ impl<S: Store> Engine<S> {
             calls.push((s.members()[j], sig));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            let mismatch = self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls });
-            // A member whose own reduction its dtype does not take is told so: that is its mistake,
-            // whatever its peers called.
-            return (Err(call::supported(sig).err().unwrap_or(mismatch)), After::Leave);
-        }
-        // A reduction its dtype does not take, asked by every member alike: refused on every member,
-        // before anything moves, and the world goes on (no abort: nobody is left waiting).
-        if let Err(e) = call::supported(sig) {
-            return (Err(e), After::Leave);
+            return (
+                Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })),
+                After::Leave,
+            );
         }
         let plan = match self.plan(call, sig, k, calls) {
             Ok(plan) => plan,
