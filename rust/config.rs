@@ -122,8 +122,9 @@ pub(crate) const STREAM_MIN: usize = 6 << 20;
 pub(crate) const CMA_DEATH_GRACE: Duration = Duration::from_millis(500);
 /// A rank that finds a peer dead waits at most this long for the peer's parent to reap it, which is
 /// when the kernel tells the exit status to the holders of its pidfd: `axonml-run` reaps a worker as
-/// it exits, torchrun's agent polls every 100 ms by default.
-pub(crate) const EXIT_STATUS_GRACE: Duration = Duration::from_millis(300);
+/// it exits, torchrun's agent polls every 100 ms by default; a second leaves room for a loaded host, and
+/// is spent only on the way to an error, after the world was aborted.
+pub(crate) const EXIT_STATUS_GRACE: Duration = Duration::from_secs(1);
 /// Bytes per send/recv cell of the shm world (two per ordered pair of ranks), up to 8 ranks.
 pub(crate) const SHM_CELL: usize = 64 << 10;
 

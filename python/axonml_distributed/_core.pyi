@@ -30,7 +30,8 @@ class CollectiveTimeoutError(DistributedError):
     """Some ranks never arrived before the timeout; the message names them. The world is aborted."""
 
 class PeerFailureError(DistributedError):
-    """A peer died, or the world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."""
+    """A peer died (the message gives its pid and exit code or signal, or why that is unknown), or the
+    world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."""
 
 @final
 class ReduceOp:

@@ -25,7 +25,8 @@ create_exception!(
     axonml_distributed,
     PeerFailureError,
     DistributedError,
-    "A peer died, or the world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."
+    "A peer died (the message gives its pid and exit code or signal, or why that is unknown), or the \
+     world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."
 );
 
 impl From<Error> for PyErr {
