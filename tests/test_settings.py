@@ -7,6 +7,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,8 @@ from axonml_distributed._core import ShmBackend
 
 pytestmark = pytest.mark.timeout(30)
 
+PACKAGE = Path(ad.__file__).parent
+RUST_CONFIG = PACKAGE.parents[1] / "rust" / "config.rs"
 
 READERS: dict[str, Callable[[], Any]] = {
     "RANK": settings.rank,
@@ -144,3 +147,24 @@ def test_init_process_group_refuses_a_bad_rank_naming_it(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="RANK must be a whole number"):
         ad.init_process_group("shm")
     assert not ad.is_initialized()
+
+
+def test_every_variable_is_named_in_settings_alone() -> None:
+    """No other module of the package spells a variable's name; Python declares none the core reads."""
+    literal = re.compile(r"""["'](AXONML_[A-Z_]+|RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)["']""")
+    spelled = {}
+    for path in PACKAGE.rglob("*.py"):
+        where = str(path.relative_to(PACKAGE))
+        names = literal.findall(path.read_text())
+        if where.startswith("bench/"):
+            # The bench's workers also run under another checkout's package (--compare-python) and under
+            # mpiexec: they read torchrun's variables as they are, never ours.
+            names = [name for name in names if name.startswith("AXONML_")]
+        if names and where != "settings.py":
+            spelled[where] = names
+    assert spelled == {}
+    declared = [value for value in vars(settings).values() if isinstance(value, str)]
+    ours = {name for name in declared if name.startswith("AXONML_")}
+    assert ours == {name for name in READERS if name.startswith("AXONML_")}
+    core = set(re.findall(r'"(AXONML_[A-Z_]+)"', RUST_CONFIG.read_text()))
+    assert core and not core & ours, core
