@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -116,6 +117,34 @@ def test_demo_over_shm_processes() -> None:
     assert summary["test_accuracy"] >= 0.9
     assert summary["max_param_diff"] == 0.0
     assert summary["check_max_diff"] <= CHECK_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("environment", "path"),
+    [
+        ({}, "launch"),
+        # A process that inherited a worker's environment (a worker's own child) is no worker: it launches.
+        ({"AXONML_JOB_ID": "ab12", "AXONML_LAUNCHER_PID": str(os.getpid())}, "launch"),
+        ({"AXONML_JOB_ID": "ab12"}, "launch"),
+        # Started by axonml-run: its parent is the launcher.
+        ({"AXONML_JOB_ID": "ab12", "AXONML_LAUNCHER_PID": str(os.getppid())}, "train"),
+    ],
+)
+def test_shm_trains_in_a_worker_of_axonml_run_and_launches_elsewhere(
+    environment: dict[str, str], path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import axonml_distributed.demo as demo
+
+    for name in ["AXONML_JOB_ID", "AXONML_LAUNCHER_PID"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    taken = []
+    monkeypatch.setattr(demo, "load_digits_split", lambda seed: None)
+    monkeypatch.setattr(demo, "launch_shm", lambda nproc, argv: taken.append("launch") or 0)
+    monkeypatch.setattr(demo, "run_shm_worker", lambda cfg, data: taken.append("train") or 0)
+    assert demo.main(["--backend", "shm", "--nproc", "2"]) == 0
+    assert taken == [path]
 
 
 def test_missing_sklearn_says_what_to_install() -> None:

@@ -4,7 +4,9 @@ Every job is a real multi-process run of tests/torch_jobs/job.py at 2 ranks."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -305,20 +307,25 @@ def test_init_again_in_the_same_processes_under_torchrun(
     assert [r["sums"] for r in res] == [[1.0, 3.0, 5.0]] * WORLD
 
 
-@pytest.mark.timeout(200)
-def test_the_job_secret_must_match(tmp_path: Path) -> None:
-    """Under axonml-run the token in the store carries an HMAC of the job secret."""
+def _with_secrets(tmp_path: Path, keys: list[str]) -> list[subprocess.Popen[str]]:
+    """The job "init_args" by hand, rank r with AXONML_JOB_SECRET keys[r]."""
     env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(WORLD)}
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, str(JOB), "init_args", str(tmp_path)],
-            env=env | {"RANK": str(r), "AXONML_JOB_SECRET": f"secret-{r}"},
+            env=env | {"RANK": str(r), "AXONML_JOB_SECRET": key},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(WORLD)
+        for r, key in enumerate(keys)
     ]
+
+
+@pytest.mark.timeout(200)
+def test_the_job_secret_must_match(tmp_path: Path) -> None:
+    """Under axonml-run the token in the store carries an HMAC of the job secret."""
+    procs = _with_secrets(tmp_path, [secrets.token_hex(32) for _ in range(WORLD)])
     log1 = procs[1].communicate(timeout=150)[0]
     procs[0].kill()  # it waits for rank 1 to join the segment until its timeout
     procs[0].communicate(timeout=60)
@@ -328,6 +335,30 @@ def test_the_job_secret_must_match(tmp_path: Path) -> None:
     cleanup_stale_segments(min_age=0)
     r1 = result(tmp_path, "init_args", 1)
     assert r1.get("error") == "DistributedError" and "AXONML_JOB_SECRET" in r1["message"], (r1, log1)
+
+
+@pytest.mark.timeout(200)
+def test_the_job_secret_is_its_bytes_as_in_the_shm_world(tmp_path: Path) -> None:
+    """The secret is the bytes its hex digits spell, whatever their case (as the shm world reads it)."""
+    key = secrets.token_hex(32)
+    procs = _with_secrets(tmp_path, [key.lower(), key.upper()])
+    logs = [p.communicate(timeout=150)[0] for p in procs]
+    res = _results(tmp_path, "init_args", "\n".join(logs))
+    assert all("error" not in r for r in res), res
+    assert [r["sum"].tolist() for r in res] == [[1.0] * 3] * WORLD
+
+
+def test_a_short_job_secret_is_refused_before_the_store_is_touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in the shm world: at least 16 bytes (32 hex digits)."""
+    import torch.distributed as dist
+
+    from axonml_distributed.torch.rendezvous import join_world
+
+    monkeypatch.setenv("AXONML_JOB_SECRET", "ab" * 15)
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="AXONML_JOB_SECRET has 15 bytes .* at least 16"):
+        join_world(store, 0, 1, datetime.timedelta(seconds=10))
+    assert store.num_keys() == 0
 
 
 def test_registration_without_and_with_our_import() -> None:

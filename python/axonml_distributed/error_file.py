@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
-ENV = "AXONML_ERROR_FILE"
-
 # How the shm world's PeerFailureError names the rank behind it (rust/error.rs: `Aborted`, `PeerDied`,
 # `PeerExited`).
 _BLAMED = re.compile(r"the world was aborted by rank (\d+)|peer rank (\d+) died")

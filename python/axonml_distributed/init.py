@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from axonml_distributed import _core
+from axonml_distributed import _core, settings
 
 _default: Any = None
 _local = threading.local()
@@ -31,13 +31,14 @@ def _set_default_group(pg: Any) -> None:
     _local.group = pg
 
 
-def _env_int(name: str, given: int | None) -> int:
+def _given_or_env(given: int | None, read: Callable[[], int | None], name: str) -> int:
+    """`given`, else the setting `read` returns (from the environment variable `name`)."""
     if given is not None and given != -1:  # -1: torch's "not given"
         return given
-    value = os.environ.get(name)
+    value = read()
     if value is None:
         raise ValueError(f"{name} is not set: pass it to init_process_group or start the job with axonml-run")
-    return int(value)
+    return value
 
 
 def _seconds(timeout: float | datetime.timedelta | None) -> float:
@@ -86,7 +87,11 @@ def init_process_group(
     elif backend == "shm":
         from axonml_distributed.shm import init_shm_process_group
 
-        _default = init_shm_process_group(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size), seconds)
+        _default = init_shm_process_group(
+            _given_or_env(rank, settings.rank, settings.RANK),
+            _given_or_env(world_size, settings.world_size, settings.WORLD_SIZE),
+            seconds,
+        )
         install_excepthook()
     elif backend in ("gloo", "nccl"):
         raise ValueError(
@@ -145,7 +150,7 @@ def install_excepthook(group: Any = None) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         pg = _hook_group if _hook_group is not None else _default
-        path = os.environ.get(error_file.ENV) or None
+        path = settings.error_file()
         record = None
         # Reporting the original exception matters more than a failure to record it or to abort.
         if pg is not None and path is not None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
-from axonml_distributed import error_file
+from axonml_distributed import settings
 from axonml_distributed.shm import segment_path
 from axonml_distributed.supervise import Worker, signal_running, supervise
 
@@ -48,7 +48,8 @@ environment of each worker (torchrun-compatible):
                             prove to each other at the rendezvous that they belong to this job
   AXONML_ERROR_FILE         a path of this rank's own in a private directory of the job: an exception
                             that ends a worker's main thread after init_process_group is recorded there
-  AXONML_LAUNCHER_PID       the launcher's pid
+  AXONML_LAUNCHER_PID       the launcher's pid: a process whose parent it names is a worker of the job
+                            (the demo tells from it whether to train or to launch)
   OMP_NUM_THREADS           1 if unset and N > 1 (as torchrun does), so N workers do not oversubscribe cores
 
 lifecycle:
@@ -211,14 +212,16 @@ def _job_env(nproc: int, port: int, job_id: str, *, prefix_output: bool) -> dict
         # Python block-buffers stdout into a pipe; the merged log should show lines as they are written.
         env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        AXONML_JOB_ID=job_id,
-        AXONML_JOB_SECRET=secrets.token_hex(32),
-        AXONML_LAUNCHER_PID=str(os.getpid()),
+        {
+            settings.WORLD_SIZE: str(nproc),
+            settings.LOCAL_WORLD_SIZE: str(nproc),
+            settings.GROUP_RANK: "0",
+            settings.MASTER_ADDR: settings.DEFAULT_MASTER_ADDR,
+            settings.MASTER_PORT: str(port),
+            settings.JOB_ID: job_id,
+            settings.JOB_SECRET: secrets.token_hex(32),
+            settings.LAUNCHER_PID: str(os.getpid()),
+        }
     )
     return env
 
@@ -232,7 +235,11 @@ def _spawn(
     # the second interrupting its cleanup. A group also lets teardown reach the worker's own children. Its
     # cost: the workers have no controlling terminal to read from; stdin is /dev/null instead.
     pipe = subprocess.PIPE if prefix_output else None
-    own = {"RANK": str(rank), "LOCAL_RANK": str(rank), error_file.ENV: str(errors / f"rank-{rank}.json")}
+    own = {
+        settings.RANK: str(rank),
+        settings.LOCAL_RANK: str(rank),
+        settings.ERROR_FILE: str(errors / f"rank-{rank}.json"),
+    }
     return subprocess.Popen(
         command,
         env={**env, **own},

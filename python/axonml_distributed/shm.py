@@ -11,6 +11,7 @@ import os
 import stat
 import time
 
+from axonml_distributed import settings
 from axonml_distributed._core import (
     SEGMENT_DIR,
     SEGMENT_HEADER,
@@ -37,39 +38,27 @@ def init_shm_process_group(rank: int, world_size: int, timeout: float | None = N
     join the job, and without it any process of the same user can), AXONML_JOB_ID (set by axonml-run:
     names the segment so the launcher can remove it after a crash) and AXONML_SHM_ARENA_MB (room per
     rank for ``ProcessGroup.empty`` arrays, default 64; arrays that do not fit fall back to private
-    memory). Rank 0 also reads AXONML_SHM_CHUNK_KIB, the pipeline round size for large messages on
-    private arrays (default 1024), a tuning knob. ``timeout`` bounds the rendezvous and every later
-    wait (seconds, default 300).
+    memory), all through `axonml_distributed.settings`. Rank 0's core also reads AXONML_SHM_CHUNK_KIB,
+    the pipeline round size for large messages on private arrays (default 1024), a tuning knob.
+    ``timeout`` bounds the rendezvous and every later wait (seconds, default 300).
     """
-    port = os.environ.get("MASTER_PORT")
-    if not port:
-        raise ValueError("MASTER_PORT is not set: start the job with axonml-run, or set it (and MASTER_ADDR)")
-    arena = os.environ.get("AXONML_SHM_ARENA_MB")
+    port = settings.master_port()
+    if port is None:
+        raise ValueError(
+            f"{settings.MASTER_PORT} is not set: start the job with axonml-run, or set it (and "
+            f"{settings.MASTER_ADDR})"
+        )
     backend = ShmBackend.connect(
         rank,
         world_size,
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(port),
+        settings.master_addr(),
+        port,
         timeout=timeout,
-        job_id=os.environ.get("AXONML_JOB_ID") or None,
-        arena_bytes=int(float(arena) * (1 << 20)) if arena else None,
-        secret=job_secret(),
+        job_id=settings.job_id(),
+        arena_bytes=settings.shm_arena_bytes(),
+        secret=settings.job_secret(),
     )
     return ProcessGroup(backend)
-
-
-def job_secret() -> bytes | None:
-    """The job secret from AXONML_JOB_SECRET (hex digits), or None when it is unset or empty."""
-    text = os.environ.get("AXONML_JOB_SECRET", "").strip()
-    if not text:
-        return None
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(
-            "AXONML_JOB_SECRET must be hex digits "
-            "(e.g. from python -c 'import secrets; print(secrets.token_hex(32))')"
-        ) from None
 
 
 def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:

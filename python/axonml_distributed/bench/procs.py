@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from axonml_distributed import settings
 from axonml_distributed.bench.common import human
 from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, PAIRWISE, RESULT, busbw_factor
 
@@ -148,7 +149,8 @@ def _launches(n: int, sizes: list[int], colls: list[str], args: argparse.Namespa
 def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespace) -> Results:
     """Run every peer on `n` ranks, `args.repeat` times in turn, print the tables; returns the medians."""
     arena_mib = 2 * (max(sizes) >> 20) + 16
-    env = dict(os.environ, OMP_NUM_THREADS="1", AXONML_SHM_ARENA_MB=str(arena_mib), GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env[settings.SHM_ARENA_MB] = str(arena_mib)
     launches = _launches(n, sizes, colls, args)
     # Peers take turns, `--repeat` times, so a burst of load on a shared machine hits all of them alike;
     # each figure is the median over the repeats.

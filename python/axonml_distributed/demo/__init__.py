@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from axonml_distributed import settings
 from axonml_distributed.demo.train import Config, Digits, load_digits_split, train
 from axonml_distributed.spawn import spawn
 
 # |param diff| allowed between DDP and one process on the union batch: the two sum the same float32
 # gradients in a different order, and those rounding differences compound over the steps.
 CHECK_TOLERANCE = 1e-4
-# Set by axonml_distributed.run in every worker: with it, --backend shm trains instead of launching workers.
-_LAUNCHED_ENV = "AXONML_JOB_ID"
 
 
 def report(summary: dict[str, Any]) -> str:
@@ -129,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     data = load_digits_split(cfg.seed)  # before launching anything, so a missing sklearn fails once
     if cfg.backend == "shm":
-        if _LAUNCHED_ENV not in os.environ:
+        # A worker of axonml-run trains; any other process launches the workers.
+        if not settings.launched_by_axonml_run():
             return launch_shm(cfg.world_size, argv)
         return run_shm_worker(cfg, data)
     summary = spawn(train, cfg.world_size, cfg, data)[0]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import os
 import socket
 
 import torch.distributed as dist
 
+from axonml_distributed import settings
 from axonml_distributed._core import Backend, DistributedError, ShmSegment
 
 
@@ -23,9 +23,10 @@ def _host_identity() -> str:
     return f"{socket.gethostname()} (boot {boot})"
 
 
-def _mac(token: str) -> str:
-    secret = os.environ.get("AXONML_JOB_SECRET", "")
-    return hmac.new(secret.encode(), token.encode(), hashlib.sha256).hexdigest() if secret else ""
+def _mac(secret: bytes | None, token: str) -> str:
+    """The token's HMAC under the job secret (the decoded bytes, as the shm world's rendezvous keys it);
+    empty without one."""
+    return hmac.new(secret, token.encode(), hashlib.sha256).hexdigest() if secret else ""
 
 
 def _get(store: dist.Store, key: str, timeout: datetime.timedelta) -> str:
@@ -35,6 +36,8 @@ def _get(store: dist.Store, key: str, timeout: datetime.timedelta) -> str:
 
 def join_world(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Backend:
     """The shared-memory world of `size` ranks, met through `store`."""
+    # Settings first: a rank with an unusable one touches nothing. (Rank 0's arena counts.)
+    secret, arena = settings.job_secret(), settings.shm_arena_bytes()
     store.set(f"axonml/host/{rank}", _host_identity())
     if rank == 0:
         hosts = [_get(store, f"axonml/host/{r}", timeout) for r in range(size)]
@@ -46,10 +49,9 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: datetime.timede
             )
             store.set("axonml/token", "error: " + problem)
             raise DistributedError(problem)
-        arena = os.environ.get("AXONML_SHM_ARENA_MB")
-        segment = ShmSegment(size, int(float(arena) * (1 << 20)) if arena else None)
+        segment = ShmSegment(size, arena)
         try:
-            store.set("axonml/token", f"{segment.token}\n{_mac(segment.token)}")
+            store.set("axonml/token", f"{segment.token}\n{_mac(secret, segment.token)}")
             world = ShmSegment.join(segment.token, 0, size, timeout.total_seconds())
         finally:
             segment.close()
@@ -61,9 +63,9 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: datetime.timede
     token, _, mac = _get(store, "axonml/token", timeout).partition("\n")
     if token.startswith("error: "):
         raise DistributedError(token.removeprefix("error: "))
-    if not hmac.compare_digest(mac, _mac(token)):
+    if not hmac.compare_digest(mac, _mac(secret, token)):
         raise DistributedError(
-            "the shared-memory token in the store does not carry this job's AXONML_JOB_SECRET: the store "
-            "is shared with another job, or its ranks were started with different secrets"
+            f"the shared-memory token in the store does not carry this job's {settings.JOB_SECRET}: the "
+            "store is shared with another job, or its ranks were started with different secrets"
         )
     return ShmSegment.join(token, rank, size, timeout.total_seconds())
