@@ -162,23 +162,16 @@ pub fn signature(data: &[u8]) {
     }
 }
 
-/// The pairwise collectives whose plans come from what peers publish (all_to_all: from the signature).
-const PAIRWISE: [CollKind; 6] = [
-    CollKind::AllToAll,
-    CollKind::AllToAllSingle,
-    CollKind::AllGatherV,
-    CollKind::GatherV,
-    CollKind::ScatterV,
-    CollKind::ReduceScatterV,
-];
-
 /// The plan of a pairwise collective from layouts members published: `data` picks the kind, group
 /// size (1..=16), element size, root and count (for all_to_all), whether the layouts are made to agree
 /// (so the fuzzer gets past the comparison), then gives the layouts' words.
 pub fn plan(data: &[u8]) {
     let mut d = data;
     let [kind, n, elem, root] = take::<4>(&mut d);
-    let kind = PAIRWISE[usize::from(kind) % PAIRWISE.len()];
+    // The pairwise collectives, whose plans come from what peers publish (all_to_all: from the signature).
+    let pairwise: Vec<CollKind> =
+        CollKind::ALL.into_iter().filter(|k| *k == CollKind::AllToAll || k.has_layout()).collect();
+    let kind = pairwise[usize::from(kind) % pairwise.len()];
     let (agree, n) = (n & 0x80 != 0, 1 + usize::from(n) % 16);
     let elem = [1, 2, 4, 8, 16][usize::from(elem) % 5];
     let root = usize::from(root) % n;
