@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::{wire, AsEngine, Cause, Engine, Published, Store};
 use crate::backend::Backend;
 use crate::dtype::{BufMut, DType};
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{CollKind, Signature};
 use crate::transport::thread::store::{Shared, ThreadStore};
@@ -29,6 +29,13 @@ fn member1_arrived(theirs: &mut [f32]) -> (ThreadBackend, ThreadStore) {
     s1.ctrl(1).arrive.store(1, SeqCst);
     s1.notify();
     (mine, s1)
+}
+
+/// Member 0's all_reduce (SUM) of ones: its outcome and its buffer.
+fn member0_reduces(mine: &ThreadBackend) -> (Result<()>, Vec<f32>) {
+    let mut x = vec![1.0f32; COUNT];
+    let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
+    (r, x)
 }
 
 /// Wait (as member 1) until member 0 has done its share of call 1 and waits for ours.
@@ -59,11 +66,7 @@ fn a_member_whose_peer_failed_without_doing_its_share_fails_too() {
     let mut theirs = vec![2.0f32; COUNT];
     let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {
-        let member0 = s.spawn(|| {
-            let mut x = vec![1.0f32; COUNT];
-            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
-            (r, x)
-        });
+        let member0 = s.spawn(|| member0_reduces(&mine));
         // Member 0 did its share and waits for member 1's done; member 1 now fails as a member whose
         // arrival wait timed out would: it aborts the world and leaves without doing its share.
         member0_did_its_share(&s1);
@@ -85,11 +88,7 @@ fn a_call_every_member_finished_succeeds_though_the_world_was_aborted_meanwhile(
     let mut theirs = vec![2.0f32; COUNT];
     let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {
-        let member0 = s.spawn(|| {
-            let mut x = vec![1.0f32; COUNT];
-            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
-            (r, x)
-        });
+        let member0 = s.spawn(|| member0_reduces(&mine));
         member0_did_its_share(&s1);
         member1_does_its_half(&s1, &theirs);
         s1.abort("rank 1's next call was refused", Cause::Other);
@@ -109,11 +108,7 @@ fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
     let mut theirs = vec![2.0f32; COUNT];
     let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {
-        let member0 = s.spawn(|| {
-            let mut x = vec![1.0f32; COUNT];
-            let r = mine.all_reduce(BufMut::new(&mut x[..]), ReduceOp::Sum);
-            (r, x)
-        });
+        let member0 = s.spawn(|| member0_reduces(&mine));
         member0_did_its_share(&s1);
         // Member 1 leaves with its share still to do; member 0 must not return meanwhile.
         s1.leave();
