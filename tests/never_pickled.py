@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,10 +29,17 @@ class PickleUsed(AssertionError):
     pass
 
 
+# Rank threads of one process share the trap: the first in saves the originals and traps, the last out
+# restores them (each thread saving and restoring its own view would leave a trap in place for good).
+_trap_lock = threading.Lock()
+_trap_users = 0
+_originals: list[tuple[Any, str, Any]] = []
+
+
 @contextlib.contextmanager
 def pickle_trapped() -> Iterator[None]:
-    """Every function of `TRAPPED` raises PickleUsed while inside."""
-    saved = [(module, name, getattr(module, name)) for module, name in TRAPPED]
+    """Every function of `TRAPPED` raises PickleUsed while inside (in every thread of the process)."""
+    global _trap_users
 
     def trap(name: str) -> Any:
         def refuse(*args: object, **kwargs: object) -> None:
@@ -39,13 +47,20 @@ def pickle_trapped() -> Iterator[None]:
 
         return refuse
 
-    for module, name, _ in saved:
-        setattr(module, name, trap(f"{module.__name__}.{name}"))
+    with _trap_lock:
+        if _trap_users == 0:
+            _originals[:] = [(module, name, getattr(module, name)) for module, name in TRAPPED]
+            for module, name, _ in _originals:
+                setattr(module, name, trap(f"{module.__name__}.{name}"))
+        _trap_users += 1
     try:
         yield
     finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+        with _trap_lock:
+            _trap_users -= 1
+            if _trap_users == 0:
+                for module, name, original in _originals:
+                    setattr(module, name, original)
 
 
 def same(a: Any, b: Any) -> bool:
