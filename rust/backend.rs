@@ -93,6 +93,10 @@ pub trait Backend: Send + Sync {
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()>;
 
+    /// The sequence number of the last collective this rank entered on this communicator (0 before the
+    /// first): members number the same calls alike, so between calls every member reads the same.
+    fn sequence_number(&self) -> u64;
+
     /// A communicator over `ranks` (global, must include this rank). Every member must call it with the
     /// same ranks, in the same order relative to its other `split` calls.
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;

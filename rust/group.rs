@@ -64,6 +64,11 @@ impl ProcessGroup {
     pub fn ranks(&self) -> &[usize] {
         &self.ranks
     }
+    /// The sequence number of the last collective this rank entered on this group (0 before the first):
+    /// the same on every member between calls (torch's `_get_sequence_number_for_group`).
+    pub fn sequence_number(&self) -> u64 {
+        self.backend.sequence_number()
+    }
     /// Whether global rank `rank` is a member.
     pub fn contains(&self, rank: usize) -> bool {
         self.ranks.contains(&rank)

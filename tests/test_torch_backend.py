@@ -198,6 +198,20 @@ def test_every_collective_and_dtype_under_torchrun(under_torchrun: dict[str, lis
             assert same(got["all_gather_uneven"][j], data(j, j + 1, torch.float64, seed=40))
         rsv = [data(j, r + 1, torch.float32, seed=50 + r) for j in range(WORLD)]
         assert same(got["reduce_scatter_uneven"], reduce_ref(rsv, "SUM"))
+        coalesced = [
+            [
+                data(j, 3, torch.float32, seed=60),
+                torch.empty(0),
+                data(j, 4, torch.float32, seed=61).view(2, 2),
+            ]
+            for j in range(WORLD)
+        ]
+        for j in range(WORLD):
+            for got_t, want_t in zip(got["all_gather_coalesced"][j], coalesced[j], strict=True):
+                assert same(got_t, want_t), ("all_gather_coalesced", r, j)
+        before, after = got["sequence_numbers"]
+        assert after == before + 1 and before > 0
+    assert len({res[r]["sequence_numbers"] for r in range(WORLD)}) == 1
     assert all(
         same(a, b)
         for a, b in zip(res[0]["gather"], [data(j, 2, torch.int64) for j in range(WORLD)], strict=True)

@@ -88,6 +88,9 @@ impl Backend for Checker<'_> {
         call::peer(&self.g.members, self.g.rank, src, call::RECEIVE_FROM)?;
         self.keep_message(buf.dtype(), buf.len())
     }
+    fn sequence_number(&self) -> u64 {
+        0 // a check makes no call
+    }
     fn split(&self, _ranks: &[usize]) -> Result<Arc<dyn Backend>> {
         Err(crate::error::Error::Internal("a call check has no subgroups".into()))
     }

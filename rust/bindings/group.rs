@@ -114,6 +114,11 @@ impl PyProcessGroup {
     fn ranks(&self) -> Vec<usize> {
         self.inner.ranks().to_vec()
     }
+    /// The sequence number of the last collective this rank entered on this group (0 before the first):
+    /// the same on every member between calls.
+    fn sequence_number(&self) -> u64 {
+        self.inner.sequence_number()
+    }
     /// Whether global rank `rank` is a member.
     fn contains(&self, rank: usize) -> bool {
         self.inner.contains(rank)

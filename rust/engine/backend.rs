@@ -1,7 +1,7 @@
 //! The one [`Backend`] implementation: every public backend type that wraps an [`Engine`] (see
 //! [`backend_type`]) forwards the trait to it.
 
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::Ordering::{Acquire, SeqCst};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -83,6 +83,11 @@ impl<T: AsEngine> Backend for T {
         let op = call::recv_op(&buf, src, tag);
         let e = self.engine();
         e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
+    }
+
+    fn sequence_number(&self) -> u64 {
+        let s = &self.engine().store;
+        s.ctrl(s.index()).arrive.load(Acquire)
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {

@@ -180,6 +180,23 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     rsv = torch.empty(rank + 1)
     dist.reduce_scatter(rsv, [data(rank, j + 1, torch.float32, seed=50 + j) for j in range(world)])
     out["reduce_scatter_uneven"] = rsv
+    # all_gather_coalesced: outputs[r][j] receives rank r's inputs[j] (shapes differ, one is empty;
+    # torch asks for one dtype).
+    ins = [
+        data(rank, 3, torch.float32, seed=60),
+        torch.empty(0),
+        data(rank, 4, torch.float32, seed=61).view(2, 2),
+    ]
+    outs = [[torch.empty_like(t) for t in ins] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    out["all_gather_coalesced"] = outs
+    # Sequence numbers: equal on every member between calls, and counting calls.
+    seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    dist.barrier()
+    out["sequence_numbers"] = (
+        seq,
+        dist.distributed_c10d._get_default_group()._get_sequence_number_for_group(),
+    )
     return out
 
 
