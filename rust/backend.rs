@@ -93,9 +93,15 @@ pub trait Backend: Send + Sync {
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()>;
 
-    /// A communicator over `ranks` (global, must include this rank). Every member must call it with the
-    /// same ranks, in the same order relative to its other `split` calls.
-    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;
+    /// How long a wait on this communicator lasts before it fails: the world's timeout, or the one
+    /// its `split` gave it.
+    fn timeout(&self) -> Duration;
+
+    /// A communicator over `ranks` (global, must include this rank) whose waits (collectives, sends
+    /// and receives on it) last `timeout` (None: this communicator's; positive, at most
+    /// [`crate::config::MAX_TIMEOUT`]). Every member must call it with the same ranks, in the same
+    /// order relative to its other `split` calls. Aborts and dead peers still end its waits at once.
+    fn split(&self, ranks: &[usize], timeout: Option<Duration>) -> Result<Arc<dyn Backend>>;
     /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
     fn abort(&self, reason: &str);
 
