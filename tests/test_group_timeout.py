@@ -85,6 +85,7 @@ def test_a_groups_timeout_is_its_own_or_the_worlds() -> None:
             world.new_group([0, 1], timedelta(milliseconds=1500)),
             ad.ProcessGroup(pg.backend(), [0, 1], 0.5),
             ad.ProcessGroup(pg.backend(), timeout=4),  # a group of its own over every rank
+            ad.new_group([0, 1], timeout=2),  # the comm helper, on the default group
         ]
         for sub in subs:  # every one works
             x = np.ones(3, np.float32)
@@ -92,7 +93,8 @@ def test_a_groups_timeout_is_its_own_or_the_worlds() -> None:
             assert x.tolist() == [2.0] * 3
         return [pg.timeout(), *(s.timeout() for s in subs)]
 
-    assert outcomes(2, fn, timeout=WORLD_TIMEOUT) == [[WORLD_TIMEOUT, 2.5, WORLD_TIMEOUT, 1.5, 0.5, 4.0]] * 2
+    want = [WORLD_TIMEOUT, 2.5, WORLD_TIMEOUT, 1.5, 0.5, 4.0, 2.0]
+    assert outcomes(2, fn, timeout=WORLD_TIMEOUT) == [want, want]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, 1e10, timedelta(0)])
