@@ -61,7 +61,7 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// Block until every member arrives.
     fn barrier(&self) -> Result<()>;
-    /// A barrier that waits at most `timeout` instead of the world's timeout: when members do not
+    /// A barrier that waits at most `timeout` instead of the communicator's: when members do not
     /// arrive in time, every member that did fails with a timeout naming all the missing ones, and the
     /// world is aborted (as by any timeout). It matches `barrier` calls of other members.
     fn monitored_barrier(&self, timeout: Duration) -> Result<()>;

@@ -25,7 +25,7 @@ pub(crate) struct Call {
     pub count: usize,
     /// Element type (`F32`, unused, for barrier).
     pub dtype: DType,
-    /// How long this call's waits last, when not the world's timeout (`monitored_barrier`).
+    /// How long this call's waits last, when not the communicator's timeout (`monitored_barrier`).
     pub timeout: Option<Duration>,
     /// The collectives with per-member sizes: this member's layout (`algo::layout`).
     pub layout: Option<Layout>,

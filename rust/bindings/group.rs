@@ -232,7 +232,7 @@ impl PyProcessGroup {
     fn barrier(&self, py: Python<'_>, async_op: bool) -> Ret {
         self.run(py, async_op, Ok(c::barrier()), None)
     }
-    /// A barrier that waits at most `timeout` (seconds or a `datetime.timedelta`; None: the world's
+    /// A barrier that waits at most `timeout` (seconds or a `datetime.timedelta`; None: the group's
     /// timeout). When members do not arrive in time, every member that did raises
     /// CollectiveTimeoutError naming all the missing ones, whatever `wait_all_ranks` (torch's keyword),
     /// and the world is aborted, as by any timeout. Blocking only.

@@ -225,8 +225,8 @@ impl<S: Store> Engine<S> {
     }
 
     /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
-    /// on abort, interrupt, a dead peer or the timeout (`within`, else the world's), naming the members
-    /// that never got there.
+    /// on abort, interrupt, a dead peer or the timeout (`within`, else the communicator's), naming the
+    /// members that never got there.
     fn wait_all(
         &self,
         which: impl Fn(&Ctrl) -> &AtomicU64 + Copy,
