@@ -253,6 +253,35 @@ def dies(rank: int, world: int) -> dict[str, Any]:
     return {}
 
 
+def group_timeout(rank: int, world: int) -> dict[str, Any]:
+    """torch's test_barrier_timeout_full_group: a barrier on a group of every rank with a 1 s timeout,
+    in a world of 30 s, while rank 1 comes late."""
+    return _late_peer(dist.new_group(timeout=datetime.timedelta(seconds=1)), rank, dist.barrier)
+
+
+def group_recv_timeout(rank: int, world: int) -> dict[str, Any]:
+    """A receive on a subgroup with a 1 s timeout from a rank that sends nothing in time."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    return _late_peer(group, rank, lambda group: dist.recv(torch.zeros(4), src=1, group=group))
+
+
+def _late_peer(group: Any, rank: int, call: Any) -> dict[str, Any]:
+    """Rank 0 makes `call` on `group` at once, rank 1 after 4 s; what rank 0 raised goes with how long it
+    waited."""
+    import time
+
+    if rank == 1:
+        time.sleep(4)
+        dist.barrier(group)  # the world was aborted by rank 0's timeout by now: our PeerFailureError
+        return {}
+    start = time.monotonic()
+    try:
+        call(group)
+    finally:
+        NOTES["waited"] = time.monotonic() - start
+    return {}
+
+
 def nested(rank: int, world: int) -> dict[str, Any]:
     """A future's callback that issues and waits on another collective (as torch's PowerSGD hook
     does), and DDP with the PowerSGD hook itself; then named groups as DeviceMesh needs them."""
@@ -325,7 +354,11 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 
 # What a job saw before it failed, saved with its error.
 NOTES: dict[str, Any] = {}
-MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]}
+MODES = {
+    f.__name__: f
+    for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]
+    + [group_timeout, group_recv_timeout]
+}
 
 
 def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:
