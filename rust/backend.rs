@@ -61,7 +61,7 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// Block until every member arrives.
     fn barrier(&self) -> Result<()>;
-    /// A barrier that waits at most `timeout` instead of the world's timeout: when members do not
+    /// A barrier that waits at most `timeout` instead of the communicator's: when members do not
     /// arrive in time, every member that did fails with a timeout naming all the missing ones, and the
     /// world is aborted (as by any timeout). It matches `barrier` calls of other members.
     fn monitored_barrier(&self, timeout: Duration) -> Result<()>;
@@ -93,9 +93,19 @@ pub trait Backend: Send + Sync {
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()>;
 
-    /// A communicator over `ranks` (global, must include this rank). Every member must call it with the
-    /// same ranks, in the same order relative to its other `split` calls.
-    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>>;
+    /// The sequence number of the last collective this rank entered on this communicator (0 before the
+    /// first): members number the same calls alike, so between calls every member reads the same.
+    fn sequence_number(&self) -> u64;
+
+    /// How long a wait on this communicator lasts before it fails: the world's timeout, or the one
+    /// its `split` gave it.
+    fn timeout(&self) -> Duration;
+
+    /// A communicator over `ranks` (global, must include this rank) whose waits (collectives, sends
+    /// and receives on it) last `timeout` (None: this communicator's; positive, at most
+    /// [`crate::config::MAX_TIMEOUT`]). Every member must call it with the same ranks, in the same
+    /// order relative to its other `split` calls. Aborts and dead peers still end its waits at once.
+    fn split(&self, ranks: &[usize], timeout: Option<Duration>) -> Result<Arc<dyn Backend>>;
     /// Abort the whole world: every rank waiting, or arriving later, fails with an error naming this rank.
     fn abort(&self, reason: &str);
 

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use crate::algo::Peer;
+use crate::config::MAX_TIMEOUT;
 use crate::dtype::{expect_dtype, Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Scale};
@@ -25,7 +26,7 @@ pub(crate) struct Call {
     pub count: usize,
     /// Element type (`F32`, unused, for barrier).
     pub dtype: DType,
-    /// How long this call's waits last, when not the world's timeout (`monitored_barrier`).
+    /// How long this call's waits last, when not the communicator's timeout (`monitored_barrier`).
     pub timeout: Option<Duration>,
     /// The collectives with per-member sizes: this member's layout (`algo::layout`).
     pub layout: Option<Layout>,
@@ -53,6 +54,18 @@ pub(crate) fn validate_ranks(ranks: &[usize], world_size: usize) -> Result<Vec<u
         return Err(Error::invalid(format!("rank {} appears twice in the group {ranks:?}", w[0])));
     }
     Ok(sorted)
+}
+
+/// Check a communicator's timeout: positive and at most `MAX_TIMEOUT`, so no deadline computed from it
+/// can overflow.
+pub(crate) fn checked_timeout(timeout: Duration) -> Result<Duration> {
+    if timeout.is_zero() || timeout > MAX_TIMEOUT {
+        return Err(Error::invalid(format!(
+            "a group's timeout must be positive and at most {} s (about 31 years), got {timeout:?}",
+            MAX_TIMEOUT.as_secs()
+        )));
+    }
+    Ok(timeout)
 }
 
 /// Group index of global rank `rank`, or an error naming the group.

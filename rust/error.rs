@@ -30,9 +30,10 @@ pub enum Error {
         calls: Vec<(usize, Signature)>,
     },
 
-    /// Some members never arrived before the deadline. The world is aborted.
+    /// Some members never arrived before the deadline. The world is aborted. The message carries
+    /// torch's words (" Timed out "), which torch's tests and users' scripts match timeouts by.
     #[error(
-        "rank {rank} timed out after {waited:?} in {op}: rank(s) {missing:?} of group {group:?} never arrived \
+        "rank {rank}: Timed out after {waited:?} in {op}: rank(s) {missing:?} of group {group:?} never arrived \
          (they are hung, dead, or called a different number of collectives){progress}"
     )]
     Timeout {

@@ -6,6 +6,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::dtype::{Buf, BufMut, Element};
@@ -20,23 +21,29 @@ pub struct ProcessGroup {
     /// The communicator over `ranks`; `None` when this rank is not a member.
     comm: Option<Arc<dyn Backend>>,
     ranks: Vec<usize>,
+    /// How long waits on the group last (also known on a non-member, which never waits on it).
+    timeout: Duration,
 }
 
 impl ProcessGroup {
     /// The group of every rank the backend's communicator spans.
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         let ranks = backend.members().to_vec();
-        ProcessGroup { comm: Some(backend.clone()), backend, ranks }
+        ProcessGroup { comm: Some(backend.clone()), timeout: backend.timeout(), backend, ranks }
     }
 
-    /// The group of `ranks` (global). Every member must create it (same ranks, same order of creation);
-    /// on a non-member it is a handle whose collectives fail.
-    pub fn with_ranks(backend: Arc<dyn Backend>, ranks: &[usize]) -> Result<Self> {
+    /// The group of `ranks` (global), whose waits last `timeout` (None: the backend's). Every member
+    /// must create it (same ranks, same order of creation); on a non-member it is a handle whose
+    /// collectives fail.
+    pub fn with_ranks(backend: Arc<dyn Backend>, ranks: &[usize], timeout: Option<Duration>) -> Result<Self> {
         let ranks = crate::call::validate_ranks(ranks, backend.world_size())?;
+        // Checked on non-members too, so that a bad timeout fails every rank alike.
+        let timeout = crate::call::checked_timeout(timeout.unwrap_or_else(|| backend.timeout()))?;
         // Always a communicator of its own, even over every rank: two groups sharing one would share
         // sequence numbers, and calls on different groups could then match each other.
-        let comm = if ranks.contains(&backend.rank()) { Some(backend.split(&ranks)?) } else { None };
-        Ok(ProcessGroup { backend, comm, ranks })
+        let member = ranks.contains(&backend.rank());
+        let comm = member.then(|| backend.split(&ranks, Some(timeout))).transpose()?;
+        Ok(ProcessGroup { backend, comm, ranks, timeout })
     }
 
     /// A world of one rank, in the in-process world.
@@ -64,6 +71,11 @@ impl ProcessGroup {
     pub fn ranks(&self) -> &[usize] {
         &self.ranks
     }
+    /// The sequence number of the last collective this rank entered on this group (0 before the first):
+    /// the same on every member between calls (torch's `_get_sequence_number_for_group`).
+    pub fn sequence_number(&self) -> u64 {
+        self.backend.sequence_number()
+    }
     /// Whether global rank `rank` is a member.
     pub fn contains(&self, rank: usize) -> bool {
         self.ranks.contains(&rank)
@@ -71,6 +83,10 @@ impl ProcessGroup {
     /// Position of global rank `rank` in the group.
     pub fn group_rank(&self, rank: usize) -> Option<usize> {
         self.ranks.iter().position(|&r| r == rank)
+    }
+    /// How long a wait on the group (a collective, a send or receive) lasts before it fails.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// The communicator, or an error (which aborts the world, so members are not left waiting) when
@@ -197,8 +213,9 @@ impl World {
     pub fn barrier(&self) -> Result<()> {
         self.group.barrier()
     }
-    /// A subgroup of `ranks` (see [`ProcessGroup::with_ranks`]).
-    pub fn new_group(&self, ranks: &[usize]) -> Result<ProcessGroup> {
-        ProcessGroup::with_ranks(self.group.backend.clone(), ranks)
+    /// A subgroup of `ranks` whose waits last `timeout` (None: the world's; see
+    /// [`ProcessGroup::with_ranks`]).
+    pub fn new_group(&self, ranks: &[usize], timeout: Option<Duration>) -> Result<ProcessGroup> {
+        ProcessGroup::with_ranks(self.group.backend.clone(), ranks, timeout)
     }
 }

@@ -40,6 +40,7 @@ in_both_worlds! {
     a_rank_that_never_arrives_times_out_naming_it => common::a_rank_that_never_arrives_times_out_naming_it;
     a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank =>
         common::a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank;
+    a_subgroup_waits_its_own_timeout_not_the_worlds => common::a_subgroup_waits_its_own_timeout_not_the_worlds;
     abort_wakes_every_waiter_with_the_aborting_rank => common::abort_wakes_every_waiter_with_the_aborting_rank;
     a_group_over_every_rank_does_not_share_the_world_sequence =>
         common::a_group_over_every_rank_does_not_share_the_world_sequence;

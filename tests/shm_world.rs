@@ -91,7 +91,7 @@ fn a_subgroup_dropped_by_every_member_frees_its_slot_and_staging() {
         let world = axonml_distributed::World::init(pg.backend().clone());
         (0..100)
             .map(|i| {
-                let g = world.new_group(&[0, 1]).unwrap();
+                let g = world.new_group(&[0, 1], None).unwrap();
                 // Past the one-shot size, so the staged path uses the group's blocks.
                 let mut x = vec![(pg.rank() + i) as f32; 70_000];
                 g.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();

@@ -53,7 +53,7 @@ def test_every_arrived_rank_names_every_missing_one_before_the_worlds_timeout(wa
         message, waited = res[r]
         assert "rank(s) [1, 3] of group [0, 1, 2, 3] never arrived" in message, message
         # The timeout of this call, on the rank that hit it and on the one the abort told alike.
-        assert "timed out after 500ms in barrier" in message, message
+        assert "Timed out after 500ms in barrier" in message, message
         assert waited < 20, waited
     for r in (1, 3):
         assert isinstance(res[r], ad.PeerFailureError), res[r]
@@ -75,7 +75,7 @@ def test_the_timeout_may_be_a_timedelta_and_the_module_helper_takes_the_group() 
 
     res = outcomes(3, fn, timeout=WORLD_TIMEOUT)
     for r in (0, 1):
-        assert "timed out after 300ms" in res[r][0] and "rank(s) [2] of group" in res[r][0], res[r]
+        assert "Timed out after 300ms" in res[r][0] and "rank(s) [2] of group" in res[r][0], res[r]
 
 
 @pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def test_shm_world_names_the_missing_rank() -> None:
         status, value, _ = res[r]
         assert status == "ok", res[r]
         message, waited = value
-        assert "timed out after 500ms" in message and "rank(s) [2] of group [0, 1, 2]" in message, message
+        assert "Timed out after 500ms" in message and "rank(s) [2] of group [0, 1, 2]" in message, message
         assert waited < 20, waited
     assert res[2][0] == "PeerFailureError", res[2]
 
@@ -197,5 +197,5 @@ def test_torch_backend_groups_monitored_barrier_names_the_missing_rank(tmp_path:
     assert all(seen), proc.stdout + proc.stderr
     assert "dist.monitored_barrier refused: monitored_barrier requires a group with a CPU" in seen[0], seen[0]
     assert "group.monitored_barrier passed" in seen[1], seen[1]
-    assert "CollectiveTimeoutError: rank 0 timed out after 1s in barrier" in seen[0], seen[0]
+    assert "CollectiveTimeoutError: rank 0: Timed out after 1s in barrier" in seen[0], seen[0]
     assert "rank(s) [1] of group [0, 1] never arrived" in seen[0], seen[0]

@@ -52,7 +52,7 @@ def test_a_rank_that_raises_ends_the_job() -> None:
 
 @needs_mpi
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("scenario", ["timeout", "timeout-unchecked"])
+@pytest.mark.parametrize("scenario", ["timeout", "timeout-unchecked", "group-timeout"])
 def test_a_rank_that_never_arrives_times_out_and_aborts_the_job(scenario: str) -> None:
     result, wall = run_job(2, "failures.py", scenario, limit=30)
     assert result.returncode != 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -198,6 +199,20 @@ def test_every_collective_and_dtype_under_torchrun(under_torchrun: dict[str, lis
             assert same(got["all_gather_uneven"][j], data(j, j + 1, torch.float64, seed=40))
         rsv = [data(j, r + 1, torch.float32, seed=50 + r) for j in range(WORLD)]
         assert same(got["reduce_scatter_uneven"], reduce_ref(rsv, "SUM"))
+        coalesced = [
+            [
+                data(j, 3, torch.float32, seed=60),
+                torch.empty(0),
+                data(j, 4, torch.float32, seed=61).view(2, 2),
+            ]
+            for j in range(WORLD)
+        ]
+        for j in range(WORLD):
+            for got_t, want_t in zip(got["all_gather_coalesced"][j], coalesced[j], strict=True):
+                assert same(got_t, want_t), ("all_gather_coalesced", r, j)
+        before, after = got["sequence_numbers"]
+        assert after == before + 1 and before > 0
+    assert len({res[r]["sequence_numbers"] for r in range(WORLD)}) == 1
     assert all(
         same(a, b)
         for a, b in zip(res[0]["gather"], [data(j, 2, torch.int64) for j in range(WORLD)], strict=True)
@@ -253,6 +268,19 @@ def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
     for r in by_hand("mismatch", tmp_path):
         assert r.get("error") == "CollectiveMismatchError", r
         assert "all_reduce" in r["message"] and "broadcast" in r["message"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["group_timeout", "group_recv_timeout"])
+def test_a_groups_own_timeout_raises_with_torchs_words(tmp_path: Path, mode: str) -> None:
+    """torch's test_barrier_timeout_full_group (and a receive): a group made with a 1 s timeout in a
+    world of 30 s gives up after its own, with a message torch's tests match."""
+    late, early = by_hand(mode, tmp_path)[::-1]
+    assert early.get("error") == "CollectiveTimeoutError", early
+    assert re.search(r" (Timed out|closed|timeout) ", early["message"]), early
+    assert "Timed out after 1s" in early["message"] and "rank(s) [1]" in early["message"], early
+    assert early["waited"] < 8, early  # the group's 1 s and slack, far below the world's 30 s
+    assert late.get("error") == "PeerFailureError", late  # its barrier finds the world aborted
 
 
 @pytest.mark.timeout(200)

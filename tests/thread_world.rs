@@ -43,9 +43,10 @@ fn bad_arguments_are_refused() {
     let mut x = [1i32; 4];
     assert!(matches!(pg.all_reduce_tensor(&mut x, ReduceOp::Average), Err(Error::UnsupportedDtype(_))));
     let b = ThreadBackend::single();
-    assert!(ProcessGroup::with_ranks(Arc::new(b), &[0, 0]).is_err());
+    assert!(ProcessGroup::with_ranks(Arc::new(b), &[0, 0], None).is_err());
     let b = ThreadBackend::single();
-    assert!(matches!(b.split(&[3]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(b.split(&[3], None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(b.split(&[0], Some(std::time::Duration::ZERO)), Err(Error::InvalidArgument(_))));
 }
 
 #[test]

@@ -246,9 +246,12 @@ def sync_gradients(gradients: Sequence[Any], pg: ProcessGroupLike | None = None)
             offset += grad.size
 
 
-def new_group(ranks: Sequence[int], group: ProcessGroupLike | None = None) -> ProcessGroupLike:
+def new_group(
+    ranks: Sequence[int], group: ProcessGroupLike | None = None, timeout: float | timedelta | None = None
+) -> ProcessGroupLike:
     """A subgroup over `ranks` (global ranks, members of `group`; None: the default group), the same call
-    on every backend (threads, shm, MPI): ``group.new_group(ranks)``. Call it on every rank of `group`, in
-    the same order; a rank outside `ranks` gets a group it can query (``contains``, ``ranks``) but not
-    use."""
-    return _group(group, "new_group(ranks, group)").new_group(ranks)
+    on every backend (threads, shm, MPI): ``group.new_group(ranks, timeout)``. Call it on every rank of
+    `group`, in the same order; a rank outside `ranks` gets a group it can query (``contains``, ``ranks``)
+    but not use. Its operations wait `timeout` (seconds or a timedelta; None: the world's) before they
+    raise CollectiveTimeoutError."""
+    return _group(group, "new_group(ranks, group)").new_group(ranks, timeout)

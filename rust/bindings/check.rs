@@ -88,7 +88,14 @@ impl Backend for Checker<'_> {
         call::peer(&self.g.members, self.g.rank, src, call::RECEIVE_FROM)?;
         self.keep_message(buf.dtype(), buf.len())
     }
-    fn split(&self, _ranks: &[usize]) -> Result<Arc<dyn Backend>> {
+    fn sequence_number(&self) -> u64 {
+        0 // a check makes no call
+    }
+    fn timeout(&self) -> std::time::Duration {
+        // A call check never waits.
+        crate::config::DEFAULT_TIMEOUT
+    }
+    fn split(&self, _ranks: &[usize], _timeout: Option<std::time::Duration>) -> Result<Arc<dyn Backend>> {
         Err(crate::error::Error::Internal("a call check has no subgroups".into()))
     }
     fn abort(&self, _reason: &str) {}

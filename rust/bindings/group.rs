@@ -67,21 +67,29 @@ impl PyProcessGroup {
 #[pymethods]
 impl PyProcessGroup {
     /// The group of every rank of `backend`'s world (`ranks=None`), or of `ranks` (global; every member
-    /// must create it, in the same order as its other groups).
+    /// must create it, in the same order as its other groups). With a `timeout` (seconds or a
+    /// `datetime.timedelta`; None: the world's) its waits last that long: a group of its own even over
+    /// every rank, which every rank must then create.
     #[new]
-    #[pyo3(signature = (backend, ranks=None))]
-    fn new(backend: &PyBackend, ranks: Option<Vec<usize>>) -> PyResult<Self> {
+    #[pyo3(signature = (backend, ranks=None, timeout=None))]
+    fn new(backend: &PyBackend, ranks: Option<Vec<usize>>, timeout: Option<&Obj>) -> PyResult<Self> {
         let b = backend.inner.clone();
-        let inner = match ranks {
-            None => ProcessGroup::new(b),
-            Some(r) => ProcessGroup::with_ranks(b, &r)?,
+        let timeout = timeout.map(timeout_arg).transpose()?;
+        let inner = match (ranks, timeout) {
+            (None, None) => ProcessGroup::new(b),
+            (None, Some(t)) => {
+                let every = b.members().to_vec();
+                ProcessGroup::with_ranks(b, &every, Some(t))?
+            }
+            (Some(r), t) => ProcessGroup::with_ranks(b, &r, t)?,
         };
         Ok(PyProcessGroup { inner: Arc::new(inner) })
     }
-    /// Same as `ProcessGroup(backend, ranks)`.
+    /// Same as `ProcessGroup(backend, ranks, timeout)`.
     #[staticmethod]
-    fn with_ranks(backend: &PyBackend, ranks: Vec<usize>) -> PyResult<Self> {
-        Self::new(backend, Some(ranks))
+    #[pyo3(signature = (backend, ranks, timeout=None))]
+    fn with_ranks(backend: &PyBackend, ranks: Vec<usize>, timeout: Option<&Obj>) -> PyResult<Self> {
+        Self::new(backend, Some(ranks), timeout)
     }
     /// A group over a world of one rank.
     #[staticmethod]
@@ -89,10 +97,18 @@ impl PyProcessGroup {
         PyProcessGroup { inner: Arc::new(ProcessGroup::mock()) }
     }
     /// A subgroup of `ranks` (global), made over this group's world as `World.new_group` does: every
-    /// member creates it, in the same order as its other groups. The same call as on the MPI group.
-    fn new_group(&self, ranks: Vec<usize>) -> PyResult<Self> {
-        let inner = ProcessGroup::with_ranks(self.inner.backend().clone(), &ranks)?;
+    /// member creates it, in the same order as its other groups. Its waits last `timeout` (seconds or a
+    /// `datetime.timedelta`; None: the world's). The same call as on the MPI group.
+    #[pyo3(signature = (ranks, timeout=None))]
+    fn new_group(&self, ranks: Vec<usize>, timeout: Option<&Obj>) -> PyResult<Self> {
+        let timeout = timeout.map(timeout_arg).transpose()?;
+        let inner = ProcessGroup::with_ranks(self.inner.backend().clone(), &ranks, timeout)?;
         Ok(PyProcessGroup { inner: Arc::new(inner) })
+    }
+    /// How long a wait on this group (a collective, a send or receive) lasts before it raises
+    /// CollectiveTimeoutError, in seconds.
+    fn timeout(&self) -> f64 {
+        self.inner.timeout().as_secs_f64()
     }
     /// The world backend this group was made from.
     fn backend(&self) -> PyBackend {
@@ -113,6 +129,11 @@ impl PyProcessGroup {
     /// Global ranks of the members, ascending (the group order).
     fn ranks(&self) -> Vec<usize> {
         self.inner.ranks().to_vec()
+    }
+    /// The sequence number of the last collective this rank entered on this group (0 before the first):
+    /// the same on every member between calls.
+    fn sequence_number(&self) -> u64 {
+        self.inner.sequence_number()
     }
     /// Whether global rank `rank` is a member.
     fn contains(&self, rank: usize) -> bool {
@@ -216,7 +237,7 @@ impl PyProcessGroup {
     fn barrier(&self, py: Python<'_>, async_op: bool) -> Ret {
         self.run(py, async_op, Ok(c::barrier()), None)
     }
-    /// A barrier that waits at most `timeout` (seconds or a `datetime.timedelta`; None: the world's
+    /// A barrier that waits at most `timeout` (seconds or a `datetime.timedelta`; None: the group's
     /// timeout). When members do not arrive in time, every member that did raises
     /// CollectiveTimeoutError naming all the missing ones, whatever `wait_all_ranks` (torch's keyword),
     /// and the world is aborted, as by any timeout. Blocking only.

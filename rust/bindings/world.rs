@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
+use super::args::timeout_arg;
 use super::backend::PyBackend;
 use super::group::PyProcessGroup;
 use crate::group::World;
@@ -53,9 +54,12 @@ impl PyWorld {
         let g = self.inner.default_group().clone();
         Ok(py.detach(move || g.barrier())?)
     }
-    /// A subgroup of `ranks` (global). Every member must create it, in the same order as its other
-    /// groups; on a non-member it is a handle whose collectives raise ValueError.
-    fn new_group(&self, ranks: Vec<usize>) -> PyResult<PyProcessGroup> {
-        Ok(PyProcessGroup { inner: Arc::new(self.inner.new_group(&ranks)?) })
+    /// A subgroup of `ranks` (global), whose waits last `timeout` (seconds or a `datetime.timedelta`;
+    /// None: the world's). Every member must create it, in the same order as its other groups; on a
+    /// non-member it is a handle whose collectives raise ValueError.
+    #[pyo3(signature = (ranks, timeout=None))]
+    fn new_group(&self, ranks: Vec<usize>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<PyProcessGroup> {
+        let timeout = timeout.map(timeout_arg).transpose()?;
+        Ok(PyProcessGroup { inner: Arc::new(self.inner.new_group(&ranks, timeout)?) })
     }
 }

@@ -1,9 +1,9 @@
 //! The one [`Backend`] implementation: every public backend type that wraps an [`Engine`] (see
 //! [`backend_type`]) forwards the trait to it.
 
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::Ordering::{Acquire, SeqCst};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{Cause, Engine, Store};
 use crate::backend::{Backend, SharedMem};
@@ -29,7 +29,7 @@ pub(crate) trait AsEngine: Send + Sync + Sized + 'static {
 }
 
 /// Make `$name`, a public tuple struct around an `Engine<$store>`, an [`AsEngine`] (so a
-/// [`Backend`]), with a `timeout` method.
+/// [`Backend`]).
 macro_rules! backend_type {
     ($name:ident, $store:ty) => {
         impl $crate::engine::AsEngine for $name {
@@ -39,13 +39,6 @@ macro_rules! backend_type {
             }
             fn wrap(engine: $crate::engine::Engine<$store>) -> Self {
                 $name(engine)
-            }
-        }
-
-        impl $name {
-            /// How long a wait lasts before it fails.
-            pub fn timeout(&self) -> std::time::Duration {
-                $crate::engine::Store::timeout(self.0.store())
             }
         }
     };
@@ -64,6 +57,9 @@ impl<T: AsEngine> Backend for T {
     }
     fn members(&self) -> &[usize] {
         self.engine().store.members()
+    }
+    fn timeout(&self) -> Duration {
+        self.engine().store.timeout()
     }
     fn lanes(&self) -> &Lanes {
         &self.engine().lanes
@@ -85,8 +81,13 @@ impl<T: AsEngine> Backend for T {
         e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
     }
 
-    fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
-        Ok(Arc::new(T::wrap(self.engine().split(ranks)?)))
+    fn sequence_number(&self) -> u64 {
+        let s = &self.engine().store;
+        s.ctrl(s.index()).arrive.load(Acquire)
+    }
+
+    fn split(&self, ranks: &[usize], timeout: Option<Duration>) -> Result<Arc<dyn Backend>> {
+        Ok(Arc::new(T::wrap(self.engine().split(ranks, timeout)?)))
     }
     fn abort(&self, reason: &str) {
         self.engine().store.abort(reason, Cause::Other);

@@ -119,10 +119,6 @@ impl<S: Store> Engine<S> {
         Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes }
     }
 
-    pub(crate) fn store(&self) -> &S {
-        &self.store
-    }
-
     fn check_abort(&self, op: &str, waiting: bool) -> Result<()> {
         if self.store.aborted() {
             return Err(self.store.abort_error(op, waiting));
@@ -228,8 +224,8 @@ impl<S: Store> Engine<S> {
     }
 
     /// Wait until every member's counter (picked by `which`) reaches `k`; fails (aborting the world)
-    /// on abort, interrupt, a dead peer or the timeout (`within`, else the world's), naming the members
-    /// that never got there.
+    /// on abort, interrupt, a dead peer or the timeout (`within`, else the communicator's), naming the
+    /// members that never got there.
     fn wait_all(
         &self,
         which: impl Fn(&Ctrl) -> &AtomicU64 + Copy,
@@ -577,10 +573,12 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    fn split(&self, ranks: &[usize]) -> Result<Self> {
+    /// The communicator over `ranks`, whose waits last `timeout` (None: this communicator's).
+    fn split(&self, ranks: &[usize], timeout: Option<Duration>) -> Result<Self> {
         let members = call::validate_ranks(ranks, self.store.world_size())?;
         let index = call::index_of(&members, self.store.rank(), "the calling")?;
-        Ok(Engine::with_lanes(self.store.split(members, index)?, self.lanes.child()))
+        let timeout = call::checked_timeout(timeout.unwrap_or_else(|| self.store.timeout()))?;
+        Ok(Engine::with_lanes(self.store.split(members, index, timeout)?, self.lanes.child()))
     }
 
     /// A send or receive: the peer checked, then the world's own point-to-point path.

@@ -115,7 +115,8 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn members(&self) -> &[usize];
     /// This member's index in [`Store::members`].
     fn index(&self) -> usize;
-    /// How long any wait lasts.
+    /// How long any wait on this communicator lasts: its own timeout (`split`), the world's for the
+    /// world's communicator.
     fn timeout(&self) -> Duration;
 
     /// Member `j`'s control block.
@@ -174,8 +175,8 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()>;
 
     /// This rank's view of the communicator over `members` (validated, sorted; this rank is
-    /// `members[index]`).
-    fn split(&self, members: Vec<usize>, index: usize) -> Result<Self>;
+    /// `members[index]`), whose waits last `timeout` (at most `MAX_TIMEOUT`).
+    fn split(&self, members: Vec<usize>, index: usize, timeout: Duration) -> Result<Self>;
     /// This rank will make no more calls (see `Backend::leave`).
     fn leave(&self) {}
     /// Memory every member can address (see `Backend::alloc`).

@@ -143,7 +143,7 @@ fn members_publish_their_core_and_waiters_read_where_peers_are() {
     });
     let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
     let engine = Engine::new(ThreadStore::world(&shared, 0));
-    let peer = &engine.store().ctrl(1).cpu;
+    let peer = &engine.store.ctrl(1).cpu;
     let at = |cpu: u32| {
         peer.store(cpu, SeqCst);
         engine.placement(std::iter::once(1))

@@ -176,12 +176,12 @@ pub fn rooted_and_gathering_collectives_deliver_the_right_parts(w: &impl Worlds,
 pub fn subgroups_are_independent_and_concurrent(w: &impl Worlds) {
     let got = w.run(4, LONG, |pg| {
         let world = World::init(pg.backend().clone());
-        let evens = world.new_group(&[0, 2]).unwrap();
-        let odds = world.new_group(&[3, 1]).unwrap();
+        let evens = world.new_group(&[0, 2], None).unwrap();
+        let odds = world.new_group(&[3, 1], None).unwrap();
         let mine = if pg.rank() % 2 == 0 { &evens } else { &odds };
         let mut x = vec![pg.rank() as i64 + 1; 90_000];
         mine.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
-        let again = world.new_group(&[0, 2]).unwrap();
+        let again = world.new_group(&[0, 2], None).unwrap();
         let mut y = vec![1i32; 10];
         if pg.rank() % 2 == 0 {
             again.all_reduce_tensor(&mut y, ReduceOp::Sum).unwrap();
@@ -319,6 +319,27 @@ pub fn a_monitored_barrier_waits_its_own_timeout_and_names_every_missing_rank(w:
     }
 }
 
+pub fn a_subgroup_waits_its_own_timeout_not_the_worlds(w: &impl Worlds) {
+    let within = Duration::from_millis(300);
+    let got = w.run(3, LONG, move |pg| {
+        let world = World::init(pg.backend().clone());
+        let sub = world.new_group(&[0, 1], Some(within)).unwrap();
+        assert_eq!((pg.timeout(), sub.timeout()), (LONG, within));
+        match pg.rank() {
+            0 => sub.barrier().err(),
+            // Alive but late (one that left would be reported at once), then told of the abort.
+            1 => {
+                std::thread::sleep(Duration::from_millis(1500));
+                sub.barrier().err()
+            }
+            _ => None,
+        }
+    });
+    let ok = matches!(&got[0], Some(Error::Timeout { missing, waited, .. }) if missing == &vec![1] && *waited == within);
+    assert!(ok, "rank 0 gives up after the group's timeout: {:?}", got[0]);
+    assert!(matches!(got[1], Some(Error::Aborted { .. })), "the late rank fails at once: {:?}", got[1]);
+}
+
 pub fn abort_wakes_every_waiter_with_the_aborting_rank(w: &impl Worlds) {
     let got = w.run(3, LONG, |pg| {
         if pg.rank() == 0 {
@@ -361,7 +382,7 @@ pub fn no_peer_writes_into_a_buffer_after_its_collective_returned(
                             b.abort("a rank outside the subgroup failed");
                             return 0;
                         }
-                        let sub = b.split(&[0, 1]).unwrap();
+                        let sub = b.split(&[0, 1], None).unwrap();
                         let mut x = w.buffer(&*b, len);
                         go.wait();
                         loop {
@@ -384,7 +405,7 @@ pub fn no_peer_writes_into_a_buffer_after_its_collective_returned(
 /// A group over every rank is a group of its own: calls on it never match calls on the world.
 pub fn a_group_over_every_rank_does_not_share_the_world_sequence(w: &impl Worlds) {
     let got = w.run(2, Duration::from_millis(300), |pg| {
-        let all = ProcessGroup::with_ranks(pg.backend().clone(), &[0, 1]).unwrap();
+        let all = ProcessGroup::with_ranks(pg.backend().clone(), &[0, 1], None).unwrap();
         let (mut x, mut y) = (vec![1.0f32; 4], vec![10.0f32; 4]);
         if pg.rank() == 0 {
             (

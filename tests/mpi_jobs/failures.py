@@ -5,6 +5,8 @@
 - timeout:          rank 1 never arrives; rank 0 (timeout 1.5 s) reports CollectiveTimeoutError naming
                     all_reduce and aborts the job.
 - timeout-unchecked: the same with the signature check off, so the data operation itself times out.
+- group-timeout:    the same on a group over every rank made with a timeout of 1.5 s, in a job of 120 s:
+                    the group's own timeout ends the wait.
 - late:             rank 1 arrives 2 s late; rank 0 waits without burning a core, and both finish
                     (exit 0).
 - init-missing:     the last rank never calls init_mpi_process_group; the others (timeout 1.5 s) report
@@ -33,10 +35,12 @@ def main(scenario: str) -> None:
     if scenario in ("init-missing", "new-group-missing", "init-interrupted"):
         missing(scenario)
         return
-    if scenario not in ("raise", "timeout", "timeout-unchecked"):
+    if scenario not in ("raise", "timeout", "timeout-unchecked", "group-timeout"):
         raise SystemExit(f"unknown scenario {scenario!r}")
-    timeout = 120 if scenario == "raise" else 1.5
+    timeout = 1.5 if scenario in ("timeout", "timeout-unchecked") else 120
     pg = init_mpi_process_group(timeout=timeout, check_signatures=scenario != "timeout-unchecked")
+    if scenario == "group-timeout":
+        pg = pg.new_group(range(pg.size()), timeout=1.5)
     if pg.rank() == 1:
         if scenario == "raise":
             raise RuntimeError("rank 1 fails in user code")

@@ -180,6 +180,23 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     rsv = torch.empty(rank + 1)
     dist.reduce_scatter(rsv, [data(rank, j + 1, torch.float32, seed=50 + j) for j in range(world)])
     out["reduce_scatter_uneven"] = rsv
+    # all_gather_coalesced: outputs[r][j] receives rank r's inputs[j] (shapes differ, one is empty;
+    # torch asks for one dtype).
+    ins = [
+        data(rank, 3, torch.float32, seed=60),
+        torch.empty(0),
+        data(rank, 4, torch.float32, seed=61).view(2, 2),
+    ]
+    outs = [[torch.empty_like(t) for t in ins] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    out["all_gather_coalesced"] = outs
+    # Sequence numbers: equal on every member between calls, and counting calls.
+    seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    dist.barrier()
+    out["sequence_numbers"] = (
+        seq,
+        dist.distributed_c10d._get_default_group()._get_sequence_number_for_group(),
+    )
     return out
 
 
@@ -233,6 +250,35 @@ def dies(rank: int, world: int) -> dict[str, Any]:
     except RuntimeError as e:
         NOTES["ddp"] = f"{type(e).__name__}: {e}"
     dist.all_reduce(torch.ones(4))
+    return {}
+
+
+def group_timeout(rank: int, world: int) -> dict[str, Any]:
+    """torch's test_barrier_timeout_full_group: a barrier on a group of every rank with a 1 s timeout,
+    in a world of 30 s, while rank 1 comes late."""
+    return _late_peer(dist.new_group(timeout=datetime.timedelta(seconds=1)), rank, dist.barrier)
+
+
+def group_recv_timeout(rank: int, world: int) -> dict[str, Any]:
+    """A receive on a subgroup with a 1 s timeout from a rank that sends nothing in time."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    return _late_peer(group, rank, lambda group: dist.recv(torch.zeros(4), src=1, group=group))
+
+
+def _late_peer(group: Any, rank: int, call: Any) -> dict[str, Any]:
+    """Rank 0 makes `call` on `group` at once, rank 1 after 4 s; what rank 0 raised goes with how long it
+    waited."""
+    import time
+
+    if rank == 1:
+        time.sleep(4)
+        dist.barrier(group)  # the world was aborted by rank 0's timeout by now: our PeerFailureError
+        return {}
+    start = time.monotonic()
+    try:
+        call(group)
+    finally:
+        NOTES["waited"] = time.monotonic() - start
     return {}
 
 
@@ -308,7 +354,11 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 
 # What a job saw before it failed, saved with its error.
 NOTES: dict[str, Any] = {}
-MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]}
+MODES = {
+    f.__name__: f
+    for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]
+    + [group_timeout, group_recv_timeout]
+}
 
 
 def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:

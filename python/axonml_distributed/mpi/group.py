@@ -122,6 +122,10 @@ class MpiProcessGroup:
     def contains(self, rank: int) -> bool:
         return rank in self._index
 
+    def timeout(self) -> float:
+        """How long an operation on this group waits, in seconds, before it aborts the job."""
+        return self._timeout
+
     def group_rank(self, global_rank: int) -> int:
         index = self._index.get(global_rank)  # the common case, without a call into the core
         return self._calls.group_rank(global_rank) if index is None else index
@@ -132,15 +136,18 @@ class MpiProcessGroup:
             raise TypeError(f"the MPI backend cannot carry {out.dtype} buffers")
         return out
 
-    def new_group(self, ranks: Sequence[int]) -> MpiProcessGroup:
+    def new_group(self, ranks: Sequence[int], timeout: float | timedelta | None = None) -> MpiProcessGroup:
         """A group over `ranks` (global ranks of the job, kept sorted like the native groups: chunk i of a
         reduce_scatter goes to the i-th smallest), as the native groups' ``new_group``: called on any
         group, a member or not, it makes the same group. Collective over the members only
         (MPI_Comm_create_group on the job's communicator); a non-member gets a group it can query but
         not use. A member that does not arrive within the group's timeout makes the others abort the job
-        naming it. A bad list of ranks is refused with the native groups' error (the core's check)."""
+        naming it. The new group's operations wait `timeout` (seconds or a timedelta, checked as every
+        timeout; None: the job's). A bad list of ranks is refused with the native groups' error (the
+        core's check)."""
         members = validate_ranks(ranks, self.world_size())
         world = self._world
+        seconds = world._timeout if timeout is None else checked_timeout(timeout)
         indices = [world.group_rank(r) for r in members]
         comm = None
         if self._rank in members:
@@ -152,7 +159,7 @@ class MpiProcessGroup:
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, members, self._rank, self._timeout, self._check, world)
+        return MpiProcessGroup(comm, members, self._rank, seconds, self._check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""

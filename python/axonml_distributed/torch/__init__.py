@@ -69,7 +69,8 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
         # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
         native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
     else:
-        native = ProcessGroup(_world, ranks)
+        # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
+        native = ProcessGroup(_world, ranks, opts.timeout)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
 
 

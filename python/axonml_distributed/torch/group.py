@@ -143,6 +143,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def size(self) -> int:
         return len(self._ranks)
 
+    def _get_sequence_number_for_group(self) -> int:
+        """The engine's number of the last collective this rank entered on the group: equal on every
+        member between calls, as torch's sequence numbers are."""
+        return self._native.sequence_number()
+
     def __repr__(self) -> str:
         return f"AxonmlProcessGroup(rank={self.rank()}, ranks={self._ranks})"
 
@@ -220,10 +225,29 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
+        return self._gather_each(output_lists, inputs, output_lists, opts)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        """torch's lists run the other way round from `allgather`'s: ``output_lists[r][j]`` receives
+        rank r's ``inputs[j]``. One all_gather per input, into its column of the outputs."""
+        if len(output_lists) != self.size() or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(
+                f"all_gather_coalesced needs {self.size()} output lists (one per rank) of {len(inputs)} "
+                "tensors (one per input)"
+            )
+        columns = [[outs[j] for outs in output_lists] for j in range(len(inputs))]
+        return self._gather_each(columns, inputs, output_lists, opts)
+
+    def _gather_each(
+        self, per_input: list[list[torch.Tensor]], inputs: list[torch.Tensor], result: Any, opts: Any
+    ) -> Work | None:
+        """All_gather ``inputs[j]`` into ``per_input[j]`` (one tensor per rank) for every j."""
         detached = _async(opts)
         natives: list[Any] = []
         finishes: list[Callable[[], object] | None] = []
-        for outs, t in zip(output_lists, inputs, strict=True):
+        for outs, t in zip(per_input, inputs, strict=True):
             if any(o.shape != t.shape for o in outs):  # uneven sizes: all_gather_v
                 counts = [o.numel() for o in outs]
                 flat = torch.empty(sum(counts), dtype=t.dtype)
@@ -233,12 +257,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             staged = torch.empty((len(outs), *t.shape), dtype=t.dtype)
             natives.append(self._native.all_gather(_dense(t)[0], staged, async_op=detached))
             finishes.append(partial(_unstage, outs, staged.view(-1), [t.numel()] * len(outs)))
-        return self._done("coll", natives, output_lists, _chain(*finishes))
-
-    def allgather_coalesced(
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> Work | None:
-        return self.allgather(output_lists, inputs, opts)
+        return self._done("coll", natives, result, _chain(*finishes))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
         out, back = _dense(output)

@@ -95,13 +95,14 @@ impl Shared {
         }
     }
 
-    /// Wait on `event` until `ready`, checking abort and the liveness of `ranks`. `Err(None)` means
-    /// the deadline passed.
+    /// Wait on `event` until `ready`, for at most `timeout`, checking abort and the liveness of `ranks`.
+    /// `Err(None)` means the deadline passed.
     pub(crate) fn wait(
         &self,
         event: &Event,
         ranks: &[usize],
         op: &str,
+        timeout: Duration,
         ready: impl FnMut() -> bool,
     ) -> std::result::Result<(), Option<Error>> {
         let w = Wait {
@@ -109,7 +110,7 @@ impl Shared {
             shared: true,
             // Every rank of the world is a process on this host competing for its cores.
             spin: may_spin(self.size),
-            deadline: Instant::now() + self.timeout,
+            deadline: Instant::now() + timeout,
             op,
         };
         match w.until(ready, || self.check_abort(op, Some(ranks)), || self.check_alive(ranks, op)) {

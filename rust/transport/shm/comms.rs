@@ -45,7 +45,7 @@ impl Shared {
                 .filter(|&r| r < self.size && r != self.rank)
                 .into_iter()
                 .collect();
-            self.wait(&h.event, &ranks, op, || h.table.load(Acquire) == 0).map_err(|e| {
+            self.wait(&h.event, &ranks, op, self.timeout, || h.table.load(Acquire) == 0).map_err(|e| {
                 e.unwrap_or_else(|| {
                     let op = format!("{op} (waiting for the communicator table)");
                     Error::timeout(self.rank, op, self.timeout, ranks.clone(), (0..self.size).collect())

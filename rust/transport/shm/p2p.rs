@@ -17,6 +17,7 @@
 //! (and the receiver its queue) under a lock, so threads of one rank take turns on a channel.
 
 use std::sync::atomic::Ordering::*;
+use std::time::Duration;
 
 use super::layout::ChanHead;
 use super::shared::{ChanState, Shared};
@@ -62,13 +63,21 @@ fn chunks(bytes: usize, cell: usize) -> u64 {
 }
 
 /// Send `buf` to `dst` (eagerly when small; module docs).
-pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
+/// Waits last `timeout` (the communicator's).
+pub(crate) fn send(
+    w: &Shared,
+    buf: Buf<'_>,
+    dst: usize,
+    tag: u64,
+    op: &str,
+    timeout: Duration,
+) -> Result<()> {
     let mut st = lock(&w.sends[dst]);
     let (ch, cells) = w.chan(w.rank, dst);
     let peers = [dst];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, op, ready)
-            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, w.timeout, dst)))
+        w.wait(&ch.event, &peers, op, timeout, ready)
+            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, timeout, dst)))
     };
     let m = st.msgs + 1;
     st.msgs = m;
@@ -114,8 +123,15 @@ pub(crate) fn send(w: &Shared, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> 
 }
 
 /// Receive into `buf` the first message from `src` with `tag`, which must carry `buf`'s dtype and
-/// length.
-pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
+/// length. Waits last `timeout` (the communicator's).
+pub(crate) fn recv(
+    w: &Shared,
+    mut buf: BufMut<'_>,
+    src: usize,
+    tag: u64,
+    op: &str,
+    timeout: Duration,
+) -> Result<()> {
     let mut st = lock(&w.recvs[src]);
     let mismatch = |count: u64, dtype: DType| call::wrong_message(w.rank, op, count, &dtype, src);
     let fits = |count: u64, dtype: DType| dtype == buf.dtype() && count == buf.len() as u64;
@@ -130,8 +146,8 @@ pub(crate) fn recv(w: &Shared, mut buf: BufMut<'_>, src: usize, tag: u64, op: &s
     let (ch, cells) = w.chan(src, w.rank);
     let peers = [src];
     let wait = |ready: &dyn Fn() -> bool| {
-        w.wait(&ch.event, &peers, op, ready)
-            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, w.timeout, src)))
+        w.wait(&ch.event, &peers, op, timeout, ready)
+            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, timeout, src)))
     };
     let cell = w.layout.params.cell;
     loop {

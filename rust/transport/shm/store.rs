@@ -39,6 +39,8 @@ pub(crate) struct ShmStore {
     /// What each route took lately for this communicator's calls (`algo::route_times`): per
     /// communicator, so that every member counts the same calls.
     routes: RouteTimes,
+    /// How long waits on this communicator last (`Store::timeout`).
+    timeout: Duration,
 }
 
 impl Drop for ShmStore {
@@ -61,6 +63,7 @@ impl ShmStore {
         head.members.store(if n == 64 { u64::MAX } else { (1 << n) - 1 }, Relaxed);
         head.state.store(super::layout::IN_USE, Release);
         ShmStore {
+            timeout: world.timeout,
             world,
             slot: 0,
             members: (0..n).collect(),
@@ -169,7 +172,7 @@ impl Store for ShmStore {
         self.index
     }
     fn timeout(&self) -> Duration {
-        self.world.timeout
+        self.timeout
     }
 
     fn ctrl(&self, j: usize) -> &Ctrl {
@@ -180,7 +183,7 @@ impl Store for ShmStore {
             event: &self.world.comm_head(self.slot).event,
             shared: true,
             spin: self.spins(),
-            deadline: Instant::now() + self.world.timeout,
+            deadline: Instant::now() + self.timeout,
             op,
         }
     }
@@ -246,8 +249,13 @@ impl Store for ShmStore {
     }
     fn abort_error(&self, op: &str, waiting: bool) -> Error {
         let waiting = waiting.then_some(&self.members[..]);
-        let e = self.world.check_abort(op, waiting).err();
-        e.unwrap_or_else(|| Error::Aborted { by: usize::MAX, reason: String::new() })
+        match self.world.check_abort(op, waiting).err() {
+            // This member waited as long as its communicator's timeout, not the world's.
+            Some(Error::Timeout { rank, op, missing, group, progress, .. }) => {
+                Error::Timeout { rank, op, waited: self.timeout, missing, group, progress }
+            }
+            e => e.unwrap_or_else(|| Error::Aborted { by: usize::MAX, reason: String::new() }),
+        }
     }
     fn abort(&self, reason: &str, cause: Cause<'_>) {
         self.world.abort(reason, cause);
@@ -260,13 +268,13 @@ impl Store for ShmStore {
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
-        super::p2p::send(&self.world, buf, dst, tag, op)
+        super::p2p::send(&self.world, buf, dst, tag, op, self.timeout)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
-        super::p2p::recv(&self.world, buf, src, tag, op)
+        super::p2p::recv(&self.world, buf, src, tag, op, self.timeout)
     }
 
-    fn split(&self, members: Vec<usize>, index: usize) -> Result<Self> {
+    fn split(&self, members: Vec<usize>, index: usize, timeout: Duration) -> Result<Self> {
         let (slot, first) = self.world.claim(&members, "new_group")?;
         // From here on dropping the store leaves the slot.
         let group = ShmStore {
@@ -276,6 +284,7 @@ impl Store for ShmStore {
             index,
             first_block: first as usize,
             routes: RouteTimes::default(),
+            timeout,
         };
         self.world.own_block(group.first_block + index, true)?;
         Ok(group)

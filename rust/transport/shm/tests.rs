@@ -97,7 +97,7 @@ fn an_unexpected_message_larger_than_the_limit_fails_the_receive_without_allocat
     ch.filled.store(1, std::sync::atomic::Ordering::Release);
     let mut x = [0u8; 4];
     let t = Instant::now();
-    let e = p2p::recv(&r0, BufMut::new(&mut x[..]), 1, 7, "recv").unwrap_err();
+    let e = p2p::recv(&r0, BufMut::new(&mut x[..]), 1, 7, "recv", r0.timeout).unwrap_err();
     let said = |m: &str| m.contains("1099511627776 bytes with tag 9") && m.contains("1024 MiB");
     assert!(matches!(&e, Error::InvalidArgument(m) if said(m)), "{e}");
     assert!(t.elapsed() < Duration::from_secs(10), "failed at once, not at the timeout");

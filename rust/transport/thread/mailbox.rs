@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::store::Shared;
 use crate::call;
@@ -41,7 +41,8 @@ unsafe impl Send for Letter {}
 // SAFETY: as above; the state is atomic and the data only read.
 unsafe impl Sync for Letter {}
 
-type Key = (usize, usize, u64);
+/// (source, destination, tag).
+pub(crate) type Key = (usize, usize, u64);
 type Guard<'a> = MutexGuard<'a, HashMap<Key, VecDeque<Arc<Letter>>>>;
 /// A nap's outcome: the guard back, or why it ended (`None`: the deadline) with the guard.
 type Nap<'a> = std::result::Result<Guard<'a>, (Option<Box<Error>>, Guard<'a>)>;
@@ -88,14 +89,14 @@ impl Mailbox {
         Ok(g)
     }
 
+    /// Post `buf` under `(src, dst, tag)`; a large one waits (at most `timeout`) until it is received.
     pub(crate) fn send(
         &self,
         world: &Shared,
-        src: usize,
-        dst: usize,
-        tag: u64,
+        (src, dst, tag): Key,
         buf: Buf<'_>,
         op: &str,
+        timeout: Duration,
     ) -> Result<()> {
         let eager = buf.byte_len() <= EAGER;
         let copy = eager.then(|| buf.bytes().to_vec());
@@ -107,7 +108,7 @@ impl Mailbox {
             _copy: copy,
             state: AtomicU8::new(QUEUED),
         });
-        let deadline = Instant::now() + world.timeout();
+        let deadline = Instant::now() + timeout;
         let mut q = self.lock();
         q.entry((src, dst, tag)).or_default().push_back(letter.clone());
         self.changed.notify_all();
@@ -137,22 +138,22 @@ impl Mailbox {
                     if let Some(queue) = g.get_mut(&(src, dst, tag)) {
                         queue.retain(|l| !Arc::ptr_eq(l, &letter));
                     }
-                    return Err(e.map_or_else(|| call::p2p_timeout(src, op, world.timeout(), dst), |e| *e));
+                    return Err(e.map_or_else(|| call::p2p_timeout(src, op, timeout, dst), |e| *e));
                 }
             };
         }
     }
 
+    /// Receive the first letter under `(src, dst, tag)` into `buf`, waiting at most `timeout`.
     pub(crate) fn recv(
         &self,
         world: &Shared,
-        src: usize,
-        dst: usize,
-        tag: u64,
+        (src, dst, tag): Key,
         mut buf: BufMut<'_>,
         op: &str,
+        timeout: Duration,
     ) -> Result<()> {
-        let deadline = Instant::now() + world.timeout();
+        let deadline = Instant::now() + timeout;
         let mut q = self.lock();
         let letter = loop {
             if let Some(l) = q.get_mut(&(src, dst, tag)).and_then(VecDeque::pop_front) {
@@ -161,9 +162,7 @@ impl Mailbox {
             }
             q = match self.nap(world, src, q, deadline, op) {
                 Ok(g) => g,
-                Err((e, _)) => {
-                    return Err(e.map_or_else(|| call::p2p_timeout(dst, op, world.timeout(), src), |e| *e))
-                }
+                Err((e, _)) => return Err(e.map_or_else(|| call::p2p_timeout(dst, op, timeout, src), |e| *e)),
             };
         };
         drop(q);

@@ -90,10 +90,6 @@ impl Shared {
         comms.entry((members.clone(), occurrence)).or_insert_with(|| Arc::new(Comm::new(members))).clone()
     }
 
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// Fails with who aborted the world and why, once it is aborted.
     pub(crate) fn check_abort(&self) -> Result<()> {
         if !self.aborted.load(SeqCst) {
@@ -142,13 +138,15 @@ pub(crate) struct ThreadStore {
     comm: Arc<Comm>,
     index: usize,
     rank: usize,
+    /// How long waits on this communicator last (`Store::timeout`).
+    timeout: Duration,
 }
 
 impl ThreadStore {
     /// Rank `rank`'s view of the world's own communicator.
     pub(crate) fn world(shared: &Arc<Shared>, rank: usize) -> Self {
         let comm = shared.comm((0..shared.size).collect(), 0);
-        ThreadStore { shared: shared.clone(), comm, index: rank, rank }
+        ThreadStore { shared: shared.clone(), comm, index: rank, rank, timeout: shared.timeout }
     }
 }
 
@@ -168,7 +166,7 @@ impl Store for ThreadStore {
         self.index
     }
     fn timeout(&self) -> Duration {
-        self.shared.timeout
+        self.timeout
     }
 
     fn ctrl(&self, j: usize) -> &Ctrl {
@@ -179,7 +177,7 @@ impl Store for ThreadStore {
             event: &self.comm.event,
             shared: false,
             spin: self.spins(),
-            deadline: Instant::now() + self.shared.timeout,
+            deadline: Instant::now() + self.timeout,
             op,
         }
     }
@@ -219,7 +217,7 @@ impl Store for ThreadStore {
             .unwrap_or(Error::Aborted { by: usize::MAX, reason: String::new() });
         let missing = lock(&self.shared.reason).as_ref().map(|r| r.2.clone()).unwrap_or_default();
         if waiting && !missing.is_empty() {
-            return Error::timeout(self.rank, op, self.shared.timeout, missing, self.comm.members.clone());
+            return Error::timeout(self.rank, op, self.timeout, missing, self.comm.members.clone());
         }
         err
     }
@@ -239,16 +237,16 @@ impl Store for ThreadStore {
     }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()> {
-        self.shared.mailbox.send(&self.shared, self.rank, dst, tag, buf, op)
+        self.shared.mailbox.send(&self.shared, (self.rank, dst, tag), buf, op, self.timeout)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
-        self.shared.mailbox.recv(&self.shared, src, self.rank, tag, buf, op)
+        self.shared.mailbox.recv(&self.shared, (src, self.rank, tag), buf, op, self.timeout)
     }
 
-    fn split(&self, members: Vec<usize>, index: usize) -> Result<Self> {
+    fn split(&self, members: Vec<usize>, index: usize, timeout: Duration) -> Result<Self> {
         let occurrence = self.shared.splits[self.rank].next(&members);
         let comm = self.shared.comm(members, occurrence);
-        Ok(ThreadStore { shared: self.shared.clone(), comm, index, rank: self.rank })
+        Ok(ThreadStore { shared: self.shared.clone(), comm, index, rank: self.rank, timeout })
     }
     fn leave(&self) {
         self.shared.departed[self.rank].store(true, SeqCst);
