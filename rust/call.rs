@@ -92,6 +92,18 @@ pub(crate) fn recv_op(buf: &BufMut<'_>, src: usize, tag: u64) -> String {
     format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype())
 }
 
+/// A receive from any source, as errors name it.
+pub(crate) fn recv_any_op(buf: &BufMut<'_>, tag: u64) -> String {
+    format!("recv({} x {} from any source, tag {tag})", buf.len(), buf.dtype())
+}
+
+/// A receive from any of `from` (this `rank`'s group peers) that no message came to.
+pub(crate) fn any_source_timeout(rank: usize, op: &str, waited: Duration, from: &[usize]) -> Error {
+    let mut group: Vec<usize> = from.iter().copied().chain([rank]).collect();
+    group.sort_unstable();
+    Error::timeout(rank, op, waited, from.to_vec(), group)
+}
+
 /// The sender's error when the receiver refused its message.
 pub(crate) fn refused(rank: usize, op: &str) -> Error {
     Error::invalid(format!(

@@ -84,6 +84,10 @@ impl<T: AsEngine> Backend for T {
         let e = self.engine();
         e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
     }
+    fn recv_any(&self, buf: BufMut<'_>, tag: u64) -> Result<usize> {
+        let op = call::recv_any_op(&buf, tag);
+        self.engine().recv_any(op, |from, op| self.engine().store.recv_any(buf, from, tag, op))
+    }
 
     fn split(&self, ranks: &[usize]) -> Result<Arc<dyn Backend>> {
         Ok(Arc::new(T::wrap(self.engine().split(ranks)?)))
