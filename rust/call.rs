@@ -78,6 +78,16 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
     Ok(())
 }
 
+/// Fails when `me` is its group's only member, so a receive from any source could never match.
+pub(crate) fn any_peer(members: &[usize], me: usize) -> Result<()> {
+    if members.iter().all(|&r| r == me) {
+        return Err(Error::invalid(format!(
+            "rank {me} cannot receive from any source: it is its group's only member"
+        )));
+    }
+    Ok(())
+}
+
 /// What a send and a receive do to their peer, as [`peer`] errors name it.
 pub(crate) const SEND_TO: &str = "send to";
 pub(crate) const RECEIVE_FROM: &str = "receive from";

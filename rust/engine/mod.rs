@@ -601,9 +601,7 @@ impl<S: Store> Engine<S> {
     /// after the previous such receive's sender) and returns the sender.
     fn recv_any(&self, op: String, go: impl FnOnce(&[usize], &str) -> Result<usize>) -> Result<usize> {
         let (members, me) = (self.store.members(), self.store.rank());
-        if members.len() < 2 {
-            return Err(self.fail(Error::invalid(format!("rank {me}: {op}: the group has no other member"))));
-        }
+        call::any_peer(members, me).map_err(|e| self.fail(e))?;
         self.check_abort(&op, false)?;
         let start = self.any_next.load(Relaxed) % members.len();
         let from: Vec<usize> =

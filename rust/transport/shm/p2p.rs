@@ -232,7 +232,11 @@ fn take_next(
     // SAFETY: chunk q (filled, acquired by the caller) starts with the message's header; the sender
     // leaves the cell until we drain it.
     unsafe {
-        std::ptr::copy_nonoverlapping(cells.add((q % 2) as usize * cell), header.as_mut_ptr().cast::<u8>(), HEADER)
+        std::ptr::copy_nonoverlapping(
+            cells.add((q % 2) as usize * cell),
+            header.as_mut_ptr().cast::<u8>(),
+            HEADER,
+        )
     };
     let Some((Head { tag: got, dtype, count, .. }, bytes)) = Head::read(header, m) else {
         return Err(Error::invalid(format!(
@@ -255,7 +259,8 @@ fn take_next(
     }
     // Not ours yet: keep it for the recv that asks for its tag, and free the channel. Its size is the
     // sender's word: bound it before allocating, and never let an allocation failure abort.
-    let held = w.early_bytes.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| t <= EARLY_MAX));
+    let held =
+        w.early_bytes.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| t <= EARLY_MAX));
     let mut data = Vec::new();
     if held.is_err() || data.try_reserve_exact(bytes).is_err() {
         if held.is_ok() {

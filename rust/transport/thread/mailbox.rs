@@ -197,7 +197,9 @@ impl Mailbox {
             q = match self.nap(world, from, q, deadline, op) {
                 Ok(g) => g,
                 Err((e, _)) => {
-                    return Err(e.map_or_else(|| call::any_source_timeout(dst, op, world.timeout(), from), |e| *e))
+                    return Err(
+                        e.map_or_else(|| call::any_source_timeout(dst, op, world.timeout(), from), |e| *e)
+                    )
                 }
             };
         };
