@@ -93,7 +93,9 @@ def nobody_sends(pg: Any) -> str:
     return "no error"
 
 
-def shm_worker(rank: int, n: int, ports: list[int], job: str | None, timeout: float, q: Any, fn: Callable) -> Any:
+def shm_worker(
+    rank: int, n: int, ports: list[int], job: str | None, timeout: float, q: Any, fn: Callable
+) -> Any:
     return fn(connect(rank, n, ports[0], timeout))
 
 
