@@ -46,6 +46,27 @@ def shared_with_recv(pg: Any) -> list[Any]:
     return got
 
 
+def posted_order(pg: Any) -> list[Any]:
+    """Queued receives with one tag match in the order they were issued, any-source or not: rank 1's
+    messages 1, 2 go to the first-issued receive, then the next."""
+    me = pg.rank()
+    if me == 1:
+        for v in (1, 2, 3, 4):
+            pg.send(np.full(1, v), 0, 8)
+    if me != 0:
+        return []
+    bufs = [np.zeros(1, np.int64) for _ in range(4)]
+    works = [
+        pg.recv(bufs[0], 1, 8, async_op=True),
+        pg.recv_any(bufs[1], 8, async_op=True),
+        pg.recv_any(bufs[2], 8, async_op=True),
+        pg.recv(bufs[3], 1, 8, async_op=True),
+    ]
+    for w in works:
+        w.wait()
+    return [int(b[0]) for b in bufs]
+
+
 def subgroup(pg: Any) -> list[Any]:
     """An any-source receive on a subgroup takes only its members' messages."""
     me = pg.rank()
@@ -168,3 +189,9 @@ def all_leave(pg: Any) -> str:
 def test_a_sender_that_left_fails_the_wait_only_once_every_sender_left() -> None:
     assert ad.spawn(leave_early, 3, timeout=20)[0] == 2
     assert "left the world" in ad.spawn(all_leave, 3, timeout=20)[0]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", WORLDS)
+def test_queued_receives_match_in_issue_order(world: str) -> None:
+    assert on(world, posted_order, 2)[0] == [1, 2, 3, 4]
