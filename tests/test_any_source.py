@@ -165,11 +165,11 @@ def test_a_timeout_names_the_group(world: str) -> None:
 
 
 def leave_early(pg: Any) -> Any:
-    """Rank 1 returns at once (its thread leaves); rank 2 sends a little later."""
+    """Rank 1 returns at once (its thread leaves, its process exits); rank 2 sends a second later."""
     if pg.rank() == 1:
         return None
     if pg.rank() == 2:
-        time.sleep(0.3)
+        time.sleep(1.0)
         pg.send(np.ones(1), 0, 6)
         return None
     return pg.recv_any(np.zeros(1), 6)
@@ -189,6 +189,12 @@ def all_leave(pg: Any) -> str:
 def test_a_sender_that_left_fails_the_wait_only_once_every_sender_left() -> None:
     assert ad.spawn(leave_early, 3, timeout=20)[0] == 2
     assert "left the world" in ad.spawn(all_leave, 3, timeout=20)[0]
+
+
+@pytest.mark.timeout(150)
+def test_a_sender_that_exited_fails_the_wait_only_once_every_sender_exited() -> None:
+    # The shared-memory world: rank 1's process ends at once, rank 2 sends later.
+    assert on("shm", leave_early, 3, timeout=20)[0] == 2
 
 
 @pytest.mark.timeout(150)
