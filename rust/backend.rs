@@ -92,6 +92,11 @@ pub trait Backend: Send + Sync {
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>;
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()>;
+    /// Receive into `buf` the first message with `tag` from any other member; returns the sender's
+    /// global rank. Each message is taken once (by this or by a [`Backend::recv`]), in order per
+    /// (source, tag); when several members have one ready, the member after the previous any-source
+    /// receive's sender (in group order, round robin) goes first, so no sender starves.
+    fn recv_any(&self, buf: BufMut<'_>, tag: u64) -> Result<usize>;
 
     /// The sequence number of the last collective this rank entered on this communicator (0 before the
     /// first): members number the same calls alike, so between calls every member reads the same.

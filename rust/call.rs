@@ -92,6 +92,16 @@ pub(crate) fn peer(members: &[usize], me: usize, peer: usize, what: &str) -> Res
     Ok(())
 }
 
+/// Fails when `me` is its group's only member, so a receive from any source could never match.
+pub(crate) fn any_peer(members: &[usize], me: usize) -> Result<()> {
+    if members.iter().all(|&r| r == me) {
+        return Err(Error::invalid(format!(
+            "rank {me} cannot receive from any source: it is its group's only member"
+        )));
+    }
+    Ok(())
+}
+
 /// What a send and a receive do to their peer, as [`peer`] errors name it.
 pub(crate) const SEND_TO: &str = "send to";
 pub(crate) const RECEIVE_FROM: &str = "receive from";
@@ -104,6 +114,18 @@ pub(crate) fn send_op(buf: &Buf<'_>, dst: usize, tag: u64) -> String {
 /// A receive, as errors name it.
 pub(crate) fn recv_op(buf: &BufMut<'_>, src: usize, tag: u64) -> String {
     format!("recv({} x {} from rank {src}, tag {tag})", buf.len(), buf.dtype())
+}
+
+/// A receive from any source, as errors name it.
+pub(crate) fn recv_any_op(buf: &BufMut<'_>, tag: u64) -> String {
+    format!("recv({} x {} from any source, tag {tag})", buf.len(), buf.dtype())
+}
+
+/// A receive from any of `from` (this `rank`'s group peers) that no message came to.
+pub(crate) fn any_source_timeout(rank: usize, op: &str, waited: Duration, from: &[usize]) -> Error {
+    let mut group: Vec<usize> = from.iter().copied().chain([rank]).collect();
+    group.sort_unstable();
+    Error::timeout(rank, op, waited, from.to_vec(), group)
 }
 
 /// The sender's error when the receiver refused its message.

@@ -177,6 +177,11 @@ impl ProcessGroup {
         self.flush(Lane::Recv { peer: src, tag })?;
         self.comm()?.recv(BufMut::new(buf), src, tag)
     }
+    /// Receive into `buf` the first message with `tag` from any other member; returns its global rank.
+    pub fn recv_any_tensor<T: Element>(&self, buf: &mut [T], tag: u64) -> Result<usize> {
+        self.flush(Lane::RecvAny { tag })?;
+        self.comm()?.recv_any(BufMut::new(buf), tag)
+    }
 }
 
 /// The world: the default group over every rank, and the factory of subgroups.

@@ -6,7 +6,9 @@
 //! the same order on every rank meet in that order whatever object issued them (every group over one
 //! communicator shares its lanes), and `isend` / `irecv` patterns complete at any size, as in MPI: a
 //! receive never queues behind this rank's own send, which may wait for the peer's receive, and a
-//! send with one tag never waits behind a send with another that the peer receives later.
+//! send with one tag never waits behind a send with another that the peer receives later. Receives
+//! from any source have a lane per tag, and receives with one tag start in issue order across it and
+//! the per-source lanes ([`Lane::follows`]), so they match messages in the order they were posted.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
@@ -83,6 +85,24 @@ pub enum Lane {
         /// The message tag.
         tag: u64,
     },
+    /// Receives from any source with a tag.
+    RecvAny {
+        /// The message tag.
+        tag: u64,
+    },
+}
+
+impl Lane {
+    /// True when a job on `self` must start after the jobs already queued on `other` too: receives
+    /// with one tag match in the order they were issued, from any source or from a given one (as
+    /// MPI matches posted receives), while receives from different given sources stay independent.
+    fn follows(self, other: Lane) -> bool {
+        match (self, other) {
+            (Lane::RecvAny { tag }, Lane::Recv { tag: t, .. })
+            | (Lane::Recv { tag, .. }, Lane::RecvAny { tag: t }) => tag == t,
+            _ => false,
+        }
+    }
 }
 
 /// A lazily started worker thread and the last job given to it.
@@ -137,8 +157,13 @@ impl Lanes {
     pub fn submit(&self, lane: Lane, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
         let work = Work::default();
         let handle = work.clone();
-        let task: Job = Box::new(move || handle.finish(job()));
         let mut queues = lock(&self.own.queues);
+        let before = Self::before(&queues, lane);
+        let task: Job = Box::new(move || {
+            // Their results belong to their own works; only the order matters here.
+            before.iter().for_each(|w| drop(w.result_by(None)));
+            handle.finish(job())
+        });
         let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
         if let Err(unsent) = q.tx.send(task) {
             // Only if the worker thread died: start another one for the job.
@@ -152,11 +177,19 @@ impl Lanes {
     /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
     /// `Work`; this fails only when interrupted.
     pub fn flush(&self, lane: Lane) -> Result<()> {
-        let last = lock(&self.own.queues).get(&lane).map(|q| q.last.clone());
-        match last.map(|w| w.wait()) {
-            Some(Err(e @ Error::Interrupted { .. })) => Err(e),
+        let last: Vec<Work> = {
+            let queues = lock(&self.own.queues);
+            queues.get(&lane).map(|q| q.last.clone()).into_iter().chain(Self::before(&queues, lane)).collect()
+        };
+        match last.iter().map(Work::wait).find(|r| matches!(r, Err(Error::Interrupted { .. }))) {
+            Some(Err(e)) => Err(e),
             _ => Ok(()),
         }
+    }
+
+    /// The last jobs of the other lanes that a job on `lane` must follow ([`Lane::follows`]).
+    fn before(queues: &HashMap<Lane, Queue>, lane: Lane) -> Vec<Work> {
+        queues.iter().filter(|(other, _)| lane.follows(**other)).map(|(_, q)| q.last.clone()).collect()
     }
 
     /// Wait, until `deadline` at most, for what was queued on these lanes and, for the world's, on

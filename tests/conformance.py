@@ -138,6 +138,50 @@ def check_movers(pg: Any) -> list[str]:
     return []
 
 
+def any_source_payload(src: int, tag: int, i: int, count: int) -> np.ndarray:
+    """A message of `check_any_source`: its sender, tag and number first, then a filler of `count` in all."""
+    out = np.arange(count, dtype=np.int64) * 7 + src
+    out[:3] = (src, tag, i)
+    return out
+
+
+def check_any_source(pg: Any) -> list[str]:
+    """Receives from any source: the group's first rank takes from any sender K messages of each of two
+    small tags (received one tag after the other, so the first tag's filter skips the second's) and one
+    large one, half of them with async_op. It gets every message once, from its sender, in order per
+    (sender, tag)."""
+    ranks, me = pg.ranks(), pg.rank()
+    root, k, small, large = ranks[0], 3, 5, 3 * 4096 + 5  # large: past one shm cell and the eager limit
+    plan = [(11, small, k), (12, small, k), (13, large, 1)]
+    if me != root:
+        works = [
+            started(pg.send(any_source_payload(me, tag, i, count), root, tag, async_op=True))
+            for i in range(k)
+            for tag, count, many in plan
+            if i < many
+        ]
+        for w in works:
+            w.wait()
+    else:
+        for tag, count, many in [plan[1], plan[2], plan[0]]:
+            got: dict[int, list[np.ndarray]] = {}
+            for j in range(many * (len(ranks) - 1)):
+                buf = np.full(count, -1, np.int64)
+                if j % 2:
+                    work = started(pg.recv_any(buf, tag, async_op=True))
+                    src = work.wait()
+                    assert src == work.source_rank(), (src, work.source_rank())
+                else:
+                    src = pg.recv_any(buf, tag)
+                got.setdefault(src, []).append(buf)
+            assert sorted(got) == ranks[1:], f"tag {tag}: senders {sorted(got)}, expected {ranks[1:]}"
+            for src, bufs in got.items():
+                want = [any_source_payload(src, tag, i, count) for i in range(many)]
+                expect_same(np.stack(bufs), np.stack(want), f"recv_any tag {tag} from rank {src}")
+    pg.barrier()
+    return []
+
+
 def check_tensor_variants(pg: Any) -> list[str]:
     """The returning variants: new arrays, inputs untouched, op names read as ReduceOp members."""
     n, me = pg.size(), pg.group_rank(pg.rank())
@@ -642,6 +686,7 @@ def check_counts_mismatch(pg: Any) -> list[str]:
 CHECKS: dict[str, Callable[[Any], list[str]]] = {
     "reductions": check_reductions,
     "movers": check_movers,
+    "any_source": check_any_source,
     "tensor_variants": check_tensor_variants,
     "random_floats": check_random_floats,
     "offset_views": check_offset_views,

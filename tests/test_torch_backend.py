@@ -178,7 +178,9 @@ def test_every_collective_and_dtype_under_torchrun(under_torchrun: dict[str, lis
         assert got["work_completed"]
         for key in ("non_contiguous_future", "non_contiguous_async"):
             assert same(got[key].contiguous(), nc_want.contiguous()), key
-        assert "src=" in got["recv_anysource"] and "any source" in got["recv_anysource"]
+        # Every other rank's two messages, each from the rank it names, the sender's rank as its value.
+        assert sorted(s for s, _ in got["recv_anysource"]) == sorted(2 * [j for j in range(WORLD) if j != r])
+        assert all(values == [float(s)] for s, values in got["recv_anysource"]), got["recv_anysource"]
         assert got["all_gather_object"] == [{"rank": j, "name": f"r{j}"} for j in range(WORLD)]
         assert got["broadcast_object_list"] == ["from 1", 1]
         assert same(got["batch_isend_irecv"], data((r - 1) % WORLD, 5, torch.float32))
@@ -224,6 +226,9 @@ def test_every_collective_and_dtype_under_torchrun(under_torchrun: dict[str, lis
     assert same(res[WORLD - 1]["premul_sum_reduce"], reduce_ref(premul, "SUM"))
     assert same(res[0]["premul_sum_reduce"], data(0, 6, torch.float64))
     assert same(res[1]["send_recv"], data(0, 3, torch.int64))
+    first, second, tagged = res[0]["recv_anysource_tags"]
+    assert (first, second) == (WORLD - 1, WORLD - 1)
+    assert same(tagged[0], torch.full((2,), 2.0)) and same(tagged[1], torch.ones(2))
     assert same(res[WORLD - 1]["new_group_single"], data(WORLD - 1, 3, torch.float32))
 
 

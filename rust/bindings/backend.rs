@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::args::timeout_from;
-use super::collectives::{self as c, Obj, Prepared};
+use super::collectives::{self as c, Obj, Prepared, Source};
 use super::exceptions::abort_on_bad_arguments;
 use super::work::run_blocking;
 use crate::backend::Backend;
@@ -146,6 +146,14 @@ impl PyBackend {
     #[pyo3(signature = (buf, src, tag=0))]
     fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64) -> PyResult<()> {
         self.run(py, c::recv(buf, src, tag))
+    }
+    /// Receive into `buf` the first message with `tag` from any other member; returns its global rank.
+    #[pyo3(signature = (buf, tag=0))]
+    fn recv_any(&self, py: Python<'_>, buf: &Obj, tag: u64) -> PyResult<usize> {
+        let source = Source::default();
+        self.run(py, c::recv_any(buf, tag, source.clone()))?;
+        // Set by the call that just succeeded.
+        Ok(source.get().copied().unwrap_or(usize::MAX))
     }
     /// Abort the whole world: every rank waiting, or arriving later, raises PeerFailureError.
     fn abort(&self, reason: &str) {

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use pyo3::prelude::*;
 
-use super::collectives::{self as c, Obj, Prepared};
+use super::collectives::{self as c, Obj, Prepared, Source};
 use crate::backend::Backend;
 use crate::call::{self, Call};
 use crate::dtype::{Buf, BufMut, DType};
@@ -87,6 +87,12 @@ impl Backend for Checker<'_> {
     fn recv(&self, buf: BufMut<'_>, src: usize, _tag: u64) -> Result<()> {
         call::peer(&self.g.members, self.g.rank, src, call::RECEIVE_FROM)?;
         self.keep_message(buf.dtype(), buf.len())
+    }
+    fn recv_any(&self, buf: BufMut<'_>, _tag: u64) -> Result<usize> {
+        call::any_peer(&self.g.members, self.g.rank)?;
+        self.keep_message(buf.dtype(), buf.len())?;
+        // A check receives nothing, so it names no sender.
+        Ok(self.g.rank)
     }
     fn sequence_number(&self) -> u64 {
         0 // a check makes no call
@@ -227,5 +233,8 @@ impl PyCallCheck {
     }
     fn recv(&self, buf: &Obj, src: usize) -> PyResult<Checked> {
         self.check(c::recv(buf, src, 0))
+    }
+    fn recv_any(&self, buf: &Obj) -> PyResult<Checked> {
+        self.check(c::recv_any(buf, 0, Source::default()))
     }
 }

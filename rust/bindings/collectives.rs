@@ -2,6 +2,8 @@
 //! parsed, the arrays validated and borrowed while attached, and the job that runs the call on them
 //! (detached, or queued on its lane).
 
+use std::sync::{Arc, OnceLock};
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -17,6 +19,9 @@ pub(crate) struct Prepared<'py> {
     pub arrays: Vec<Array<'py>>,
     pub job: Job,
 }
+
+/// Where a receive from any source records its sender's global rank once it has run.
+pub(crate) type Source = Arc<OnceLock<usize>>;
 
 /// A Python argument.
 pub(crate) type Obj<'py> = Bound<'py, PyAny>;
@@ -56,6 +61,15 @@ impl<'py> Prepared<'py> {
         let raw = buf.raw;
         let job: Job = Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag));
         Prepared { lane: Lane::Recv { peer: src, tag }, arrays: vec![buf], job }
+    }
+    pub fn recv_any(buf: Array<'py>, tag: u64, source: Source) -> Self {
+        let raw = buf.raw;
+        let job: Job = Box::new(move |c| {
+            let src = c.recv_any(unsafe { raw.buf_mut() }, tag)?;
+            let _ = source.set(src);
+            Ok(())
+        });
+        Prepared { lane: Lane::RecvAny { tag }, arrays: vec![buf], job }
     }
 }
 
@@ -163,6 +177,11 @@ pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepar
 /// `recv(buf, src, tag)`.
 pub(crate) fn recv<'py>(buf: &Obj<'py>, src: usize, tag: u64) -> PyResult<Prepared<'py>> {
     Ok(Prepared::recv(writable(buf, "buf")?, src, tag))
+}
+
+/// `recv_any(buf, tag)`: `source` gets the sender.
+pub(crate) fn recv_any<'py>(buf: &Obj<'py>, tag: u64, source: Source) -> PyResult<Prepared<'py>> {
+    Ok(Prepared::recv_any(writable(buf, "buf")?, tag, source))
 }
 
 /// `all_to_all(send, recv)`.

@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 use super::args::timeout_arg;
 use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros};
 use super::backend::PyBackend;
-use super::collectives::{self as c, Obj, Prepared};
+use super::collectives::{self as c, Obj, Prepared, Source};
 use super::exceptions::abort_on_bad_arguments;
 use super::op::parse_op;
 use super::work::{queued, run_blocking, PyWork};
@@ -47,15 +47,31 @@ impl PyProcessGroup {
         call: PyResult<Prepared<'py>>,
         result: Option<Bound<'py, PyAny>>,
     ) -> Ret {
+        self.run_sourced(py, async_op, call, result, None)
+    }
+
+    /// [`Self::run`] for a receive from any source, which returns (or its `Work.wait()` does) the
+    /// sender that `source` records.
+    fn run_sourced<'py>(
+        &self,
+        py: Python<'py>,
+        async_op: bool,
+        call: PyResult<Prepared<'py>>,
+        result: Option<Bound<'py, PyAny>>,
+        source: Option<Source>,
+    ) -> Ret {
         let call = self.checked(call)?;
         let comm = self.checked(self.inner.comm().map_err(PyErr::from))?.clone();
         if !async_op {
             run_blocking(py, &comm, call)?;
+            if let Some(src) = source.as_ref().and_then(|s| s.get()) {
+                return Ok(src.into_pyobject(py)?.into_any().unbind());
+            }
             return Ok(result.map_or_else(|| py.None(), Bound::unbind));
         }
         let (lane, job) = queued(comm.clone(), call);
         let work = self.inner.submit(lane, job)?;
-        let w = PyWork { work, result: result.map(Bound::unbind), comm };
+        let w = PyWork { work, result: result.map(Bound::unbind), comm, source };
         Ok(Bound::new(py, w)?.into_any().unbind())
     }
 
@@ -329,6 +345,14 @@ impl PyProcessGroup {
     #[pyo3(signature = (buf, src, tag=0, *, async_op=false))]
     fn recv(&self, py: Python<'_>, buf: &Obj, src: usize, tag: u64, async_op: bool) -> Ret {
         self.run(py, async_op, c::recv(buf, src, tag), None)
+    }
+    /// Receive into `buf` the first message with `tag` from any other member (dtype and size must
+    /// match the send); returns the sender's global rank (with `async_op`, a `Work` whose `wait()`
+    /// and `source_rank()` do).
+    #[pyo3(signature = (buf, tag=0, *, async_op=false))]
+    fn recv_any(&self, py: Python<'_>, buf: &Obj, tag: u64, async_op: bool) -> Ret {
+        let source = Source::default();
+        self.run_sourced(py, async_op, c::recv_any(buf, tag, source.clone()), None, Some(source))
     }
 
     /// A new array (or `out`, filled): `t` reduced across the group. Factors as in `all_reduce`.

@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::collectives::Prepared;
+use super::collectives::{Prepared, Source};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::work::{Lane, Work};
@@ -68,16 +69,31 @@ pub(crate) struct PyWork {
     pub(crate) work: Work,
     pub(crate) result: Option<Py<PyAny>>,
     pub(crate) comm: Arc<dyn Backend>,
+    /// A receive from any source records its sender here.
+    pub(crate) source: Option<Source>,
 }
 
 #[pymethods]
 impl PyWork {
     /// Block (GIL released, Ctrl-C honoured) until the collective finished; re-raise its error, or
-    /// return its result (None for in-place collectives, the new array for the `*_tensor` ones).
+    /// return its result (None for in-place collectives, the new array for the `*_tensor` ones, the
+    /// sender's global rank for `recv_any`).
     fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let (w, comm) = (self.work.clone(), self.comm.clone());
         py.detach(|| interrupted_abort(&*comm, w.wait()))?;
+        if let Some(src) = self.source.as_ref().and_then(|s| s.get()) {
+            return Ok(Some(src.into_pyobject(py)?.into_any().unbind()));
+        }
         Ok(self.result.as_ref().map(|r| r.clone_ref(py)))
+    }
+    /// The sender's global rank of a `recv_any` that completed; a ValueError for any other work, or
+    /// before it completed (call `wait()` first).
+    fn source_rank(&self) -> PyResult<usize> {
+        self.source.as_ref().and_then(|s| s.get().copied()).ok_or_else(|| {
+            PyValueError::new_err(
+                "source_rank(): not a completed receive from any source (wait() for it first)",
+            )
+        })
     }
     /// True once the collective has finished (successfully or not).
     fn is_completed(&self) -> bool {

@@ -80,6 +80,10 @@ impl<T: AsEngine> Backend for T {
         let e = self.engine();
         e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
     }
+    fn recv_any(&self, buf: BufMut<'_>, tag: u64) -> Result<usize> {
+        let op = call::recv_any_op(&buf, tag);
+        self.engine().recv_any(op, |from, op| self.engine().store.recv_any(buf, from, tag, op))
+    }
 
     fn sequence_number(&self) -> u64 {
         let s = &self.engine().store;

@@ -50,7 +50,7 @@ mod tests;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering, Ordering::*};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering, Ordering::*};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -108,6 +108,8 @@ pub(crate) struct Engine<S> {
     /// A drain gave up: a peer may still touch buffers of a call that returned.
     undrained: AtomicBool,
     lanes: Lanes,
+    /// Group index of the member an any-source receive tries first (round robin).
+    any_next: AtomicUsize,
 }
 
 impl<S: Store> Engine<S> {
@@ -116,7 +118,8 @@ impl<S: Store> Engine<S> {
     }
 
     fn with_lanes(store: S, lanes: Lanes) -> Self {
-        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes }
+        let any_next = AtomicUsize::new(0);
+        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes, any_next }
     }
 
     fn check_abort(&self, op: &str, waiting: bool) -> Result<()> {
@@ -586,5 +589,20 @@ impl<S: Store> Engine<S> {
         call::peer(self.store.members(), self.store.rank(), peer, what).map_err(|e| self.fail(e))?;
         self.check_abort(&op, false)?;
         go(&op).map_err(|e| self.fail(e))
+    }
+
+    /// A receive from any other member: `go` gets them in the order to try (round robin from the one
+    /// after the previous such receive's sender) and returns the sender.
+    fn recv_any(&self, op: String, go: impl FnOnce(&[usize], &str) -> Result<usize>) -> Result<usize> {
+        let (members, me) = (self.store.members(), self.store.rank());
+        call::any_peer(members, me).map_err(|e| self.fail(e))?;
+        self.check_abort(&op, false)?;
+        let start = self.any_next.load(Relaxed) % members.len();
+        let from: Vec<usize> =
+            members[start..].iter().chain(&members[..start]).copied().filter(|&r| r != me).collect();
+        let src = go(&from, &op).map_err(|e| self.fail(e))?;
+        let at = members.iter().position(|&r| r == src).unwrap_or(0);
+        self.any_next.store(at + 1, Relaxed);
+        Ok(src)
     }
 }

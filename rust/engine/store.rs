@@ -173,6 +173,9 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64, op: &str) -> Result<()>;
     /// Receive into `buf` from global rank `src` (already checked).
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()>;
+    /// Receive into `buf` the first message with `tag` from one of the global ranks `from` (checked;
+    /// when several have one, the earliest in `from`), returning its sender.
+    fn recv_any(&self, buf: BufMut<'_>, from: &[usize], tag: u64, op: &str) -> Result<usize>;
 
     /// This rank's view of the communicator over `members` (validated, sorted; this rank is
     /// `members[index]`), whose waits last `timeout` (at most `MAX_TIMEOUT`).

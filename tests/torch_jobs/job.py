@@ -119,11 +119,28 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     nca = data(rank, 12, torch.float32).reshape(3, 4).t()
     out["non_contiguous_future"] = dist.all_reduce(nca, async_op=True).get_future().wait()[0].clone()
     out["non_contiguous_async"] = nca
-    # A recv from any source is not supported: a clear error, and nothing is received.
-    try:
-        dist.recv(torch.zeros(1))
-    except NotImplementedError as err:
-        out["recv_anysource"] = str(err)
+    # Receives from any source, as torch's test_send_recv_any_source: each rank in turn receives twice
+    # from every other (by recv, which returns the sender, and by irecv, whose work names it); the
+    # others send it their rank. Then a tag filter: the last rank sends tags 1 and 2, rank 0 takes 2 first.
+    senders = []
+    for dst in range(world):
+        if dst != rank:
+            dist.send(torch.full((10, 10, 10), float(rank)), dst)
+            dist.send(torch.full((10, 10, 10), float(rank)), dst)
+            continue
+        for _ in range(world - 1):
+            by_recv, by_irecv = torch.full((10, 10, 10), -1.0), torch.full((10, 10, 10), -1.0)
+            senders.append((dist.recv(by_recv), by_recv.unique().tolist()))
+            work = dist.irecv(by_irecv)
+            work.wait()
+            senders.append((work._source_rank(), by_irecv.unique().tolist()))
+    out["recv_anysource"] = senders
+    if rank == world - 1:
+        dist.send(torch.ones(2), 0, tag=1)
+        dist.send(torch.full((2,), 2.0), 0, tag=2)
+    elif rank == 0:
+        tagged = [torch.zeros(2), torch.zeros(2)]
+        out["recv_anysource_tags"] = [dist.recv(tagged[0], tag=2), dist.recv(tagged[1], tag=1), tagged]
     # Objects, through torch's own code.
     objs: list[Any] = [None] * world
     dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"})

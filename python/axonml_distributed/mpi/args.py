@@ -103,8 +103,9 @@ def checkable(arr: Any) -> Any:
 # over it when the caller passed a tensor).
 Result = Any
 # Post-processing once the MPI request completed, given its status (AVERAGE's division, float16's
-# rounding, a receive's size check); None when there is nothing to do, the common case.
-Finish = Callable[[MPI.Status], None] | None
+# rounding, a receive's size check); None when there is nothing to do, the common case. What it returns,
+# unless None, becomes the operation's result (a receive from any source returns its sender).
+Finish = Callable[[MPI.Status], object] | None
 # Builds an operation's description for error messages; called only when one is raised, so the
 # common path never formats strings.
 Describe = Callable[[], str]

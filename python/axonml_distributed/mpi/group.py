@@ -377,6 +377,12 @@ class MpiProcessGroup:
     def recv(self, buf: Buf, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         return _inplace(self._recv(numpy_view(buf), src, tag, None, async_op))
 
+    def recv_any(self, buf: Buf, tag: int = 0, *, async_op: bool = False) -> int | MpiWork:
+        """Receive into `buf` the first message with `tag` from any other member (MPI.ANY_SOURCE):
+        the sender's global rank, or with `async_op` a handle whose `wait()` and `source_rank()` give it.
+        Which of several ready senders goes first is MPI's choice."""
+        return self._recv(numpy_view(buf), None, tag, None, async_op)
+
     # --- returning variants (the output is allocated inside the plan, so a bad input still takes part
     # in the signature check and peers fail at once) ---------------------------------------------------
 
@@ -452,19 +458,30 @@ class MpiProcessGroup:
         out = np.empty(shape, dtype)
         return self._recv(out, src, tag, out, async_op)
 
-    def _recv(self, buf: np.ndarray, src: int, tag: int, result: Result, async_op: bool) -> MpiWork | Result:
+    def _recv(
+        self, buf: np.ndarray, src: int | None, tag: int, result: Result, async_op: bool
+    ) -> MpiWork | Result:
+        """A receive from global rank `src`, or from any source when None (then its result is the
+        sender's global rank)."""
         queue = self._member_queue("recv")
-        code, _, _, _ = self._calls.recv(checkable(buf), src)
-        dt, peer = carrier(code), self._peer(src, tag, "recv")
+        if src is None:
+            code, _, _, _ = self._calls.recv_any(checkable(buf))
+            dt, peer = carrier(code), MPI.ANY_SOURCE
+            self._check_tag(tag, "recv")
+        else:
+            code, _, _, _ = self._calls.recv(checkable(buf), src)
+            dt, peer = carrier(code), self._peer(src, tag, "recv")
+        source = "any source" if src is None else src
 
         def describe() -> str:
-            return f"recv(src={src}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
+            return f"recv(src={source}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
 
-        def finish(status: MPI.Status) -> None:
+        def finish(status: MPI.Status) -> int | None:
             got = status.Get_count(dt)
             if got != buf.size:
                 # MPI accepts a shorter message silently; the package treats it as a size mismatch.
                 raise CollectiveMismatchError(f"{describe()}: the sender sent {got} elements")
+            return self._ranks[status.Get_source()] if src is None else None
 
         with queue.lock:
             req = queue.comm.Irecv([buf, dt], peer, tag)
@@ -549,10 +566,13 @@ class MpiProcessGroup:
 
     def _peer(self, rank: int, tag: int, what: str) -> int:
         """The group index of `rank`, a peer the core accepted, once `tag` is one MPI can carry."""
+        self._check_tag(tag, what)
+        return self._index[rank]
+
+    def _check_tag(self, tag: int, what: str) -> None:
         largest = tag_ub() - 1  # the largest of all is reserved (see await_peers)
         if not is_int(tag) or not 0 <= tag <= largest:
             raise ValueError(f"{what}: tag must be an integer in [0, {largest}], got {tag!r}")
-        return self._index[rank]
 
     def _direct_all_reduce(self, buf: np.ndarray, op: OpArg) -> tuple[int, MPI.Datatype, Op] | None:
         """dtype code, MPI datatype and op of an all_reduce that MPI performs on `buf` itself, or None:

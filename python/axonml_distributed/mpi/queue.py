@@ -219,6 +219,12 @@ class MpiWork:
             raise self.error
         return self.result
 
+    def source_rank(self) -> int:
+        """The sender's global rank of a completed `recv_any` (its result); ValueError otherwise."""
+        if not self.done or self.error is not None or type(self.result) is not int:
+            raise ValueError("source_rank(): not a completed receive from any source (wait() for it first)")
+        return self.result
+
 
 class OpQueue:
     """One group's pending operations. Each is finished (post-processing such as AVERAGE's division or
@@ -262,9 +268,8 @@ class OpQueue:
         # caller holds the buffers until this returns).
         status = MPI.Status()
         self.wait_request(req, nbytes, describe, status)
-        if finish is not None:
-            finish(status)
-        return result
+        got = None if finish is None else finish(status)
+        return result if got is None else got
 
     def idle(self) -> bool:
         """Whether no operation issued with async_op awaits completion (call with `lock` held)."""
@@ -297,7 +302,8 @@ class OpQueue:
                 else:
                     finished = front.req.Test(front.status)
                 if finished and front.finish is not None:
-                    front.finish(front.status)
+                    got = front.finish(front.status)
+                    front.result = front.result if got is None else got
             except MPI.Exception as exc:
                 finished, front.error = True, mpi_error(front.describe(), exc)
             except DistributedError as exc:

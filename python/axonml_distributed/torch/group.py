@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
-from axonml_distributed.torch.work import Completer, Work
+from axonml_distributed.torch.work import AnySourceWork, Completer, Work
 
 BACKEND = "axonml"
 
@@ -425,7 +425,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         return self._done(("recv", peer, tag), natives, tensors, _chain(*finishes))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        raise NotImplementedError(
-            "the axonml backend needs the source rank of a recv: recv(tensor, src=...) (receiving from any "
-            "source is not supported)"
-        )
+        """The first message with `tag` from any member; the Work's `_source_rank()` is the sender's
+        group rank (torch's `dist.recv(t)` maps it to the global rank it returns). One tensor, as gloo:
+        each tensor could come from another sender."""
+        if len(tensors) != 1:
+            raise ValueError(f"recv from any source takes one tensor, got {len(tensors)}")
+        buf, back = _dense(tensors[0])
+        native = self._native.recv_any(buf, tag, async_op=True)
+        return AnySourceWork(native, self._ranks, tensors, back, self._completer(("recv_any", tag)))

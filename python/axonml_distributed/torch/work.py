@@ -125,6 +125,29 @@ class Work(dist.Work):
         return self._future
 
 
+class AnySourceWork(Work):
+    """The Work of a receive from any source: torch reads the sender from it (`dist.recv(t)` calls
+    `_source_rank()` once the work finished)."""
+
+    def __init__(
+        self,
+        native: Any,
+        ranks: list[int],
+        result: Any,
+        finish: Callable[[], object] | None,
+        completer: Callable[[], Completer],
+    ) -> None:
+        super().__init__([native], result, finish, completer)
+        self._ranks = ranks
+
+    def source_rank(self) -> int:
+        """The sender's rank in the group, once the receive finished (waits for it; re-raises its error)."""
+        self.wait()
+        return self._ranks.index(self._natives[0].source_rank())
+
+    _source_rank = source_rank
+
+
 class Completer:
     """Finishes the works of one lane whose futures torch asked for, in order, on a thread of its own,
     and completes each future there. A future's callback may wait for a later work of the lane (torch's

@@ -76,6 +76,7 @@ impl Shared {
             }
         }
         for src in 0..self.size {
+            h.inbox[src].notify(true);
             for dst in 0..self.size {
                 self.chan(src, dst).0.event.notify(true);
             }

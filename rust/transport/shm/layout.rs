@@ -28,7 +28,7 @@ use crate::transport::wait::Event;
 /// The segment header's first word: "AXONSHM" + format generation, little endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
 /// The segment format's version, bumped whenever the layout or protocol changes.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 /// Ranks per world: group membership is a 64-bit mask.
 pub const MAX_RANKS: usize = 64;
 /// Communicators alive at once per job (the world plus subgroups; a slot is freed once every member
@@ -214,6 +214,9 @@ pub(crate) struct Header {
     pub pids: [AtomicU32; MAX_RANKS],
     /// Where each rank's process holds `algo::cma::PROBE` (an address in that process).
     pub probes: [AtomicU64; MAX_RANKS],
+    /// Bumped for rank r whenever a message to it starts on any channel: what a receive from any
+    /// source sleeps on (`p2p`).
+    pub inbox: [Event; MAX_RANKS],
 }
 
 impl Header {

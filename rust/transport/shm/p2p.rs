@@ -14,10 +14,13 @@
 //! The receiver takes messages off its channel in order. One whose tag is not the one asked for is
 //! copied into this rank's private queue of unexpected messages for that tag (draining the channel, so
 //! the sender can go on), where a later recv for its tag finds it first. Each side keeps its counts
-//! (and the receiver its queue) under a lock, so threads of one rank take turns on a channel.
+//! (and the receiver its queue) under a lock, so threads of one rank take turns on a channel. A
+//! receive from any source does the same on every channel into this rank in turn, and sleeps on the
+//! rank's inbox event in the header, which a sender bumps as each message starts.
 
 use std::sync::atomic::Ordering::*;
-use std::time::Duration;
+use std::sync::TryLockError;
+use std::time::{Duration, Instant};
 
 use super::layout::ChanHead;
 use super::shared::{ChanState, Shared};
@@ -26,6 +29,7 @@ use crate::config::{EAGER, EARLY_MAX};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use crate::transport::wait::{may_spin, Stop, Wait};
 
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;
@@ -107,6 +111,10 @@ pub(crate) fn send(
         }
         ch.filled.store(q, Release);
         ch.event.notify(true);
+        if first {
+            // A receive from any source waits on the receiver's inbox, not on this channel.
+            w.header().inbox[dst].notify(true);
+        }
         st.chunks = q;
         sent += piece.len();
         first = false;
@@ -133,16 +141,109 @@ pub(crate) fn recv(
     timeout: Duration,
 ) -> Result<()> {
     let mut st = lock(&w.recvs[src]);
-    let mismatch = |count: u64, dtype: DType| call::wrong_message(w.rank, op, count, &dtype, src);
-    let fits = |count: u64, dtype: DType| dtype == buf.dtype() && count == buf.len() as u64;
-    if let Some((dtype, count, data)) = st.early.get_mut(&tag).and_then(|q| q.pop_front()) {
-        w.early_bytes.fetch_sub(data.len(), AcqRel);
-        if !fits(count, dtype) {
-            return Err(mismatch(count, dtype));
-        }
-        buf.bytes_mut().copy_from_slice(&data);
+    if take_early(w, &mut st, &mut buf, src, tag, op)? {
         return Ok(());
     }
+    let ch = w.chan(src, w.rank).0;
+    loop {
+        let q = st.chunks + 1;
+        w.wait(&ch.event, &[src], op, timeout, || ch.filled.load(Acquire) >= q)
+            .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, timeout, src)))?;
+        if take_next(w, &mut st, &mut buf, src, tag, op, timeout)? {
+            return Ok(());
+        }
+    }
+}
+
+/// Receive into `buf` the first message with `tag` from one of `from` (the earliest in `from` with
+/// one ready), returning its sender. Each pass takes what every channel holds (keeping other tags for
+/// their recvs), then sleeps on this rank's inbox event, which senders bump when a message starts. A
+/// channel another thread of this rank is reading is skipped for that pass. It fails early only once
+/// every one of `from` has died: the others may still send. Waits last `timeout` (the communicator's).
+pub(crate) fn recv_any(
+    w: &Shared,
+    mut buf: BufMut<'_>,
+    from: &[usize],
+    tag: u64,
+    op: &str,
+    timeout: Duration,
+) -> Result<usize> {
+    let try_lock = |s: usize| match w.recvs[s].try_lock() {
+        Ok(st) => Some(st),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    };
+    let ready = || {
+        from.iter().any(|&s| {
+            try_lock(s).is_some_and(|st| {
+                st.early.get(&tag).is_some_and(|q| !q.is_empty())
+                    || w.chan(s, w.rank).0.filled.load(Acquire) > st.chunks
+            })
+        })
+    };
+    let wait = Wait {
+        event: &w.header().inbox[w.rank],
+        shared: true,
+        spin: may_spin(w.size),
+        deadline: Instant::now() + timeout,
+        op,
+    };
+    loop {
+        for &s in from {
+            let Some(mut st) = try_lock(s) else { continue };
+            if take_early(w, &mut st, &mut buf, s, tag, op)? {
+                return Ok(s);
+            }
+            while w.chan(s, w.rank).0.filled.load(Acquire) > st.chunks {
+                if take_next(w, &mut st, &mut buf, s, tag, op, timeout)? {
+                    return Ok(s);
+                }
+            }
+        }
+        let all_dead = || match from.iter().all(|&s| w.liveness.first_dead(&[s]).is_some()) {
+            true => w.check_alive(from, op),
+            false => Ok(()),
+        };
+        match wait.until(ready, || w.check_abort(op, Some(from)), all_dead) {
+            Ok(()) => {}
+            Err(Stop::Failed(e)) => return Err(e),
+            Err(Stop::TimedOut) => return Err(call::any_source_timeout(w.rank, op, timeout, from)),
+        }
+    }
+}
+
+/// Take the first held message with `tag` from `src` into `buf` (true), if there is one.
+fn take_early(
+    w: &Shared,
+    st: &mut ChanState,
+    buf: &mut BufMut<'_>,
+    src: usize,
+    tag: u64,
+    op: &str,
+) -> Result<bool> {
+    let Some((dtype, count, data)) = st.early.get_mut(&tag).and_then(|q| q.pop_front()) else {
+        return Ok(false);
+    };
+    w.early_bytes.fetch_sub(data.len(), AcqRel);
+    if dtype != buf.dtype() || count != buf.len() as u64 {
+        return Err(call::wrong_message(w.rank, op, count, &dtype, src));
+    }
+    buf.bytes_mut().copy_from_slice(&data);
+    Ok(true)
+}
+
+/// Take the next message on the channel from `src`, whose first chunk is filled: into `buf` when it
+/// has `tag` (true; its dtype and length must be `buf`'s), else into this rank's held messages. Waits
+/// for its further chunks last `timeout`.
+fn take_next(
+    w: &Shared,
+    st: &mut ChanState,
+    buf: &mut BufMut<'_>,
+    src: usize,
+    tag: u64,
+    op: &str,
+    timeout: Duration,
+) -> Result<bool> {
     let (ch, cells) = w.chan(src, w.rank);
     let peers = [src];
     let wait = |ready: &dyn Fn() -> bool| {
@@ -150,57 +251,59 @@ pub(crate) fn recv(
             .map_err(|e| e.unwrap_or_else(|| call::p2p_timeout(w.rank, op, timeout, src)))
     };
     let cell = w.layout.params.cell;
-    loop {
-        let (m, q) = (st.msgs + 1, st.chunks + 1);
-        wait(&|| ch.filled.load(Acquire) >= q)?;
-        let mut header = [0u64; 4];
-        // SAFETY: chunk q (acquired above) starts with the message's header; the sender leaves the cell
-        // until we drain it.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                cells.add((q % 2) as usize * cell),
-                header.as_mut_ptr().cast::<u8>(),
-                HEADER,
-            )
-        };
-        let Some((Head { tag: got, dtype, count, .. }, bytes)) = Head::read(header, m) else {
-            return Err(Error::invalid(format!(
-                "rank {}: {op}: rank {src} posted an unreadable message (corrupted segment?)",
-                w.rank
-            )));
-        };
-        st.msgs = m;
-        if got == tag && !fits(count, dtype) {
-            ch.answer.store(m << 1 | 1, Release);
-            ch.event.notify(true);
-            return Err(mismatch(count, dtype));
-        }
-        ch.answer.store(m << 1, Release);
+    let (m, q) = (st.msgs + 1, st.chunks + 1);
+    let mut header = [0u64; 4];
+    // SAFETY: chunk q (filled, acquired by the caller) starts with the message's header; the sender
+    // leaves the cell until we drain it.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            cells.add((q % 2) as usize * cell),
+            header.as_mut_ptr().cast::<u8>(),
+            HEADER,
+        )
+    };
+    let Some((Head { tag: got, dtype, count, .. }, bytes)) = Head::read(header, m) else {
+        return Err(Error::invalid(format!(
+            "rank {}: {op}: rank {src} posted an unreadable message (corrupted segment?)",
+            w.rank
+        )));
+    };
+    st.msgs = m;
+    let fits = dtype == buf.dtype() && count == buf.len() as u64;
+    if got == tag && !fits {
+        ch.answer.store(m << 1 | 1, Release);
         ch.event.notify(true);
-        if got == tag {
-            return drain(ch, cells, cell, &mut st, buf.bytes_mut(), &wait);
-        }
-        // Not ours yet: keep it for the recv that asks for its tag, and free the channel. Its size is
-        // the sender's word: bound it before allocating, and never let an allocation failure abort.
-        let held =
-            w.early_bytes.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| t <= EARLY_MAX));
-        let mut data = Vec::new();
-        if held.is_err() || data.try_reserve_exact(bytes).is_err() {
-            if held.is_ok() {
-                w.early_bytes.fetch_sub(bytes, AcqRel);
-            }
-            return Err(Error::invalid(format!(
-                "rank {}: {op}: rank {src} sent a message of {bytes} bytes with tag {got}, which no recv \
-                 asked for yet; this rank holds at most {} MiB of such messages (post the recv for tag \
-                 {got} first, or send smaller messages)",
-                w.rank,
-                EARLY_MAX >> 20
-            )));
-        }
-        data.resize(bytes, 0);
-        drain(ch, cells, cell, &mut st, &mut data, &wait)?;
-        st.early.entry(got).or_default().push_back((dtype, count, data));
+        return Err(call::wrong_message(w.rank, op, count, &dtype, src));
     }
+    ch.answer.store(m << 1, Release);
+    ch.event.notify(true);
+    if got == tag {
+        drain(ch, cells, cell, st, buf.bytes_mut(), &wait)?;
+        return Ok(true);
+    }
+    // Not ours yet: keep it for the recv that asks for its tag, and free the channel. Its size is the
+    // sender's word: bound it before allocating, and never let an allocation failure abort.
+    let held =
+        w.early_bytes.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| t <= EARLY_MAX));
+    let mut data = Vec::new();
+    if held.is_err() || data.try_reserve_exact(bytes).is_err() {
+        if held.is_ok() {
+            w.early_bytes.fetch_sub(bytes, AcqRel);
+        }
+        return Err(Error::invalid(format!(
+            "rank {}: {op}: rank {src} sent a message of {bytes} bytes with tag {got}, which no recv \
+             asked for yet; this rank holds at most {} MiB of such messages (post the recv for tag \
+             {got} first, or send smaller messages)",
+            w.rank,
+            EARLY_MAX >> 20
+        )));
+    }
+    data.resize(bytes, 0);
+    drain(ch, cells, cell, st, &mut data, &wait)?;
+    st.early.entry(got).or_default().push_back((dtype, count, data));
+    // A receive from any source on another thread of this rank may be waiting for it.
+    w.header().inbox[w.rank].notify(true);
+    Ok(false)
 }
 
 /// Copy the message whose first chunk (`st.chunks + 1`, already filled) is next on channel `ch` (cells

@@ -273,6 +273,9 @@ impl Store for ShmStore {
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
         super::p2p::recv(&self.world, buf, src, tag, op, self.timeout)
     }
+    fn recv_any(&self, buf: BufMut<'_>, from: &[usize], tag: u64, op: &str) -> Result<usize> {
+        super::p2p::recv_any(&self.world, buf, from, tag, op, self.timeout)
+    }
 
     fn split(&self, members: Vec<usize>, index: usize, timeout: Duration) -> Result<Self> {
         let (slot, first) = self.world.claim(&members, "new_group")?;

@@ -65,16 +65,21 @@ impl Mailbox {
     }
 
     /// Sleep one slice on the condition variable. Fails with the reason (`None`: the deadline passed)
-    /// and gives the guard back.
+    /// and gives the guard back; a departed peer fails it only once every one of `peers` has left (a
+    /// receive from any source may still get a message from the others).
     fn nap<'a>(
         &'a self,
         world: &Shared,
-        peer: usize,
+        peers: &[usize],
         guard: Guard<'a>,
         deadline: Instant,
         op: &str,
     ) -> Nap<'a> {
-        if let Err(e) = world.check_abort().and_then(|()| world.check_present(peer, op)) {
+        let all_gone = || match peers.iter().all(|&p| world.check_present(p, op).is_err()) {
+            true => world.check_present(peers[0], op),
+            false => Ok(()),
+        };
+        if let Err(e) = world.check_abort().and_then(|()| all_gone()) {
             return Err((Some(Box::new(e)), guard));
         }
         if interrupted() {
@@ -128,7 +133,7 @@ impl Mailbox {
                 }
                 _ => {}
             }
-            q = match self.nap(world, dst, q, deadline, op) {
+            q = match self.nap(world, &[dst], q, deadline, op) {
                 Ok(g) => g,
                 Err((e, mut g)) => {
                     if letter.state.load(Acquire) != QUEUED {
@@ -149,7 +154,7 @@ impl Mailbox {
         &self,
         world: &Shared,
         (src, dst, tag): Key,
-        mut buf: BufMut<'_>,
+        buf: BufMut<'_>,
         op: &str,
         timeout: Duration,
     ) -> Result<()> {
@@ -160,12 +165,48 @@ impl Mailbox {
                 l.state.store(COPYING, Release);
                 break l;
             }
-            q = match self.nap(world, src, q, deadline, op) {
+            q = match self.nap(world, &[src], q, deadline, op) {
                 Ok(g) => g,
                 Err((e, _)) => return Err(e.map_or_else(|| call::p2p_timeout(dst, op, timeout, src), |e| *e)),
             };
         };
         drop(q);
+        self.take(&letter, buf, src, dst, op)
+    }
+
+    /// Receive into `buf` the first letter with `tag` to `dst` from one of `from` (the earliest in
+    /// `from` that has one), waiting at most `timeout`; returns its sender.
+    pub(crate) fn recv_any(
+        &self,
+        world: &Shared,
+        from: &[usize],
+        (dst, tag): (usize, u64),
+        buf: BufMut<'_>,
+        op: &str,
+        timeout: Duration,
+    ) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.lock();
+        let (src, letter) = loop {
+            let next = from.iter().find_map(|&s| Some((s, q.get_mut(&(s, dst, tag))?.pop_front()?)));
+            if let Some((s, l)) = next {
+                l.state.store(COPYING, Release);
+                break (s, l);
+            }
+            q = match self.nap(world, from, q, deadline, op) {
+                Ok(g) => g,
+                Err((e, _)) => {
+                    return Err(e.map_or_else(|| call::any_source_timeout(dst, op, timeout, from), |e| *e))
+                }
+            };
+        };
+        drop(q);
+        self.take(&letter, buf, src, dst, op).map(|()| src)
+    }
+
+    /// Copy `letter` (from `src`, taken off its queue and marked COPYING) into `buf` when dtype and
+    /// length match, else refuse it; the sender learns which either way.
+    fn take(&self, letter: &Letter, mut buf: BufMut<'_>, src: usize, dst: usize, op: &str) -> Result<()> {
         let result = if letter.dtype != buf.dtype() || letter.len != buf.len() {
             letter.state.store(REFUSED, Release);
             Err(call::wrong_message(dst, op, letter.len as u64, &letter.dtype, src))

@@ -242,6 +242,9 @@ impl Store for ThreadStore {
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64, op: &str) -> Result<()> {
         self.shared.mailbox.recv(&self.shared, (src, self.rank, tag), buf, op, self.timeout)
     }
+    fn recv_any(&self, buf: BufMut<'_>, from: &[usize], tag: u64, op: &str) -> Result<usize> {
+        self.shared.mailbox.recv_any(&self.shared, from, (self.rank, tag), buf, op, self.timeout)
+    }
 
     fn split(&self, members: Vec<usize>, index: usize, timeout: Duration) -> Result<Self> {
         let occurrence = self.shared.splits[self.rank].next(&members);
