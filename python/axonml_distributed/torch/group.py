@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.torch.profiling import profiled
 from axonml_distributed.torch.work import Completer, Work
 
 BACKEND = "axonml"
@@ -107,6 +108,33 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return t if factor == 1.0 else t * factor
 
 
+def _event(op: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Any], Any]:
+    """The method records a profiler event ``axonml:<op>`` per call (see `profiling`)."""
+    return profiled(f"{BACKEND}:{op}", inputs)
+
+
+# Which arguments of a method are its input tensors, for its profiler event: c10d's choice (a list
+# form's every input tensor; none for the ranks that only receive).
+def _first(tensors: Sequence[torch.Tensor], *_: Any, **__: Any) -> Sequence[torch.Tensor]:
+    return tensors
+
+
+def _second(_: Any, inputs: Sequence[torch.Tensor], *__: Any, **___: Any) -> Sequence[torch.Tensor]:
+    return inputs
+
+
+def _single(_: Any, input: torch.Tensor, *__: Any, **___: Any) -> Sequence[torch.Tensor]:
+    return [input]
+
+
+def _lists(_: Any, lists: Sequence[Sequence[torch.Tensor]], *__: Any, **___: Any) -> list[torch.Tensor]:
+    return [t for ins in lists for t in ins]
+
+
+def _none(*_: Any, **__: Any) -> Sequence[torch.Tensor]:
+    return ()
+
+
 class AxonmlProcessGroup(dist.ProcessGroup):
     """torch's ProcessGroup interface over a native `ProcessGroup`: torch passes group ranks, the core
     takes global ones."""
@@ -182,6 +210,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------------------
 
+    @_event("all_reduce", _first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         op = (opts or dist.AllreduceOptions()).reduceOp
         if not _async(opts):
@@ -204,9 +233,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    @_event("all_reduce", _first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         return self.allreduce(tensors, opts)
 
+    @_event("broadcast", _first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         detached = _async(opts)
         root, _ = self._root(opts or dist.BroadcastOptions())
@@ -217,6 +248,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    @_event("all_gather", _second)
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -235,11 +267,13 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(partial(_unstage, outs, staged.view(-1), [t.numel()] * len(outs)))
         return self._done("coll", natives, output_lists, _chain(*finishes))
 
+    @_event("all_gather", _second)
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
         return self.allgather(output_lists, inputs, opts)
 
+    @_event("all_gather_into_tensor", _single)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
         out, back = _dense(output)
         send, into = _dense(input)[0], out.view(self.size(), *input.shape)
@@ -248,6 +282,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    @_event("all_gather_into_tensor", _second)
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -268,6 +303,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         natives = [n for w in works if w is not None for n in w._natives]
         return self._done("coll", natives, outputs, _chain(*(w._finish for w in works if w is not None)))
 
+    @_event("reduce_scatter", _lists)
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Work | None:
@@ -288,6 +324,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, outputs, _chain(*finishes))
 
+    @_event("reduce_scatter_tensor", _single)
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Work | None:
@@ -299,6 +336,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_event("reduce_scatter_tensor", _second)
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -306,6 +344,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @_event("reduce", _first)
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         detached = _async(opts)
         opts = opts or dist.ReduceOptions()
@@ -319,6 +358,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    @_event("gather", _second)
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -331,6 +371,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged, strict=True)])
         return self._done("coll", [native], output_lists, finish)
 
+    @_event("gather", _single)
     def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
         root, here = self._root(opts or dist.GatherOptions())
         out, back = (None, None)
@@ -342,6 +383,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     gather_into_tensor = gather_single
 
+    @_event("scatter", _lists)
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Work | None:
@@ -352,6 +394,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         native = self._native.scatter(send, buf, root, async_op=_async(opts))
         return self._done("coll", [native], outputs, back)
 
+    @_event("monitored_barrier", _none)
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """torch's ``ProcessGroup.monitored_barrier``, which the native group's carries out (naming
         every missing rank). torch's ``dist.monitored_barrier`` never gets here: it asks for a group
@@ -360,9 +403,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         it on the group: ``dist.group.WORLD.monitored_barrier(timeout)``."""
         self._native.monitored_barrier(timeout, wait_all_ranks)
 
+    @_event("barrier", _none)
     def barrier(self, opts: Any = None) -> Work | None:
         return self._done("coll", [self._native.barrier(async_op=_async(opts))], None)
 
+    @_event("all_to_all", _second)
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -373,6 +418,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         native = self._native.all_to_all_single(send, flat, outs, ins, async_op=_async(opts))
         return self._done("coll", [native], outputs, lambda: _unstage(outputs, flat, outs))
 
+    @_event("all_to_all", _single)
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -391,11 +437,13 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     # -- point to point (no options: always a Work, which torch waits on) ---------------------------
 
+    @_event("send", _first)
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work | None:
         peer = self._ranks[dst]
         natives = [self._native.send(_dense(t)[0], peer, tag, async_op=True) for t in tensors]
         return self._done(("send", peer, tag), natives, tensors)
 
+    @_event("recv", _first)
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work | None:
         peer = self._ranks[src]
         natives, finishes = [], []
