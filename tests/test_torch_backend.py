@@ -246,6 +246,36 @@ def test_spawn_with_tcp_and_file_init_and_torch_style_arguments(tmp_path: Path, 
         assert r["backend"] == ("cpu:axonml" if scheme == "file" else "axonml")
 
 
+# Calls gloo carries out as another collective, whose event it names: ours is named for the call, as
+# torch's tests and its NCCL backend name it, with the same input shapes.
+GLOO_EMULATES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "all_reduce"}
+
+
+@pytest.mark.timeout(250)
+def test_profiler_events_match_gloos_names_counts_async_and_shapes(tmp_path: Path) -> None:
+    """Each collective and point-to-point call, blocking and not, under torch.autograd.profiler and
+    torch.profiler, records the events gloo records for the same call in the same job: one per call,
+    asynchronous (as torch's tests check), with the input shapes."""
+    res = by_hand("profiled", tmp_path)
+    assert all("error" not in r for r in res), res
+    for r in range(WORLD):
+        got = res[r]
+        calls = {k.split("/")[1] for k in got}
+        assert len(calls) == 19, calls
+        for call in sorted(calls - {"reduce_scatter"}):
+            for kind in ("autograd", "torch"):
+                ours, gloo = got[f"axonml/{call}/{kind}"], got[f"gloo/{call}/{kind}"]
+                assert gloo, (call, kind)  # the reference records something
+                want = [
+                    (f"axonml:{call if GLOO_EMULATES.get(call) == n[5:] else n[5:]}", *rest)
+                    for n, *rest in gloo
+                ]
+                assert ours == want, (r, call, kind)
+        # gloo reduces a list once per output; ours is one call with every input tensor.
+        for kind in ("autograd", "torch"):
+            assert got[f"axonml/reduce_scatter/{kind}"] == [("axonml:reduce_scatter", 1, True, [[2]] * WORLD)]
+
+
 @pytest.mark.timeout(200)
 def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
     for r in by_hand("mismatch", tmp_path):

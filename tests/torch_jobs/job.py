@@ -214,6 +214,74 @@ def ddp(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def _profiled_calls(rank: int, world: int, group: Any) -> dict[str, Any]:
+    """Each collective and point-to-point form on `group`, by name: a function that calls it once."""
+    peer, prev = (rank + 1) % world, (rank - 1) % world
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.ones(*shape)
+
+    def p2p() -> None:
+        ops = [dist.P2POp(dist.isend, t(2), peer, group), dist.P2POp(dist.irecv, t(2), prev, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def root_list() -> list[torch.Tensor] | None:
+        return [t(3, 2) for _ in range(world)] if rank == 0 else None
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(t(2, 3), group=group),
+        "all_reduce async": lambda: dist.all_reduce(t(2, 3), group=group, async_op=True).wait(),
+        "all_reduce future": lambda: dist.all_reduce(t(4), group=group, async_op=True).get_future().wait(),
+        "all_reduce complex": lambda: dist.all_reduce(torch.ones(4, dtype=torch.complex64), group=group),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([t(2), t(3, 1)], group=group),
+        "broadcast": lambda: dist.broadcast(t(4), src=world - 1, group=group),
+        "reduce": lambda: dist.reduce(t(5), dst=0, group=group),
+        "all_gather": lambda: dist.all_gather([t(2) for _ in range(world)], t(2), group=group),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(t(2 * world), t(2), group=group),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(t(2), t(2 * world), group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter(t(2), [t(2) for _ in range(world)], group=group),
+        "gather": lambda: dist.gather(t(3, 2), root_list(), dst=0, group=group),
+        "scatter": lambda: dist.scatter(t(3, 2), root_list(), src=0, group=group),
+        "all_to_all_single": lambda: dist.all_to_all_single(t(world, 2), t(world, 2), group=group),
+        "all_to_all": lambda: dist.all_to_all([t(2)] * world, [t(2)] * world, group=group),
+        "barrier": lambda: dist.barrier(group=group),
+        "send_recv": lambda: (
+            dist.send(t(3, 2), 1, group=group) if rank == 0 else dist.recv(t(3, 2), 0, group=group)
+        ),
+        "isend_irecv": lambda: (
+            dist.isend(t(4, 1), 1, group=group) if rank == 0 else dist.irecv(t(4, 1), 0, group=group)
+        ).wait(),
+        "batch_isend_irecv": p2p,
+    }
+
+
+def profiled(rank: int, world: int) -> dict[str, Any]:
+    """Each call under torch's two profilers, on "axonml" and on a gloo group of the same ranks: the
+    events whose name starts with the backend's name, as (name, count, is_async, input_shapes)."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    profilers = {
+        "autograd": lambda: torch.autograd.profiler.profile(record_shapes=True),
+        "torch": lambda: torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        ),
+    }
+    out: dict[str, Any] = {}
+    for backend, group in [("axonml", None), ("gloo", gloo)]:
+        for name, call in _profiled_calls(rank, world, group).items():
+            for kind, profiler in profilers.items():
+                with profiler() as prof:
+                    call()
+                events = prof.events() if kind == "torch" else prof.function_events
+                out[f"{backend}/{name}/{kind}"] = [
+                    (e.name, e.count, e.is_async, e.input_shapes)
+                    for e in events
+                    if e.name.startswith(f"{backend}:")
+                ]
+                dist.barrier()
+    return out
+
+
 def mismatch(rank: int, world: int) -> dict[str, Any]:
     t = torch.ones(4)
     if rank == 0:
@@ -308,7 +376,9 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 
 # What a job saw before it failed, saved with its error.
 NOTES: dict[str, Any] = {}
-MODES = {f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]}
+MODES = {
+    f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled]
+}
 
 
 def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:
