@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
 from axonml_distributed.torch.profiling import profiled
+from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import Completer, Work
 
 BACKEND = "axonml"
@@ -213,6 +214,8 @@ class AxonmlProcessGroup(dist.ProcessGroup):
     @_event("all_reduce", _first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         op = (opts or dist.AllreduceOptions()).reduceOp
+        if tensors and tensors[0].is_sparse:
+            return self._allreduce_sparse(tensors, op, _async(opts))
         if not _async(opts):
             return self._allreduce(tensors, op, detached=False)
         if _graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
@@ -232,6 +235,23 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             natives.append(self._native.all_reduce(buf, ours, prescale_factor=factor, async_op=detached))
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
+        """Sparse COO tensors (see `sparse`): on the calling thread, as a blocking call (the pieces'
+        sizes are known only as it goes); an asynchronous call gets a finished Work with any error."""
+        if op != _SUM or not all(t.is_sparse for t in tensors):
+            raise ValueError(
+                "the axonml backend reduces sparse tensors with SUM only, and not mixed with dense ones "
+                f"(got {getattr(op, 'op', op)} over layouts {[str(t.layout) for t in tensors]})"
+            )
+        try:
+            for t in tensors:
+                all_reduce_sparse(self._native, t)
+        except Exception as e:
+            if not detached:
+                raise
+            return Work.done(tensors, e, self._completer("coll"))
+        return Work.done(tensors, None, self._completer("coll")) if detached else None
 
     @_event("all_reduce", _first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
