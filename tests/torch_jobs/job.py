@@ -282,6 +282,73 @@ def profiled(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def sparse_inputs(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s sparse COO inputs: torch's own cases, duplicate (uncoalesced) indices, a rank with
+    no entries, dense dimensions, and each dtype of ours."""
+    from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
+
+    out = {f"torch case {i}": ins[0] for i, (ins, _) in enumerate(simple_sparse_reduce_tests(rank, world))}
+    g = torch.Generator().manual_seed(rank)
+    for dtype in DTYPES[:9]:
+        idx = torch.randint(0, 6, (2, 5 + rank), generator=g)
+        out[f"duplicates {dtype}"] = torch.sparse_coo_tensor(idx, data(rank, 5 + rank, dtype), (6, 6))
+    rows = torch.randint(0, 10, (1, 4 * rank), generator=g)
+    out["empty on rank 0, dense dims"] = torch.sparse_coo_tensor(
+        rows, torch.randn(4 * rank, 3, generator=g), (10, 3)
+    )
+    return out
+
+
+def sparse(rank: int, world: int) -> dict[str, Any]:
+    """Sparse all_reduce (blocking, async, through the future) on "axonml" and on a gloo group of the
+    same ranks; what non-SUM ops and shapes that differ raise; then torch DDP with a sparse embedding."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    out: dict[str, Any] = {}
+    for backend, group in [("axonml", None), ("gloo", gloo)]:
+        for name, t in sparse_inputs(rank, world).items():
+            if backend == "gloo" and t.dtype in (torch.float16, torch.bool):
+                continue  # gloo's sparse sum has no kernel for them
+            how = ["blocking", "async", "future"][len(name) % 3]
+            if how == "blocking":
+                dist.all_reduce(t, group=group)
+            elif how == "async":
+                dist.all_reduce(t, group=group, async_op=True).wait()
+            else:
+                t = dist.all_reduce(t, group=group, async_op=True).get_future().wait()[0]
+            out[f"{backend}/{name}"] = (t.is_coalesced(), t._indices().clone(), t._values().clone())
+    t = sparse_inputs(rank, world)["torch case 0"]
+    for op in ["MAX", "AVG"]:
+        try:
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        except ValueError as e:
+            out[f"error {op}"] = str(e)
+    try:
+        dist.all_reduce(
+            torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1), (3 + rank,))
+        )
+    except ValueError as e:
+        out["error shape"] = str(e)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    out["after errors"] = float(after)  # the world is still in step
+    result = {}
+    for name, group in [("axonml", None), ("gloo", gloo)]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.EmbeddingBag(50, 8, mode="sum", sparse=True), torch.nn.Linear(8, 3)
+        )
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            opt.zero_grad()
+            net(torch.randint(0, 50, (6, 5), generator=gen)).square().mean().backward()
+            opt.step()
+        result[name] = [p.detach().clone() for p in model.parameters()]
+    out["ddp"] = result
+    return out
+
+
 def mismatch(rank: int, world: int) -> dict[str, Any]:
     t = torch.ones(4)
     if rank == 0:
@@ -377,7 +444,8 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 # What a job saw before it failed, saved with its error.
 NOTES: dict[str, Any] = {}
 MODES = {
-    f.__name__: f for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled]
+    f.__name__: f
+    for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled, sparse]
 }
 
 
