@@ -10,6 +10,10 @@ models have no other) runs on the calling thread too and returns a finished Work
 waits for every bucket before it ends anyway, and handing a small bucket to the lane's thread and its
 future back costs several thread wake-ups per step, more than the reduction. Larger buckets still
 overlap with the rest of the backward pass.
+
+While torch's profiler runs, every call records one ``axonml:<op>`` event, as c10d's backends do (see
+`profiling`); otherwise a call pays one check for it. A sparse COO all_reduce (SUM) is summed as gloo
+sums it (see `sparse`), on the calling thread.
 """
 
 # The overrides follow the signatures torch's C++ trampolines call, not every overload of its stubs.

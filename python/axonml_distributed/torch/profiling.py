@@ -15,6 +15,7 @@ the profile once the call returns. That round trip is what profiling costs a blo
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +29,18 @@ enabled = torch.autograd._profiler_enabled
 _enter = torch.autograd._record_function_with_args_enter
 _exit = torch.autograd._record_function_with_args_exit
 
-# Ends events begun on the thread that finishes them (started on the first such event).
+# Ends events begun on the thread that finishes them (started on the first such event; a forked child
+# has no thread behind its parent's, so it starts its own).
 _ender: ThreadPoolExecutor | None = None
 _ender_lock = threading.Lock()
+
+
+def _forget_ender() -> None:
+    global _ender, _ender_lock
+    _ender, _ender_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_ender)
 # Set while a profiled call runs on this thread: the calls it makes (coalesced forms call the plain
 # ones) record no event of their own.
 _inside = threading.local()
