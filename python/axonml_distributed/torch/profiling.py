@@ -41,6 +41,7 @@ def _forget_ender() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_ender)
+
 # Set while a profiled call runs on this thread: the calls it makes (coalesced forms call the plain
 # ones) record no event of their own.
 _inside = threading.local()
