@@ -268,6 +268,70 @@ def test_spawn_with_tcp_and_file_init_and_torch_style_arguments(tmp_path: Path, 
         assert r["backend"] == ("cpu:axonml" if scheme == "file" else "axonml")
 
 
+# Calls gloo carries out as another collective, whose event it names: ours is named for the call, as
+# torch's tests and its NCCL backend name it, with the same input shapes.
+GLOO_EMULATES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "all_reduce"}
+
+
+@pytest.mark.timeout(250)
+def test_profiler_events_match_gloos_names_counts_async_and_shapes(tmp_path: Path) -> None:
+    """Each collective and point-to-point call, blocking and not, under torch.autograd.profiler and
+    torch.profiler, records the events gloo records for the same call in the same job: one per call,
+    asynchronous (as torch's tests check), with the input shapes."""
+    res = by_hand("profiled", tmp_path)
+    assert all("error" not in r for r in res), res
+    for r in range(WORLD):
+        got = res[r]
+        calls = {k.split("/")[1] for k in got}
+        assert len(calls) == 19, calls
+        for call in sorted(calls - {"reduce_scatter"}):
+            for kind in ("autograd", "torch"):
+                ours, gloo = got[f"axonml/{call}/{kind}"], got[f"gloo/{call}/{kind}"]
+                assert gloo, (call, kind)  # the reference records something
+                want = [
+                    (f"axonml:{call if GLOO_EMULATES.get(call) == n[5:] else n[5:]}", *rest)
+                    for n, *rest in gloo
+                ]
+                assert ours == want, (r, call, kind)
+        # gloo reduces a list once per output; ours is one call with every input tensor.
+        for kind in ("autograd", "torch"):
+            assert got[f"axonml/reduce_scatter/{kind}"] == [("axonml:reduce_scatter", 1, True, [[2]] * WORLD)]
+
+
+@pytest.mark.timeout(250)
+def test_sparse_all_reduce_matches_gloo_and_a_dense_sum_and_ddp_trains_a_sparse_embedding_as_gloo(
+    tmp_path: Path,
+) -> None:
+    """Sparse COO all_reduce (SUM): coalesced, the same bits on every rank and as gloo's (where gloo has
+    a kernel: not float16 or bool), the dense sum of the inputs; other ops and differing shapes raise on
+    every rank; torch DDP with a sparse EmbeddingBag trains to gloo's weights, bitwise."""
+    from job import sparse_inputs
+
+    res = by_hand("sparse", tmp_path)
+    assert all("error" not in r for r in res), res
+    inputs = [sparse_inputs(r, WORLD) for r in range(WORLD)]
+    for name in inputs[0]:
+        want = reduce_ref([inputs[r][name].to_dense() for r in range(WORLD)], "SUM")
+        coalesced, indices, values = res[0][f"axonml/{name}"]
+        assert coalesced, name
+        got = torch.sparse_coo_tensor(indices, values, want.shape).to_dense()
+        torch.testing.assert_close(got, want)  # its tolerance for float dtypes: sums in another order
+        for r in range(WORLD):
+            ours = res[r][f"axonml/{name}"]
+            assert same(ours[1], indices) and same(ours[2], values), (name, r)
+            gloo = res[r].get(f"gloo/{name}")
+            if want.dtype not in (torch.float16, torch.bool):
+                assert gloo is not None and gloo[0] and same(gloo[1], indices) and same(gloo[2], values), name
+    for r in range(WORLD):
+        for op in ["MAX", "AVG"]:
+            assert "SUM only" in res[r][f"error {op}"] and op in res[r][f"error {op}"], res[r]
+        assert "differ in shape (rank 0: [3], rank 1: [4])" in res[r]["error shape"], res[r]
+        assert res[r]["after errors"] == WORLD
+        ddp = res[r]["ddp"]
+        assert all(same(a, b) for a, b in zip(ddp["axonml"], ddp["gloo"], strict=True)), r
+        assert all(same(a, b) for a, b in zip(ddp["axonml"], res[0]["ddp"]["axonml"], strict=True)), r
+
+
 @pytest.mark.timeout(200)
 def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
     for r in by_hand("mismatch", tmp_path):

@@ -248,6 +248,141 @@ def ddp(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def _profiled_calls(rank: int, world: int, group: Any) -> dict[str, Any]:
+    """Each collective and point-to-point form on `group`, by name: a function that calls it once."""
+    peer, prev = (rank + 1) % world, (rank - 1) % world
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.ones(*shape)
+
+    def p2p() -> None:
+        ops = [dist.P2POp(dist.isend, t(2), peer, group), dist.P2POp(dist.irecv, t(2), prev, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def root_list() -> list[torch.Tensor] | None:
+        return [t(3, 2) for _ in range(world)] if rank == 0 else None
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(t(2, 3), group=group),
+        "all_reduce async": lambda: dist.all_reduce(t(2, 3), group=group, async_op=True).wait(),
+        "all_reduce future": lambda: dist.all_reduce(t(4), group=group, async_op=True).get_future().wait(),
+        "all_reduce complex": lambda: dist.all_reduce(torch.ones(4, dtype=torch.complex64), group=group),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([t(2), t(3, 1)], group=group),
+        "broadcast": lambda: dist.broadcast(t(4), src=world - 1, group=group),
+        "reduce": lambda: dist.reduce(t(5), dst=0, group=group),
+        "all_gather": lambda: dist.all_gather([t(2) for _ in range(world)], t(2), group=group),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(t(2 * world), t(2), group=group),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(t(2), t(2 * world), group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter(t(2), [t(2) for _ in range(world)], group=group),
+        "gather": lambda: dist.gather(t(3, 2), root_list(), dst=0, group=group),
+        "scatter": lambda: dist.scatter(t(3, 2), root_list(), src=0, group=group),
+        "all_to_all_single": lambda: dist.all_to_all_single(t(world, 2), t(world, 2), group=group),
+        "all_to_all": lambda: dist.all_to_all([t(2)] * world, [t(2)] * world, group=group),
+        "barrier": lambda: dist.barrier(group=group),
+        "send_recv": lambda: (
+            dist.send(t(3, 2), 1, group=group) if rank == 0 else dist.recv(t(3, 2), 0, group=group)
+        ),
+        "isend_irecv": lambda: (
+            dist.isend(t(4, 1), 1, group=group) if rank == 0 else dist.irecv(t(4, 1), 0, group=group)
+        ).wait(),
+        "batch_isend_irecv": p2p,
+    }
+
+
+def profiled(rank: int, world: int) -> dict[str, Any]:
+    """Each call under torch's two profilers, on "axonml" and on a gloo group of the same ranks: the
+    events whose name starts with the backend's name, as (name, count, is_async, input_shapes)."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    profilers = {
+        "autograd": lambda: torch.autograd.profiler.profile(record_shapes=True),
+        "torch": lambda: torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        ),
+    }
+    out: dict[str, Any] = {}
+    for backend, group in [("axonml", None), ("gloo", gloo)]:
+        for name, call in _profiled_calls(rank, world, group).items():
+            for kind, profiler in profilers.items():
+                with profiler() as prof:
+                    call()
+                events = prof.events() if kind == "torch" else prof.function_events
+                out[f"{backend}/{name}/{kind}"] = [
+                    (e.name, e.count, e.is_async, e.input_shapes)
+                    for e in events
+                    if e.name.startswith(f"{backend}:")
+                ]
+                dist.barrier()
+    return out
+
+
+def sparse_inputs(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s sparse COO inputs: torch's own cases, duplicate (uncoalesced) indices, a rank with
+    no entries, dense dimensions, and each dtype of ours."""
+    from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
+
+    out = {f"torch case {i}": ins[0] for i, (ins, _) in enumerate(simple_sparse_reduce_tests(rank, world))}
+    g = torch.Generator().manual_seed(rank)
+    for dtype in DTYPES[:9]:
+        idx = torch.randint(0, 6, (2, 5 + rank), generator=g)
+        out[f"duplicates {dtype}"] = torch.sparse_coo_tensor(idx, data(rank, 5 + rank, dtype), (6, 6))
+    rows = torch.randint(0, 10, (1, 4 * rank), generator=g)
+    out["empty on rank 0, dense dims"] = torch.sparse_coo_tensor(
+        rows, torch.randn(4 * rank, 3, generator=g), (10, 3)
+    )
+    return out
+
+
+def sparse(rank: int, world: int) -> dict[str, Any]:
+    """Sparse all_reduce (blocking, async, through the future) on "axonml" and on a gloo group of the
+    same ranks; what non-SUM ops and shapes that differ raise; then torch DDP with a sparse embedding."""
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    out: dict[str, Any] = {}
+    for backend, group in [("axonml", None), ("gloo", gloo)]:
+        for name, t in sparse_inputs(rank, world).items():
+            if backend == "gloo" and t.dtype in (torch.float16, torch.bool):
+                continue  # gloo's sparse sum has no kernel for them
+            how = ["blocking", "async", "future"][len(name) % 3]
+            if how == "blocking":
+                dist.all_reduce(t, group=group)
+            elif how == "async":
+                dist.all_reduce(t, group=group, async_op=True).wait()
+            else:
+                t = dist.all_reduce(t, group=group, async_op=True).get_future().wait()[0]
+            out[f"{backend}/{name}"] = (t.is_coalesced(), t._indices().clone(), t._values().clone())
+    t = sparse_inputs(rank, world)["torch case 0"]
+    for op in ["MAX", "AVG"]:
+        try:
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        except ValueError as e:
+            out[f"error {op}"] = str(e)
+    try:
+        dist.all_reduce(
+            torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1), (3 + rank,))
+        )
+    except ValueError as e:
+        out["error shape"] = str(e)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    out["after errors"] = float(after)  # the world is still in step
+    result = {}
+    for name, group in [("axonml", None), ("gloo", gloo)]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.EmbeddingBag(50, 8, mode="sum", sparse=True), torch.nn.Linear(8, 3)
+        )
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            opt.zero_grad()
+            net(torch.randint(0, 50, (6, 5), generator=gen)).square().mean().backward()
+            opt.step()
+        result[name] = [p.detach().clone() for p in model.parameters()]
+    out["ddp"] = result
+    return out
+
+
 def mismatch(rank: int, world: int) -> dict[str, Any]:
     t = torch.ones(4)
     if rank == 0:
@@ -373,7 +508,7 @@ def init_args(rank: int, world: int) -> dict[str, Any]:
 NOTES: dict[str, Any] = {}
 MODES = {
     f.__name__: f
-    for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args]
+    for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled, sparse]
     + [group_timeout, group_recv_timeout]
 }
 

@@ -10,6 +10,10 @@ models have no other) runs on the calling thread too and returns a finished Work
 waits for every bucket before it ends anyway, and handing a small bucket to the lane's thread and its
 future back costs several thread wake-ups per step, more than the reduction. Larger buckets still
 overlap with the rest of the backward pass.
+
+While torch's profiler runs, every call records one ``axonml:<op>`` event, as c10d's backends do (see
+`profiling`); otherwise a call pays one check for it. A sparse COO all_reduce (SUM) is summed as gloo
+sums it (see `sparse`), on the calling thread.
 """
 
 # The overrides follow the signatures torch's C++ trampolines call, not every overload of its stubs.
@@ -26,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.torch.profiling import profiled
+from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import AnySourceWork, Completer, Work
 
 BACKEND = "axonml"
@@ -105,6 +111,33 @@ def _unstage(outputs: Sequence[torch.Tensor], flat: torch.Tensor, counts: list[i
 def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     """For the collectives whose core call takes no factor (reduce_scatter): a scaled copy."""
     return t if factor == 1.0 else t * factor
+
+
+def _event(op: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Callable[[Any], Any]:
+    """The method records a profiler event ``axonml:<op>`` per call (see `profiling`)."""
+    return profiled(f"{BACKEND}:{op}", inputs)
+
+
+# Which arguments of a method are its input tensors, for its profiler event: c10d's choice (a list
+# form's every input tensor; none for the ranks that only receive).
+def _first(tensors: Sequence[torch.Tensor], *_: Any, **__: Any) -> Sequence[torch.Tensor]:
+    return tensors
+
+
+def _second(_: Any, inputs: Sequence[torch.Tensor], *__: Any, **___: Any) -> Sequence[torch.Tensor]:
+    return inputs
+
+
+def _single(_: Any, input: torch.Tensor, *__: Any, **___: Any) -> Sequence[torch.Tensor]:
+    return [input]
+
+
+def _lists(_: Any, lists: Sequence[Sequence[torch.Tensor]], *__: Any, **___: Any) -> list[torch.Tensor]:
+    return [t for ins in lists for t in ins]
+
+
+def _none(*_: Any, **__: Any) -> Sequence[torch.Tensor]:
+    return ()
 
 
 class AxonmlProcessGroup(dist.ProcessGroup):
@@ -187,8 +220,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------------------
 
+    @_event("all_reduce", _first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         op = (opts or dist.AllreduceOptions()).reduceOp
+        if tensors and tensors[0].is_sparse:
+            return self._allreduce_sparse(tensors, op, _async(opts))
         if not _async(opts):
             return self._allreduce(tensors, op, detached=False)
         if _graph_task_id() < 0 or sum(t.nbytes for t in tensors) > INLINE_IN_BACKWARD:
@@ -209,9 +245,28 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
+        """Sparse COO tensors (see `sparse`): on the calling thread, as a blocking call (the pieces'
+        sizes are known only as it goes); an asynchronous call gets a finished Work with any error."""
+        if op != _SUM or not all(t.is_sparse for t in tensors):
+            raise ValueError(
+                "the axonml backend reduces sparse tensors with SUM only, and not mixed with dense ones "
+                f"(got {getattr(op, 'op', op)} over layouts {[str(t.layout) for t in tensors]})"
+            )
+        try:
+            for t in tensors:
+                all_reduce_sparse(self._native, t)
+        except Exception as e:
+            if not detached:
+                raise
+            return Work.done(tensors, e, self._completer("coll"))
+        return Work.done(tensors, None, self._completer("coll")) if detached else None
+
+    @_event("all_reduce", _first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         return self.allreduce(tensors, opts)
 
+    @_event("broadcast", _first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         detached = _async(opts)
         root, _ = self._root(opts or dist.BroadcastOptions())
@@ -222,11 +277,13 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    @_event("all_gather", _second)
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
         return self._gather_each(output_lists, inputs, output_lists, opts)
 
+    @_event("all_gather", _second)
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -259,6 +316,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(partial(_unstage, outs, staged.view(-1), [t.numel()] * len(outs)))
         return self._done("coll", natives, result, _chain(*finishes))
 
+    @_event("all_gather_into_tensor", _single)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
         out, back = _dense(output)
         send, into = _dense(input)[0], out.view(self.size(), *input.shape)
@@ -267,6 +325,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    @_event("all_gather_into_tensor", _second)
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -287,6 +346,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         natives = [n for w in works if w is not None for n in w._natives]
         return self._done("coll", natives, outputs, _chain(*(w._finish for w in works if w is not None)))
 
+    @_event("reduce_scatter", _lists)
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Work | None:
@@ -307,6 +367,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, outputs, _chain(*finishes))
 
+    @_event("reduce_scatter_tensor", _single)
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Work | None:
@@ -318,6 +379,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_event("reduce_scatter_tensor", _second)
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -325,6 +387,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @_event("reduce", _first)
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         detached = _async(opts)
         opts = opts or dist.ReduceOptions()
@@ -338,6 +401,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done("coll", natives, tensors, _chain(*finishes))
 
+    @_event("gather", _second)
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -350,6 +414,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged, strict=True)])
         return self._done("coll", [native], output_lists, finish)
 
+    @_event("gather", _single)
     def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
         root, here = self._root(opts or dist.GatherOptions())
         out, back = (None, None)
@@ -361,6 +426,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     gather_into_tensor = gather_single
 
+    @_event("scatter", _lists)
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> Work | None:
@@ -371,6 +437,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         native = self._native.scatter(send, buf, root, async_op=_async(opts))
         return self._done("coll", [native], outputs, back)
 
+    @_event("monitored_barrier", _none)
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """torch's ``ProcessGroup.monitored_barrier``, which the native group's carries out (naming
         every missing rank). torch's ``dist.monitored_barrier`` never gets here: it asks for a group
@@ -379,9 +446,11 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         it on the group: ``dist.group.WORLD.monitored_barrier(timeout)``."""
         self._native.monitored_barrier(timeout, wait_all_ranks)
 
+    @_event("barrier", _none)
     def barrier(self, opts: Any = None) -> Work | None:
         return self._done("coll", [self._native.barrier(async_op=_async(opts))], None)
 
+    @_event("all_to_all", _second)
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
@@ -392,6 +461,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         native = self._native.all_to_all_single(send, flat, outs, ins, async_op=_async(opts))
         return self._done("coll", [native], outputs, lambda: _unstage(outputs, flat, outs))
 
+    @_event("all_to_all", _single)
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -410,11 +480,13 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     # -- point to point (no options: always a Work, which torch waits on) ---------------------------
 
+    @_event("send", _first)
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work | None:
         peer = self._ranks[dst]
         natives = [self._native.send(_dense(t)[0], peer, tag, async_op=True) for t in tensors]
         return self._done(("send", peer, tag), natives, tensors)
 
+    @_event("recv", _first)
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work | None:
         peer = self._ranks[src]
         natives, finishes = [], []
@@ -424,6 +496,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             finishes.append(back)
         return self._done(("recv", peer, tag), natives, tensors, _chain(*finishes))
 
+    @_event("recvAnySource", _first)
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         """The first message with `tag` from any member; the Work's `_source_rank()` is the sender's
         group rank (torch's `dist.recv(t)` maps it to the global rank it returns). One tensor, as gloo:

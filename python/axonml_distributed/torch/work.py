@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from axonml_distributed.torch.profiling import Event
+
 
 def _value(fut: torch.futures.Future[Any]) -> Any:
     return fut.value()
@@ -48,6 +50,7 @@ class Work(dist.Work):
         self._error: BaseException | None = None
         self._source: torch.futures.Future[Any] | None = None
         self._future: torch.futures.Future[Any] | None = None
+        self._event: Event | None = None
 
     @classmethod
     def done(cls, result: Any, error: Exception | None, completer: Callable[[], Completer]) -> Work:
@@ -73,7 +76,18 @@ class Work(dist.Work):
                 self._error = e
             with self._state:
                 self._finished = True
-                return self._source
+                source, event = self._source, self._event
+            if event is not None:  # finished: its profiler event ends, before the future's callbacks run
+                event.end()
+            return source
+
+    def record(self, event: Event) -> None:
+        """End the profiler event of the call that returned this work once the work has finished."""
+        with self._state:
+            if not self._finished:
+                self._event = event
+                return
+        event.end()
 
     def _settle(self, source: torch.futures.Future[Any]) -> None:
         """Complete the future: its callbacks run here."""
