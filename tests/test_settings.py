@@ -19,7 +19,8 @@ from axonml_distributed._core import ShmBackend
 pytestmark = pytest.mark.timeout(30)
 
 PACKAGE = Path(ad.__file__).parent
-RUST_CONFIG = PACKAGE.parents[1] / "rust" / "config.rs"
+# The repository's, beside these tests: the package may be installed from a wheel, away from the source.
+RUST_CONFIG = Path(__file__).resolve().parents[1] / "rust" / "config.rs"
 
 READERS: dict[str, Callable[[], Any]] = {
     "RANK": settings.rank,
