@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--net",
-        default=env("SIMHOSTS_NET") or DEFAULT_NET,
-        help="up: the /24 the hosts live in, first three parts (env SIMHOSTS_NET; default %(default)s)",
+        help=f"up: the /24 the hosts live in, first three parts (env SIMHOSTS_NET; default {DEFAULT_NET})",
     )
     parser.add_argument(
         "--share",

@@ -38,8 +38,10 @@ from typing import Any, Literal
 from axonml_distributed.run import _die_with_launcher
 
 # RFC 2544's benchmarking range: nothing real lives there, and the addresses exist only inside the run's
-# own namespaces (the machine's own network never sees them), so concurrent runs may share them.
+# own namespaces (the machine's own network never sees them), so concurrent runs may share them. The
+# environment variable NET_VARIABLE picks another /24 (first three parts) where that range is in use.
 DEFAULT_NET = "198.18.0"
+NET_VARIABLE = "SIMHOSTS_NET"
 DEFAULT_PRIVATE = ("/dev/shm", "/tmp", "/var/tmp")
 DEFAULT_ROOT = "/run/axonml-simhosts"
 DEFAULT_PREFIX = "axsim"
@@ -74,6 +76,7 @@ def missing_requirements() -> str | None:
 class SimHosts:
     """`n` simulated hosts. ``with SimHosts(2) as hosts: hosts.run(0, [...])``, or `up` and `down`.
 
+    `net`: the first three parts of the /24 the hosts live in (default: $SIMHOSTS_NET, else 198.18.0).
     `share`: paths under the private directories that processes on the hosts must still see (a clone or
     a venv under /tmp); the running interpreter's prefixes and sys.path entries are always shared. The
     hosts of a run brought up without `detach` die with the thread that brought them up (and are removed
@@ -84,17 +87,20 @@ class SimHosts:
         n: int,
         *,
         prefix: str = DEFAULT_PREFIX,
-        net: str = DEFAULT_NET,
+        net: str | None = None,
         share: Iterable[str] = (),
         private: Sequence[str] = DEFAULT_PRIVATE,
         root: str = DEFAULT_ROOT,
     ) -> None:
+        net = net or os.environ.get(NET_VARIABLE) or DEFAULT_NET
         if not 1 <= n <= 253:
             raise ValueError(f"simulated hosts: 1 to 253 hosts, not {n}")
         if not _PREFIX.fullmatch(prefix):
             raise ValueError(f"simulated hosts: prefix {prefix!r} must be 'axsim' and up to 16 of [a-z0-9]")
         if not re.fullmatch(r"(\d{1,3}\.){2}\d{1,3}", net):
-            raise ValueError(f"simulated hosts: net {net!r} must be the first three parts of an IPv4 /24")
+            raise ValueError(
+                f"simulated hosts: net {net!r} (or ${NET_VARIABLE}): the first three parts of an IPv4 /24"
+            )
         self.n, self.prefix, self.net = n, prefix, net
         self.private = [os.path.abspath(d) for d in private]
         self.share = _shares([*share, *_interpreter_paths()], self.private)
@@ -309,9 +315,8 @@ class SimHosts:
         lines += [f"{self.addr(i)} {self.name(i)}" for i in range(self.n)]
         (self.state / "hosts").write_text("\n".join(lines) + "\n")
         for i in range(self.n):
-            identity = uuid.uuid4()
             (self.state / f"{self.name(i)}.hostname").write_text(self.name(i) + "\n")
-            (self.state / f"{self.name(i)}.machine-id").write_text(identity.hex + "\n")
+            (self.state / f"{self.name(i)}.machine-id").write_text(uuid.uuid4().hex + "\n")
             (self.state / f"{self.name(i)}.boot_id").write_text(str(uuid.uuid4()) + "\n")
             (self.state / f"{self.name(i)}.scratch").mkdir()
         cli = [sys.executable, "-m", "axonml_distributed.simhosts", "--prefix", self.prefix]
