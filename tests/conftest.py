@@ -8,6 +8,9 @@ from hypothesis import settings
 # The tests share the `reference` helpers next to this file.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The fixture of the tests that span simulated hosts, for every test module.
+from simhosts_fixture import sim_hosts  # noqa: E402, F401
+
 # Property tests that take their example count from the profile (the codec's fuzzing) run Hypothesis'
 # 100 by default, a few seconds; HYPOTHESIS_PROFILE=long runs them for minutes.
 settings.register_profile("long", max_examples=50_000, deadline=None)

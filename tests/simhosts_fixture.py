@@ -1,0 +1,38 @@
+"""The `sim_hosts` fixture: two simulated hosts (`axonml_distributed.simhosts`) for one test.
+
+Each test gets a run of its own (a random prefix, so concurrent test runs on one machine never meet),
+removed after the test however it ends; a run that a killed test process left is removed by the next
+`up` (its sweep of runs nobody holds). The repository stays visible on the hosts wherever it was cloned
+(a clone under /tmp too). Skipped, saying why, where simulated hosts cannot run: not root, or `ip` /
+`unshare` / `nsenter` missing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from axonml_distributed.simhosts import SimHosts, missing_requirements
+
+REPO = Path(__file__).resolve().parent.parent
+MISSING = missing_requirements()
+needs_simhosts = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+def new_sim_hosts(n: int = 2) -> SimHosts:
+    """Hosts with a prefix of their own, not yet up."""
+    return SimHosts(n, prefix=f"axsim{secrets.token_hex(4)}", share=[str(REPO)])
+
+
+@pytest.fixture
+def sim_hosts() -> Iterator[SimHosts]:
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    hosts = new_sim_hosts().up()
+    try:
+        yield hosts
+    finally:
+        hosts.down()
