@@ -17,7 +17,7 @@ pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// its whole time slice.
 pub(crate) const SPIN_APART: Duration = Duration::from_millis(2);
 /// A waiting thread that finds a rank it waits for queued on its own core moves to another core at
-/// most this often (`transport::wait::leave_core`): beside a CPU-bound process the scheduler puts
+/// most this often (`sync::wait::leave_core`): beside a CPU-bound process the scheduler puts
 /// the two ranks of a pair that wake each other on one core, and a quarter to a half of the calls
 /// of a 256 KiB broadcast took 175 µs instead of 16.
 pub(crate) const MOVE_EVERY: Duration = Duration::from_millis(10);
@@ -144,7 +144,7 @@ pub fn shm_chunk_from_env() -> Option<usize> {
     std::env::var("AXONML_SHM_CHUNK_KIB").ok()?.parse::<usize>().ok()?.checked_mul(1024)
 }
 
-/// `AXONML_WAIT_MOVE=0`: a waiting thread never changes its core (`transport::wait::leave_core`), for
+/// `AXONML_WAIT_MOVE=0`: a waiting thread never changes its core (`sync::wait::leave_core`), for
 /// jobs pinned by their launcher or run in a cpuset they expect to follow (read once).
 pub(crate) fn move_allowed_by_env() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

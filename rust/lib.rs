@@ -9,9 +9,10 @@
 //!   [`backend`] trait [`Backend`];
 //! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
 //! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
-//!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
+//!   (segment, rendezvous, liveness);
 //! * core types: [`config`] (every tunable and environment knob), `call` (argument checks),
-//!   [`signature`], [`dtype`], [`reduce`] (the kernels), [`bucket`], [`error`].
+//!   [`signature`], [`dtype`], [`reduce`] (the kernels), [`bucket`], [`error`]; `sync` (the lock
+//!   and `sync::wait`, the one way to wait).
 //!
 //! The Python bindings (`bindings`, behind the `python` feature) sit on top and are the only code that
 //! names Python types.
@@ -63,7 +64,7 @@ pub use dtype::{Buf, BufMut, DType, Element};
 pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};
 pub use reduce::ReduceOp;
+pub use sync::wait::set_interrupt_hook;
 pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
 pub use transport::thread::{MockBackend, ThreadBackend};
-pub use transport::wait::set_interrupt_hook;
 pub use work::{Lane, Work};

@@ -65,7 +65,7 @@ use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
-use crate::transport::wait::{current_cpu, leave_core, Stop};
+use crate::sync::wait::{current_cpu, leave_core, Stop};
 use crate::work::Lanes;
 
 /// Where the members a wait waits for last published from, seen from the waiting thread's core.

@@ -16,7 +16,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::{may_spin, Wait};
+use crate::sync::wait::{may_spin, Wait};
 
 /// One member's control block in a communicator. Counters are monotonic over the communicator's life
 /// and written only by their member. `repr(C)`: in the shm world it lives in the segment.
@@ -36,7 +36,7 @@ pub(crate) struct Ctrl {
     /// Pipeline steps completed (three per staged round, see `algo::staged`).
     pub step: CachePadded<AtomicU64>,
     /// The core this member ran on when it last published progress, plus one (0: not yet; see
-    /// `transport::wait::current_cpu`): waiters spin past their short budget only while the members
+    /// `sync::wait::current_cpu`): waiters spin past their short budget only while the members
     /// they wait for sit on other cores.
     pub cpu: CachePadded<AtomicU32>,
     /// How many tiles of this member's part of the current call members have claimed

@@ -23,7 +23,7 @@ use crossbeam_utils::CachePadded;
 use crate::config::{SHM_CELL, SHM_CHUNK, SHM_ONESHOT};
 use crate::engine::{Ctrl, Page};
 use crate::error::{Error, Result};
-use crate::transport::wait::Event;
+use crate::sync::wait::Event;
 
 /// The segment header's first word: "AXONSHM" + format generation, little endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");

@@ -18,7 +18,7 @@ use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
-use crate::transport::wait::Wait;
+use crate::sync::wait::Wait;
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;

@@ -15,7 +15,7 @@ use crate::engine::{Cause, Ctrl, Published, Splits, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::{Event, Wait};
+use crate::sync::wait::{Event, Wait};
 
 /// Two one-shot buffers of a member (call k uses `k % 2`).
 type OneShot = [UnsafeCell<[u64; INLINE / 8]>; 2];
