@@ -64,7 +64,7 @@ use crate::call::{self, Call};
 use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
+use crate::signature::{describe_mismatch, describe_progress, mismatch_error, CollKind, Progress, Signature};
 use crate::sync::wait::{current_cpu, leave_core, Stop};
 use crate::work::Lanes;
 
@@ -435,10 +435,7 @@ impl<S: Store> Engine<S> {
             calls.push((s.members()[j], sig));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return (
-                Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })),
-                After::Leave,
-            );
+            return (Err(self.fail(mismatch_error(s.members(), details, &calls))), After::Leave);
         }
         let plan = match self.plan(call, sig, k, calls) {
             Ok(plan) => plan,
@@ -567,9 +564,7 @@ impl<S: Store> Engine<S> {
             .collect();
         match Plan::new(sig, call.dtype.size(), call.root, &layouts, s.members()) {
             Ok(plan) => Ok(Some(plan)),
-            Err(Fault::Disagree(details)) => {
-                Err(Error::Mismatch { group: s.members().to_vec(), details, calls })
-            }
+            Err(Fault::Disagree(details)) => Err(mismatch_error(s.members(), details, &calls)),
             Err(Fault::Overflow) => Err(Error::invalid(format!(
                 "{sig}: a member published sizes that overflow (corrupted segment?)"
             ))),
