@@ -81,16 +81,16 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
 /// the kernel allows it, every member's every buffer has at least this many bytes (each buffer is
 /// judged alone, so a small part of a large call stages the whole call) and a member asks
-/// (`algo::cma::offer`: under `ROUTE_TIMED_BELOW` when crossing took it less time than staging lately,
+/// (`algo::route::offer`: under `ROUTE_TIMED_BELOW` when crossing took it less time than staging lately,
 /// above by kind).
 pub(crate) const CMA_MIN: usize = 64 << 10;
 /// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
-/// between processes when ranks outnumber cores, where calls are not timed (`algo::cma::offer`). 4 ranks
+/// between processes when ranks outnumber cores, where calls are not timed (`algo::route::offer`). 4 ranks
 /// on 2 cores, all_reduce staged against crossing: on one host 256 KiB 120 against 191 us, 2 MiB about
 /// even, 4 MiB 2.34 against 2.00 ms; on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us,
 /// 2 MiB 737 against 583 us (reduce_scatter 2 MiB 564 against 485 us).
 pub(crate) const CMA_REDUCE_CROWDED: usize = 2 << 20;
-/// Largest tile members claim in the cross-memory collectives (`algo::cma::Claims`): a reduction reads
+/// Largest tile members claim in the cross-memory collectives (`algo::claims::Claims`): a reduction reads
 /// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member
 /// it goes to.
 pub(crate) const CMA_TILE: usize = 128 << 10;
@@ -151,7 +151,7 @@ pub(crate) fn move_allowed_by_env() -> bool {
     *ALLOWED.get_or_init(|| std::env::var("AXONML_WAIT_MOVE").map_or(true, |v| v.trim() != "0"))
 }
 
-/// `AXONML_SHM_CMA` (`algo::cma::Policy`): `0` (`Some(false)`) never copies straight between processes,
+/// `AXONML_SHM_CMA` (`algo::route::Policy`): `0` (`Some(false)`) never copies straight between processes,
 /// always stages (tests of the staged path; sandboxes that log refused `process_vm_readv` calls); `1`
 /// (`Some(true)`) copies straight every buffer of at least [`CMA_MIN`] bytes, whatever the call's size
 /// (tests of the cross-memory path; CPUs whose kernel copies as fast as `memcpy`); unset (`None`), by

@@ -1,5 +1,5 @@
 //! What each route took lately, on this member, for each class of calls that could take either: the
-//! choice between the staged pipeline and cross-memory copies (`cma::offer`) for calls under
+//! choice between the staged pipeline and cross-memory copies (`route::offer`) for calls under
 //! `ROUTE_TIMED_BELOW`.
 //!
 //! Which route wins depends on the machine and, on a VM, on the moment: staging copies every byte
@@ -24,7 +24,7 @@
 //! a route that is now and then much faster than usual wins while such a sample is in its window, even
 //! if it is slower on average. Of every `ROUTE_PROBE_EVERY` calls, one run stages on every member and
 //! one crosses on every member, so a route that lost keeps being measured. A call crosses when any
-//! member asks (`cma::offer`), so members that disagree never split.
+//! member asks (`route::offer`), so members that disagree never split.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

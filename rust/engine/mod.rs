@@ -12,7 +12,7 @@
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
 //!    (the same between processes, copied by the kernel, for calls that took less time that way
-//!    lately or too large to time: `algo::cma::offer`),
+//!    lately or too large to time: `algo::route::offer`),
 //!    or staged (pipelined through staging buffers, otherwise);
 //! 4. store `moved = k` if this member moved its data in full, then `done = k` on every way out of a
 //!    call this member arrived at; after the direct and cma paths, wait until every member's

@@ -40,7 +40,7 @@ pub(crate) struct Ctrl {
     /// they wait for sit on other cores.
     pub cpu: CachePadded<AtomicU32>,
     /// How many tiles of this member's part of the current call members have claimed
-    /// (`algo::cma::Claims`).
+    /// (`algo::claims::Claims`).
     pub claim: CachePadded<AtomicU64>,
     /// Page `k % 2` describes call k.
     pub pages: [CachePadded<Page>; 2],

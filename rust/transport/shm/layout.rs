@@ -212,7 +212,7 @@ pub(crate) struct Header {
     pub abort_reason: UnsafeCell<[u8; REASON]>,
     pub event: Event,
     pub pids: [AtomicU32; MAX_RANKS],
-    /// Where each rank's process holds `algo::cma::PROBE` (an address in that process).
+    /// Where each rank's process holds `algo::process_vm::PROBE` (an address in that process).
     pub probes: [AtomicU64; MAX_RANKS],
     /// Bumped for rank r whenever a message to it starts on any channel: what a receive from any
     /// source sleeps on (`p2p`).

@@ -2,7 +2,7 @@
 //! Buffers are published as segment offsets; peers' arrays are used in place when every member's
 //! buffers lie in the segment; otherwise copied straight between the processes (`algo::cma`) when
 //! every member publishes an address it lets peers copy from and any member asks the call to cross
-//! (`cma::offer`), and staged through the members' blocks when not.
+//! (`route::offer`), and staged through the members' blocks when not.
 
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
-use crate::algo::cma::{self, Loc, Member, Offer};
+use crate::algo::cma::Member;
+use crate::algo::process_vm::Loc;
+use crate::algo::route::{self, Offer};
 use crate::algo::route_times::RouteTimes;
 use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
@@ -25,7 +27,7 @@ const NO_BUFFER: u64 = NOT_SHARED - 1;
 /// Tags a published private buffer: the rest is its address in the publisher's process, which lets
 /// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
 pub(super) const PRIVATE: u64 = 1 << 62;
-/// Tags a published private buffer whose member asks the call to cross (`cma::Offer::Cross`); no
+/// Tags a published private buffer whose member asks the call to cross (`route::Offer::Cross`); no
 /// address has this bit, nor any above it.
 pub(super) const CROSS: u64 = 1 << 61;
 
@@ -110,8 +112,8 @@ impl ShmStore {
     }
 
     /// Every member's buffers as places to copy from and to (`algo::cma`), when every member offered
-    /// its private buffers (a member that may not publishes none: `cma::Policy`) and any member asked
-    /// the call to cross (`cma::offer`). An address no correct peer publishes (wrapping around,
+    /// its private buffers (a member that may not publishes none: `route::Policy`) and any member asked
+    /// the call to cross (`route::offer`). An address no correct peer publishes (wrapping around,
     /// misaligned) is an error.
     fn cma(
         &self,
@@ -211,7 +213,7 @@ impl Store for ShmStore {
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < CROSS {
-            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.routes()) {
+            match route::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.routes()) {
                 Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
                 Offer::Cross => PRIVATE | CROSS | ptr as u64,
@@ -221,14 +223,14 @@ impl Store for ShmStore {
         }
     }
     fn routes(&self) -> Option<&RouteTimes> {
-        // Where ranks outnumber cores no call is timed (`cma::offer`).
+        // Where ranks outnumber cores no call is timed (`route::offer`).
         self.spins().then_some(&self.routes)
     }
     fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
         if let Some(peers) = self.direct(pages, sig, spans)? {
             return Ok(Route::Direct(peers));
         }
-        if cma::handles(sig.kind) {
+        if route::handles(sig.kind) {
             if let Some(members) = self.cma(pages, sig, spans)? {
                 return Ok(Route::Cma(members));
             }
