@@ -44,16 +44,6 @@ pub(crate) struct Peer {
     pub recv: *mut u8,
 }
 
-/// How a collective's data moves, as the world decides from what its members published.
-pub(crate) enum Route {
-    /// Every member's buffers, addressable here: run [`direct`].
-    Direct(Vec<Peer>),
-    /// Through every member's two pipeline buffers of `chunk` bytes (`staged`).
-    Staged { bufs: Vec<[*mut u8; 2]>, chunk: usize },
-    /// Every member's buffers, in this process or in a peer's that lets us copy (`cma`).
-    Cma(Vec<cma::Member>),
-}
-
 /// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it
 /// is the root (0 where the collective has no such buffer on it). The collectives with a layout have
 /// theirs from its plan (`layout::Plan::spans`).

@@ -1,11 +1,87 @@
-//! The route a call's data takes between processes, one owner for the choice: what a member offers
-//! its peers for a private buffer ([`offer`], under its [`Policy`] and its timings, `route_times`).
-//! A call crosses (`cma`, copies straight between the processes) when every member offered every
-//! buffer and any member asked; else it stages (`staged`).
+//! The route a call's data takes, one owner for the choice, asked at the two moments of a meeting:
+//! * as a member publishes a private buffer, what it offers its peers for it ([`offer`], under its
+//!   process's [`Policy`] and its timings, `route_times`); its world's store writes that into its
+//!   page, as it writes where the buffer is;
+//! * once every member arrived, the engine asks for the route ([`choose`]), from where every member's
+//!   buffers are as the store reads them back from the pages ([`Place`]): direct when every buffer is
+//!   addressable here; across processes (`cma`) when every member offered every buffer and any member
+//!   asked; else staged.
 
+use super::cma::Member;
+use super::process_vm::Loc;
 use super::route_times::RouteTimes;
+use super::Peer;
 use crate::config::{cma_forced_by_env, CMA_MIN, CMA_REDUCE_CROWDED};
+use crate::error::{Error, Result};
 use crate::signature::{CollKind, Signature};
+
+/// How a collective's data moves ([`choose`]).
+pub(crate) enum Route {
+    /// Every member's buffers, addressable here: run `algo::direct`.
+    Direct(Vec<Peer>),
+    /// Through every member's two pipeline buffers of `chunk` bytes (`staged`).
+    Staged { bufs: Vec<[*mut u8; 2]>, chunk: usize },
+    /// Every member's buffers, in this process or in a peer's that lets us copy (`cma`).
+    Cma(Vec<Member>),
+}
+
+/// Where one of a member's buffers is, as its world reads it from the member's page.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Place {
+    /// Addressable in this process, at this address (the in-process world's buffers, the arrays of
+    /// the shm segment; null for a buffer of no bytes).
+    Here(*mut u8),
+    /// Private to its member's process, offered for copies across processes ([`Offer::Address`]);
+    /// `cross` when its member asked the call to cross ([`Offer::Cross`]).
+    Offered { at: Loc, cross: bool },
+    /// Out of reach: its member withheld it ([`Offer::Withheld`]).
+    Withheld,
+}
+
+/// Every member's two pipeline buffers (`staged`) and their size in bytes.
+pub(crate) type Staging = (Vec<[*mut u8; 2]>, usize);
+
+/// The route of a call of `kind` among the global ranks `members`, whose send and receive buffers are
+/// at `places` (in group order): direct when every buffer is addressable here; copied across
+/// processes when this route runs `kind` ([`handles`]), every member offered every buffer and any
+/// member asked; else staged, through the world's `staging` (none in a world whose buffers every
+/// member addresses, where a call that would stage is a bug).
+pub(crate) fn choose(
+    kind: CollKind,
+    members: &[usize],
+    places: &[[Place; 2]],
+    staging: impl FnOnce() -> Option<Staging>,
+) -> Result<Route> {
+    let here = |p: &Place| match *p {
+        Place::Here(ptr) => Some(ptr),
+        _ => None,
+    };
+    let direct: Option<Vec<Peer>> =
+        places.iter().map(|[s, r]| Some(Peer { send: here(s)?.cast_const(), recv: here(r)? })).collect();
+    if let Some(peers) = direct {
+        return Ok(Route::Direct(peers));
+    }
+    let asked = places.iter().flatten().any(|p| matches!(p, Place::Offered { cross: true, .. }));
+    if handles(kind) && asked {
+        let loc = |p: &Place, rank: usize| match *p {
+            Place::Here(ptr) => Some(Loc { pid: None, addr: ptr as usize, rank }),
+            Place::Offered { at, .. } => Some(at),
+            Place::Withheld => None,
+        };
+        let crossing: Option<Vec<Member>> = places
+            .iter()
+            .zip(members)
+            .map(|([s, r], &rank)| Some(Member { send: loc(s, rank)?, recv: loc(r, rank)? }))
+            .collect();
+        if let Some(members) = crossing {
+            return Ok(Route::Cma(members));
+        }
+    }
+    let (bufs, chunk) = staging().ok_or_else(|| {
+        Error::Internal(format!("{}: a call would stage in a world without staging", kind.name()))
+    })?;
+    Ok(Route::Staged { bufs, chunk })
+}
 
 /// Whether this route runs `kind` (the others, reduce_scatter_v, go through staging).
 pub(crate) fn handles(kind: CollKind) -> bool {
@@ -103,6 +179,52 @@ fn by_size(sig: &Signature, n: usize, crowded: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ptr::null_mut as null;
+
+    #[test]
+    fn a_call_goes_direct_when_all_is_here_crosses_when_all_offered_and_one_asked_else_stages() {
+        let (mut a, mut b) = (0u64, 0u64);
+        let (pa, pb) = ((&raw mut a).cast::<u8>(), (&raw mut b).cast::<u8>());
+        let offered = |addr: usize, cross| Place::Offered { at: Loc { pid: Some(7), addr, rank: 1 }, cross };
+        let staging = || Some((vec![[pa, pb]; 2], 64));
+        let route = |kind, places: &[[Place; 2]]| choose(kind, &[0, 1], places, staging).unwrap();
+        let here = [Place::Here(pa), Place::Here(pb)];
+        // Every buffer addressable here (a buffer of no bytes is a null one): direct, as published.
+        let Route::Direct(peers) =
+            route(CollKind::AllReduce, &[here, [Place::Here(pb), Place::Here(null())]])
+        else {
+            panic!("not direct")
+        };
+        assert_eq!(
+            (peers[0].send, peers[0].recv, peers[1].send, peers[1].recv),
+            (pa.cast_const(), pb, pb.cast_const(), null())
+        );
+        // One member's private buffers, offered, one of them asked to cross: across processes, the
+        // buffers here as this process's own.
+        let asked = [offered(0x1000, false), offered(0x2000, true)];
+        let Route::Cma(members) = route(CollKind::AllReduce, &[here, asked]) else { panic!("not crossing") };
+        assert_eq!((members[0].send.pid, members[0].send.addr, members[0].recv.rank), (None, pa as usize, 0));
+        assert_eq!(
+            (members[1].send.pid, members[1].send.addr, members[1].recv.addr),
+            (Some(7), 0x1000, 0x2000)
+        );
+        // Offered but nobody asked, a withheld buffer, or a kind this route does not run: staged.
+        let not_asked = [offered(0x1000, false), offered(0x2000, false)];
+        let withheld = [Place::Withheld, offered(0x2000, true)];
+        for (kind, other) in [
+            (CollKind::AllReduce, not_asked),
+            (CollKind::AllReduce, withheld),
+            (CollKind::ReduceScatterV, asked),
+        ] {
+            let Route::Staged { bufs, chunk } = route(kind, &[here, other]) else {
+                panic!("{kind:?} not staged")
+            };
+            assert_eq!((bufs.len(), chunk), (2, 64));
+        }
+        // A world without staging (every buffer addressable) never gets there: a bug, not a crash.
+        let e = choose(CollKind::AllReduce, &[0, 1], &[here, not_asked], || None).err().unwrap();
+        assert!(matches!(e, Error::Internal(_)), "{e}");
+    }
 
     #[test]
     fn calls_cross_by_timing_or_size_and_every_member_of_a_call_decides_alike() {

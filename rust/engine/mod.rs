@@ -59,7 +59,8 @@ pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
 use crate::algo::claims::Claims;
 use crate::algo::layout::{self, Fault, Plan};
-use crate::algo::{self, pairwise, spans, staged::Staged, Route};
+use crate::algo::route::{self, Route};
+use crate::algo::{self, pairwise, spans, staged::Staged};
 use crate::call::{self, Call};
 use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
@@ -457,7 +458,8 @@ impl<S: Store> Engine<S> {
             Some(p) => p.spans.clone(),
             None => (0..n).map(|j| spans(sig, n, call.root == Some(j))).collect(),
         };
-        let route = match s.route(&pages, sig, &spans) {
+        let places = s.places(&pages, sig, &spans);
+        let route = match places.and_then(|p| route::choose(sig.kind, s.members(), &p, || s.staging())) {
             Ok(route) => route,
             Err(e) => return (Err(self.fail(e)), After::Leave),
         };

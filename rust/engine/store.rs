@@ -9,8 +9,8 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use super::wire;
+use crate::algo::route::{Place, Staging};
 use crate::algo::route_times::RouteTimes;
-use crate::algo::Route;
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
@@ -150,10 +150,20 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn routes(&self) -> Option<&RouteTimes> {
         None
     }
-    /// How the data of `sig` moves, given every member's page and the bytes its send and recv buffers
-    /// span: straight between the published buffers, or through staging. Fails when a page names a
-    /// buffer no honest peer would publish.
-    fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route>;
+    /// Where every member's send and receive buffers are, read from its page and the bytes they span,
+    /// for the route choice (`algo::route::choose`). Fails when a page names a buffer no honest peer
+    /// would publish.
+    fn places(
+        &self,
+        pages: &[Published],
+        sig: &Signature,
+        spans: &[(usize, usize)],
+    ) -> Result<Vec<[Place; 2]>>;
+    /// Every member's pipeline buffers, for calls that stage (`algo::staged`); none in a world whose
+    /// buffers every member addresses.
+    fn staging(&self) -> Option<Staging> {
+        None
+    }
 
     /// True once the world is aborted (a cheap `SeqCst` load, checked on every poll).
     fn aborted(&self) -> bool;
