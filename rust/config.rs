@@ -85,10 +85,8 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// above by kind).
 pub(crate) const CMA_MIN: usize = 64 << 10;
 /// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
-/// between processes when ranks outnumber cores, where calls are not timed (`algo::route::offer`). 4 ranks
-/// on 2 cores, all_reduce staged against crossing: on one host 256 KiB 120 against 191 us, 2 MiB about
-/// even, 4 MiB 2.34 against 2.00 ms; on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us,
-/// 2 MiB 737 against 583 us (reduce_scatter 2 MiB 564 against 485 us).
+/// between processes when ranks outnumber cores, where calls are not timed (`algo::route::offer`):
+/// about where the two routes cross over on the hosts measured (`bench.procs` in the Python package).
 pub(crate) const CMA_REDUCE_CROWDED: usize = 2 << 20;
 /// Largest tile members claim in the cross-memory collectives (`algo::claims::Claims`): a reduction reads
 /// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member

@@ -161,10 +161,8 @@ pub(crate) fn offer(
 /// member's time depends mostly on when the scheduler ran it, and the samples of both routes spread
 /// over the same range). Then the pairwise kinds always cross; the reductions cross from
 /// [`CMA_REDUCE_CROWDED`] when crowded, always otherwise; the copy kinds never cross when crowded,
-/// where the staged copies run at user-space speed and stream their output (4 ranks on 2 cores,
-/// all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms through the kernel; broadcast 64 MiB beside
-/// a CPU-bound process 19 against 28 ms), and always otherwise (2 ranks: all_reduce 8 MiB 1.34 ms
-/// staged against 1.18 crossing).
+/// where the staged copies run at user-space speed and stream their output, and always otherwise (the
+/// measurements behind each: the docs of the Python bench, `bench.procs`).
 fn by_size(sig: &Signature, n: usize, crowded: bool) -> bool {
     let (send, recv) = super::spans(sig, n, true);
     match sig.kind {
