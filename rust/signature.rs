@@ -218,7 +218,7 @@ pub(crate) fn describe_progress(members: &[Progress]) -> String {
 
 /// The mismatch error of a group whose members' calls are `calls` (in group order; `None` for a member
 /// that has not entered the call), or `None` when every member entered the same one. The worlds that
-/// publish signatures in memory compare them with [`describe_mismatch`]; a backend that exchanges them
+/// publish signatures in memory compare them with `describe_mismatch`; a backend that exchanges them
 /// (MPI) comes here, so its users read the same message.
 pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<Error> {
     let entered: Vec<(usize, Signature)> =
