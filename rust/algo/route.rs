@@ -83,7 +83,7 @@ pub(crate) fn choose(
     Ok(Route::Staged { bufs, chunk })
 }
 
-/// Whether this route runs `kind` (the others, reduce_scatter_v, go through staging).
+/// Whether the cross-memory route (`cma`) runs `kind` (the others, reduce_scatter_v, stage).
 pub(crate) fn handles(kind: CollKind) -> bool {
     !matches!(kind, CollKind::ReduceScatterV)
 }
@@ -119,7 +119,7 @@ pub(crate) enum Offer {
     /// Its address, that peers may copy from and to it if the call crosses.
     Address,
     /// Its address, asking the call to cross: it does when any member asks and every member offered
-    /// every buffer (`transport::shm::store`).
+    /// every buffer ([`choose`]).
     Cross,
 }
 
