@@ -17,7 +17,7 @@ pub(crate) const SPIN: Duration = Duration::from_micros(60);
 /// its whole time slice.
 pub(crate) const SPIN_APART: Duration = Duration::from_millis(2);
 /// A waiting thread that finds a rank it waits for queued on its own core moves to another core at
-/// most this often (`transport::wait::leave_core`): beside a CPU-bound process the scheduler puts
+/// most this often (`sync::wait::leave_core`): beside a CPU-bound process the scheduler puts
 /// the two ranks of a pair that wake each other on one core, and a quarter to a half of the calls
 /// of a 256 KiB broadcast took 175 µs instead of 16.
 pub(crate) const MOVE_EVERY: Duration = Duration::from_millis(10);
@@ -81,16 +81,14 @@ pub(crate) const SHM_ONESHOT: usize = 64 << 10;
 /// Collectives on private arrays of the shm world copy straight between processes (`algo::cma`) when
 /// the kernel allows it, every member's every buffer has at least this many bytes (each buffer is
 /// judged alone, so a small part of a large call stages the whole call) and a member asks
-/// (`algo::cma::offer`: under `ROUTE_TIMED_BELOW` when crossing took it less time than staging lately,
+/// (`algo::route::offer`: under `ROUTE_TIMED_BELOW` when crossing took it less time than staging lately,
 /// above by kind).
 pub(crate) const CMA_MIN: usize = 64 << 10;
 /// The smallest all_reduce, reduce or reduce_scatter (bytes of its largest buffer) that copies straight
-/// between processes when ranks outnumber cores, where calls are not timed (`algo::cma::offer`). 4 ranks
-/// on 2 cores, all_reduce staged against crossing: on one host 256 KiB 120 against 191 us, 2 MiB about
-/// even, 4 MiB 2.34 against 2.00 ms; on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us,
-/// 2 MiB 737 against 583 us (reduce_scatter 2 MiB 564 against 485 us).
+/// between processes when ranks outnumber cores, where calls are not timed (`algo::route::offer`):
+/// about where the two routes cross over on the hosts measured (`bench.procs` in the Python package).
 pub(crate) const CMA_REDUCE_CROWDED: usize = 2 << 20;
-/// Largest tile members claim in the cross-memory collectives (`algo::cma::Claims`): a reduction reads
+/// Largest tile members claim in the cross-memory collectives (`algo::claims::Claims`): a reduction reads
 /// each peer's tile into scratch it keeps in cache, and a copied tile is read once for every member
 /// it goes to.
 pub(crate) const CMA_TILE: usize = 128 << 10;
@@ -144,14 +142,14 @@ pub fn shm_chunk_from_env() -> Option<usize> {
     std::env::var("AXONML_SHM_CHUNK_KIB").ok()?.parse::<usize>().ok()?.checked_mul(1024)
 }
 
-/// `AXONML_WAIT_MOVE=0`: a waiting thread never changes its core (`transport::wait::leave_core`), for
+/// `AXONML_WAIT_MOVE=0`: a waiting thread never changes its core (`sync::wait::leave_core`), for
 /// jobs pinned by their launcher or run in a cpuset they expect to follow (read once).
 pub(crate) fn move_allowed_by_env() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("AXONML_WAIT_MOVE").map_or(true, |v| v.trim() != "0"))
 }
 
-/// `AXONML_SHM_CMA` (`algo::cma::Policy`): `0` (`Some(false)`) never copies straight between processes,
+/// `AXONML_SHM_CMA` (`algo::route::Policy`): `0` (`Some(false)`) never copies straight between processes,
 /// always stages (tests of the staged path; sandboxes that log refused `process_vm_readv` calls); `1`
 /// (`Some(true)`) copies straight every buffer of at least [`CMA_MIN`] bytes, whatever the call's size
 /// (tests of the cross-memory path; CPUs whose kernel copies as fast as `memcpy`); unset (`None`), by

@@ -132,15 +132,21 @@ impl fmt::Display for DType {
     }
 }
 
-/// A Rust type that is one of the supported [`DType`]s. Sealed: its arithmetic lives in
-/// `reduce::Arith`, which users cannot implement.
-pub trait Element: crate::reduce::Arith + Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+/// A Rust type that is one of the supported [`DType`]s. Sealed (users cannot implement it): its tag
+/// tells every kernel what the memory behind a [`Buf`] holds.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
     /// Its dtype tag.
     const DTYPE: DType;
 }
 
+mod sealed {
+    /// Implemented for the [`super::Element`] types only; not nameable outside this module.
+    pub trait Sealed {}
+}
+
 macro_rules! element {
     ($($t:ty => $d:ident),*) => {$(
+        impl sealed::Sealed for $t {}
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }

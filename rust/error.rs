@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use crate::signature::Signature;
-
 mod exit_status;
 pub use exit_status::{ExitStatus, Unknown};
 
@@ -26,8 +24,9 @@ pub enum Error {
         group: Vec<usize>,
         /// Which rank called what, e.g. "rank 0 called all_reduce(...), rank 1 called broadcast(...)".
         details: String,
-        /// Every member's call, in group order.
-        calls: Vec<(usize, Signature)>,
+        /// Every member's call, in group order, as it prints (`all_reduce(#3, 4 x float32, op=SUM)`):
+        /// text, so that this bottom type knows nothing of the call's types (`signature::Signature`).
+        calls: Vec<(usize, String)>,
     },
 
     /// Some members never arrived before the deadline. The world is aborted. The message carries

@@ -1,20 +1,34 @@
 //! Data-parallel training collectives on CPUs: an in-process world (ranks are threads) and a
 //! shared-memory world (ranks are processes of one host), with process groups and gradient buckets.
 //!
-//! The layers, top down, each knowing only the ones below it:
-//! * groups: [`group`] ([`ProcessGroup`], [`World`], subgroups), [`synchronizer`] (bucketed gradient
-//!   averaging), [`work`] (queued asynchronous calls);
-//! * the protocol: `engine` (publish, wait for arrivals, compare signatures, move data, done, drain:
-//!   written once, against the `engine::Store` that each world implements), which implements the
-//!   [`backend`] trait [`Backend`];
-//! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
-//! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
-//!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
-//! * core types: [`config`] (every tunable and environment knob), `call` (argument checks),
-//!   [`signature`], [`dtype`], [`reduce`] (the kernels), [`bucket`], [`error`].
+//! The floors, top down. Data flows down one way: each floor knows only the ones below it (modules
+//! side by side on one floor know nothing of each other).
 //!
-//! The Python bindings (`bindings`, behind the `python` feature) sit on top and are the only code that
-//! names Python types.
+//! ```text
+//! bindings            PyO3 (behind the `python` feature): the only code that names Python types
+//! synchronizer        bucketed gradient averaging over a group
+//! group    bucket     ProcessGroup, World, subgroups; gradient buckets
+//! transport           the worlds, each implementing engine::Store: thread (ThreadBackend) and shm
+//!                     (segment, rendezvous, liveness, and the pages' wire format of where buffers are)
+//! engine              the meeting protocol, once: publish, wait for arrivals, compare signatures,
+//!                     move data, done, drain; Engine<S: Store> implements Backend
+//! backend  algo       the Backend trait every world offers (with work: Work handles, the lanes that
+//!                     queue calls); data movement per collective (oneshot, direct, staged, pairwise,
+//!                     cma over process_vm) and the route choice, one owner: route (with route_times)
+//! work     call       queued calls; one call's checks, turned into a Call (its signature and buffers)
+//! signature           a call's fingerprint and the mismatch and progress reports built from it
+//! reduce              operators, their dtype rules, Horovod's scaling, the kernels
+//! dtype               element types and type-erased buffer views
+//! sync                locking that survives poisoning; wait, the one way a rank waits for its peers
+//! config  error       every tunable and environment knob; the one error type (knowing nothing above)
+//! ```
+//!
+//! One arrow still climbs: `call` names `algo::Peer` (a member's two buffer addresses) for the buffers
+//! it validated. Tests reach anywhere (the engine's run in the thread world).
+//!
+//! Where to start: [`ProcessGroup`] and [`World`] ([`group`]), the [`Backend`] trait, the worlds
+//! [`ThreadBackend`] and [`transport::shm`], [`GradientSynchronizer`] ([`synchronizer`]), the
+//! [`Error`] every call returns.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -63,7 +77,7 @@ pub use dtype::{Buf, BufMut, DType, Element};
 pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};
 pub use reduce::ReduceOp;
+pub use sync::wait::set_interrupt_hook;
 pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
 pub use transport::thread::{MockBackend, ThreadBackend};
-pub use transport::wait::set_interrupt_hook;
 pub use work::{Lane, Work};

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::dtype::DType;
+use crate::error::Error;
 use crate::reduce::{ReduceOp, Scale};
 
 /// Which collective a rank called.
@@ -217,9 +218,9 @@ pub(crate) fn describe_progress(members: &[Progress]) -> String {
 
 /// The mismatch error of a group whose members' calls are `calls` (in group order; `None` for a member
 /// that has not entered the call), or `None` when every member entered the same one. The worlds that
-/// publish signatures in memory compare them with [`describe_mismatch`]; a backend that exchanges them
+/// publish signatures in memory compare them with `describe_mismatch`; a backend that exchanges them
 /// (MPI) comes here, so its users read the same message.
-pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<crate::error::Error> {
+pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<Error> {
     let entered: Vec<(usize, Signature)> =
         members.iter().zip(calls).filter_map(|(&r, s)| Some((r, (*s)?))).collect();
     let absent: Vec<usize> =
@@ -230,5 +231,12 @@ pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<crate:
         (None, _, Some((r0, s0))) => format!("rank {r0} called {s0}, but rank(s) {absent:?} entered no call"),
         (None, _, None) => return None,
     };
-    Some(crate::error::Error::Mismatch { group: members.to_vec(), details, calls: entered })
+    Some(mismatch_error(members, details, &entered))
+}
+
+/// The mismatch error of the group of global ranks `members`, whose calls were `calls` (those that
+/// entered one, in group order), told in `details` ([`describe_mismatch`]).
+pub(crate) fn mismatch_error(members: &[usize], details: String, calls: &[(usize, Signature)]) -> Error {
+    let calls = calls.iter().map(|(r, s)| (*r, s.to_string())).collect();
+    Error::Mismatch { group: members.to_vec(), details, calls }
 }

@@ -18,7 +18,7 @@ use std::time::Instant;
 use crate::config::SLICE;
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::transport::wait::interrupted;
+use crate::sync::wait::interrupted;
 
 type Job = Box<dyn FnOnce() + Send>;
 

@@ -1,7 +1,7 @@
-//! Collectives on private buffers of processes, copied straight between them with Linux's cross-memory
-//! attach (`process_vm_readv` / `process_vm_writev`, as MPICH's and Open MPI's CMA paths do): each byte
-//! moves once, by the kernel, from the owner's memory to the reader's, with no staging copy and no
-//! pipeline sync. Members touch disjoint memory, so the engine's done-sync (its drain) is the only wait.
+//! Collectives on private buffers of processes, copied straight between them (`process_vm`): each
+//! byte moves once, by the kernel, from the owner's memory to the reader's, with no staging copy and
+//! no pipeline sync. Members touch disjoint memory, so the engine's done-sync (its drain) is the only
+//! wait.
 //!
 //! Members share the work in tiles they claim one at a time ([`Claims`]), so a member whose core is
 //! taken by another process does less of it instead of holding every member back:
@@ -16,135 +16,23 @@
 //!   (reduce_scatter, where members take their own blocks first). Tiles keep the scratch in cache
 //!   between the read and the reduction. Whoever computes a tile, the order of the reduction is the
 //!   same, so results are bitwise identical.
-//!
-//! Addresses come from peers: a bad one makes the kernel fail the copy (EFAULT, or a short count),
-//! which is an error here, never a crash; the lengths are this member's own (the agreed signature).
 
 use std::cell::RefCell;
 
 use super::claims::Claims;
 use super::layout::Plan;
-use super::route_times::RouteTimes;
+use super::process_vm::{read, transfer, write, Loc};
 use super::stream;
 use crate::call::Call;
-use crate::config::{cma_forced_by_env, CMA_MIN, CMA_REDUCE_CROWDED};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::reduce::{reduce_raw, ReduceOp};
-use crate::signature::{CollKind, Signature};
-
-/// Where a member's buffer is: in this process (`pid` None), or at `addr` in process `pid`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Loc {
-    pub pid: Option<i32>,
-    pub addr: usize,
-    /// The member's global rank, for errors.
-    pub rank: usize,
-}
-
-impl Loc {
-    fn at(self, off: usize) -> Loc {
-        Loc { addr: self.addr.wrapping_add(off), ..self }
-    }
-}
+use crate::signature::CollKind;
 
 /// A member's send and receive buffers.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Member {
     pub send: Loc,
     pub recv: Loc,
-}
-
-/// Whether this route runs `kind` (the others, reduce_scatter_v, go through staging).
-pub(crate) fn handles(kind: CollKind) -> bool {
-    !matches!(kind, CollKind::ReduceScatterV)
-}
-
-/// When a member lets its peers copy its private buffers straight from its memory.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Policy {
-    /// Never (`AXONML_SHM_CMA=0`, or the kernel refused a peer: `probe`); every call stages.
-    Never,
-    /// Calls that took less time crossing than staging lately, or large enough ([`offer`]): the
-    /// default.
-    Timed,
-    /// Every buffer of at least `CMA_MIN` bytes (`AXONML_SHM_CMA=1`).
-    Always,
-}
-
-impl Policy {
-    /// The policy `AXONML_SHM_CMA` asks for (`config::cma_forced_by_env`).
-    pub(crate) fn from_env() -> Policy {
-        match cma_forced_by_env() {
-            Some(false) => Policy::Never,
-            Some(true) => Policy::Always,
-            None => Policy::Timed,
-        }
-    }
-}
-
-/// What a member offers its peers for a private buffer of a call, under its `Policy`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Offer {
-    /// Nothing: peers cannot copy from or to it, and the call stages.
-    Withheld,
-    /// Its address, that peers may copy from and to it if the call crosses.
-    Address,
-    /// Its address, asking the call to cross: it does when any member asks and every member offered
-    /// every buffer (`transport::shm::store`).
-    Cross,
-}
-
-/// What a member offers for a private buffer of `bytes` of call `sig` (in a group of `n`) under
-/// `policy`: by default it asks the call to cross when crossing took it less time than staging lately
-/// (`routes`, for the calls it times), else by [`by_size`]. `routes` is `None` where the world's ranks
-/// outnumber the cores (crowded): timings there say more about who held a core than about the route,
-/// so nothing is timed and [`by_size`] decides. A call crosses when any member asks, so a
-/// member with other settings (`AXONML_SHM_CMA=1`) or other timings can make it cross; one that
-/// withholds makes it stage. The policy is asked only for buffers of at least [`CMA_MIN`] bytes, so
-/// smaller ones never make a process probe its peers (`Policy::Never` after a refused probe).
-pub(crate) fn offer(
-    policy: impl FnOnce() -> Policy,
-    sig: &Signature,
-    n: usize,
-    bytes: usize,
-    routes: Option<&RouteTimes>,
-) -> Offer {
-    if bytes < CMA_MIN {
-        return Offer::Withheld;
-    }
-    let ask = match policy() {
-        Policy::Never => return Offer::Withheld,
-        Policy::Always => true,
-        Policy::Timed => match routes {
-            Some(routes) => routes.ask(sig, n).unwrap_or_else(|| by_size(sig, n, false)),
-            None => by_size(sig, n, true),
-        },
-    };
-    if ask {
-        Offer::Cross
-    } else {
-        Offer::Address
-    }
-}
-
-/// Whether a member asks a call it does not time to cross: calls of `ROUTE_TIMED_BELOW` or more, or
-/// of the pairwise kinds, or any call when the world's ranks outnumber the cores (`crowded`: there a
-/// member's time depends mostly on when the scheduler ran it, and the samples of both routes spread
-/// over the same range). Then the pairwise kinds always cross; the reductions cross from
-/// [`CMA_REDUCE_CROWDED`] when crowded, always otherwise; the copy kinds never cross when crowded,
-/// where the staged copies run at user-space speed and stream their output (4 ranks on 2 cores,
-/// all_gather 16 MiB 4.3-4.8 ms staged against 5.2-6.2 ms through the kernel; broadcast 64 MiB beside
-/// a CPU-bound process 19 against 28 ms), and always otherwise (2 ranks: all_reduce 8 MiB 1.34 ms
-/// staged against 1.18 crossing).
-fn by_size(sig: &Signature, n: usize, crowded: bool) -> bool {
-    let (send, recv) = super::spans(sig, n, true);
-    match sig.kind {
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
-            !crowded || send.max(recv) >= CMA_REDUCE_CROWDED
-        }
-        CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => !crowded,
-        _ => true,
-    }
 }
 
 #[repr(C, align(64))]
@@ -155,67 +43,6 @@ thread_local! {
     /// Scratch tiles of the reductions, kept across calls (a fresh allocation per call would fault
     /// its pages in every time).
     static SCRATCH: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
-}
-
-/// One copy of `len` bytes between this process and `remote` (another process's buffer, or one in
-/// this process: a member's own, or a peer's in the segment); `read` from `remote` into `local`, else
-/// the other way. A copy within this process streams when `stream` (`stream::worth` of the transfer).
-fn transfer(remote: Loc, local: *mut u8, len: usize, read: bool, stream: bool, op: &str) -> Result<()> {
-    let Some(pid) = remote.pid else {
-        let (from, to) = if read {
-            (remote.addr as *const u8, local)
-        } else {
-            (local.cast_const(), remote.addr as *mut u8)
-        };
-        // SAFETY: the caller guarantees both ranges; `copy` tolerates all_gather's in-place overlap.
-        unsafe { stream::copy(from, to, len, stream) };
-        return Ok(());
-    };
-    let mut done = 0;
-    while done < len {
-        let l = libc::iovec { iov_base: local.wrapping_add(done).cast(), iov_len: len - done };
-        let r = libc::iovec {
-            iov_base: remote.addr.wrapping_add(done) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: `l` is this process's memory, valid for `len` bytes (caller); the kernel checks `r`
-        // against the peer's address space and fails the call instead of faulting.
-        let got = unsafe {
-            if read {
-                libc::process_vm_readv(pid, &l, 1, &r, 1, 0)
-            } else {
-                libc::process_vm_writev(pid, &l, 1, &r, 1, 0)
-            }
-        };
-        match got {
-            n if n > 0 => done += n as usize,
-            _ => {
-                // 0 bytes moved sets no errno: the peer's mapping ends there.
-                let errno = if got == 0 {
-                    "no bytes moved".to_string()
-                } else {
-                    std::io::Error::last_os_error().to_string()
-                };
-                let what = if read { "reading from" } else { "writing to" };
-                return Err(Error::invalid(format!(
-                    "{op}: {what} rank {}'s buffer ({} bytes at {:#x}, pid {pid}) failed after {done} bytes: \
-                     {errno} (a peer published an address it does not own, or exited)",
-                    remote.rank,
-                    len,
-                    remote.addr,
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-fn read(from: Loc, to: *mut u8, len: usize, op: &str) -> Result<()> {
-    transfer(from, to, len, true, stream::worth(len), op)
-}
-
-fn write(from: *const u8, to: Loc, len: usize, op: &str) -> Result<()> {
-    transfer(to, from.cast_mut(), len, false, stream::worth(len), op)
 }
 
 /// Member `me`'s share of `call` (reducing with `op`) over every member's buffers: the tiles it
@@ -365,131 +192,9 @@ pub(crate) unsafe fn run(
     }
 }
 
-/// What [`probe`] reads in a peer: a word every process of this library holds at an address it tells
-/// its peers (the segment header).
-pub(crate) static PROBE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(PROBE_WORD);
-const PROBE_WORD: u64 = 0x6178_6f6e_6d6c_434d;
-
-/// Whether this process may read and write the memory of process `pid` (which holds [`PROBE`] at
-/// `addr`): false when the kernel or a sandbox refuses (EPERM, ENOSYS, a seccomp filter, Yama).
-pub(crate) fn probe(pid: i32, addr: usize) -> bool {
-    let remote = Loc { pid: Some(pid), addr, rank: 0 };
-    let mut word = 0u64;
-    let at = (&raw mut word).cast::<u8>();
-    // Writing the word back as it was leaves the peer unchanged.
-    read(remote, at, 8, "probe").is_ok() && word == PROBE_WORD && write(at, remote, 8, "probe").is_ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn me() -> i32 {
-        std::process::id() as i32
-    }
-
-    #[test]
-    fn a_process_may_probe_itself() {
-        assert!(probe(me(), PROBE.as_ptr() as usize));
-    }
-
-    #[test]
-    fn a_bad_address_is_an_error_naming_the_peer() {
-        let mut got = [0u8; 16];
-        let bad = Loc { pid: Some(me()), addr: 16, rank: 3 };
-        let e = read(bad, got.as_mut_ptr(), 16, "all_reduce").unwrap_err().to_string();
-        assert!(e.contains("rank 3") && e.contains("after 0 bytes"), "{e}");
-        assert!(!probe(me(), 16));
-        let e = write(got.as_ptr(), bad, 16, "broadcast").unwrap_err().to_string();
-        assert!(e.contains("writing to rank 3"), "{e}");
-    }
-
-    #[test]
-    fn calls_cross_by_timing_or_size_and_every_member_of_a_call_decides_alike() {
-        use crate::algo::spans;
-        use crate::config::{ROUTE_LEARN, ROUTE_PROBE_EVERY, ROUTE_RUN, ROUTE_TIMED_BELOW};
-        use crate::dtype::DType;
-        use std::time::Duration;
-        // A call of `count` float32 per part on `n` members: what the root and any other member offer
-        // for their buffers, and whether the call crosses: when every buffer is offered and any member
-        // asks. The root and the others must ask alike (their timings alike).
-        let decide_with = |p: Policy, kind, count: usize, n: usize, routes: Option<&RouteTimes>| {
-            let s = Signature::new(kind, 1, count).dtype(DType::F32);
-            let member = |is_root| {
-                let (send, recv) = spans(&s, n, is_root);
-                let offers: Vec<Offer> = [send, recv]
-                    .into_iter()
-                    .filter(|&b| b > 0)
-                    .map(|b| offer(|| p, &s, n, b, routes))
-                    .collect();
-                (offers.iter().all(|&o| o != Offer::Withheld), offers.contains(&Offer::Cross))
-            };
-            let ((root_offers, root_asks), (other_offers, other_asks)) = (member(true), member(false));
-            assert_eq!(root_asks, other_asks, "{kind:?} {count}: the root and the others disagree");
-            root_offers && other_offers && root_asks
-        };
-        let fresh = RouteTimes::default();
-        let decide = |p: Policy, kind, count: usize, n: usize, crowded: bool| {
-            decide_with(p, kind, count, n, (!crowded).then_some(&fresh))
-        };
-        // float32 elements of the smallest call not timed, and per MiB.
-        let (big, mib) = (ROUTE_TIMED_BELOW / 4, (1 << 20) / 4);
-        // Calls too large to time: reductions cross, copies cross unless ranks outnumber the cores.
-        for kind in [CollKind::AllReduce, CollKind::Reduce] {
-            assert!(decide(Policy::Timed, kind, big, 2, false) && decide(Policy::Timed, kind, big, 4, true));
-        }
-        // Where ranks outnumber cores nothing is timed: reductions cross from CMA_REDUCE_CROWDED by
-        // their largest buffer, copies never.
-        let crowded = CMA_REDUCE_CROWDED / 4;
-        assert!(!decide(Policy::Timed, CollKind::AllReduce, crowded - 1, 4, true));
-        assert!(decide(Policy::Timed, CollKind::AllReduce, crowded, 4, true));
-        assert!(!decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4 - 1, 4, true));
-        assert!(decide(Policy::Timed, CollKind::ReduceScatter, crowded / 4, 4, true));
-        // reduce_scatter by its input (count per member, n parts), all_gather and gather by their
-        // output, scatter by its input: the call's largest buffer.
-        assert!(decide(Policy::Timed, CollKind::ReduceScatter, big / 2, 2, false));
-        for kind in [CollKind::Broadcast, CollKind::AllGather, CollKind::Gather, CollKind::Scatter] {
-            let part = if kind == CollKind::Broadcast { big } else { big / 2 };
-            assert!(decide(Policy::Timed, kind, part, 2, false), "{kind:?}");
-            assert!(!decide(Policy::Timed, kind, part, 2, true), "{kind:?}");
-            assert!(decide(Policy::Always, kind, part, 2, true), "{kind:?}");
-        }
-        // A fresh member stages a timed call first (learning, no samples yet).
-        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
-            assert!(!decide(Policy::Timed, kind, mib / 2, 2, false), "{kind:?}");
-            assert!(decide(Policy::Always, kind, mib / 2, 2, false), "{kind:?}");
-        }
-        // Once crossing took less than staging, timed calls of every kind cross, but for the probe
-        // calls, and never when the policy forbids it.
-        for kind in [CollKind::AllReduce, CollKind::ReduceScatter, CollKind::Broadcast, CollKind::AllGather] {
-            let routes = RouteTimes::default();
-            let s = Signature::new(kind, 1, mib / 2).dtype(DType::F32);
-            let mut crossed = Vec::new();
-            for _ in 0..2 * ROUTE_LEARN + 2 * ROUTE_PROBE_EVERY {
-                let cross = decide_with(Policy::Timed, kind, mib / 2, 2, Some(&routes));
-                let took = Duration::from_micros(if cross { 10 } else { 30 });
-                routes.record(&s, 2, cross, took);
-                crossed.push(cross);
-            }
-            let learning = 2 * ROUTE_LEARN as usize;
-            let crossings = crossed[..learning].iter().filter(|&&c| c).count();
-            assert!(!crossed[0] && crossings as u64 == ROUTE_LEARN, "{kind:?} learns both, staging first");
-            let staged = crossed[learning..].iter().filter(|&&c| !c).count() as u64;
-            assert_eq!(staged, 2 * ROUTE_RUN, "{kind:?}: one staged probe run per {ROUTE_PROBE_EVERY} calls");
-            assert!(!decide_with(Policy::Never, kind, mib / 2, 2, Some(&routes)), "{kind:?}");
-        }
-        // A large call whose parts are under CMA_MIN stages (64 members, 2 MiB gathered).
-        assert!(!decide(Policy::Always, CollKind::AllGather, 2 * mib / 64, 64, false));
-        assert!(decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4, 2, false));
-        assert!(!decide(Policy::Always, CollKind::AllReduce, CMA_MIN / 4 - 1, 2, false));
-        assert!(!decide(Policy::Never, CollKind::AllReduce, big, 2, false));
-        // The kinds with per-member sizes go by each buffer alone (their spans come from the plan).
-        let v = Signature::new(CollKind::AllToAll, 1, 0).dtype(DType::F32);
-        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN, None), Offer::Cross);
-        assert_eq!(offer(|| Policy::Timed, &v, 4, CMA_MIN - 1, Some(&fresh)), Offer::Withheld);
-        // Buffers under CMA_MIN never ask for the policy (which may probe the peers).
-        assert_eq!(offer(|| unreachable!("asked"), &v, 4, CMA_MIN - 1, Some(&fresh)), Offer::Withheld);
-    }
 
     /// Members of a world of 3 in this process run their shares one after another, each of them first
     /// in turn, so the first takes every tile it may (all of a shared counter; its own part and all but
@@ -580,14 +285,5 @@ mod tests {
                 assert!(same(b, &want), "reduce_scatter block {d}, member {first} first");
             }
         }
-    }
-
-    #[test]
-    fn copies_between_processes_move_every_byte() {
-        let src: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        let mut dst = vec![0u8; src.len()];
-        let from = Loc { pid: Some(me()), addr: src.as_ptr() as usize, rank: 1 };
-        read(from, dst.as_mut_ptr(), src.len(), "t").unwrap();
-        assert_eq!(src, dst);
     }
 }

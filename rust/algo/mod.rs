@@ -4,9 +4,11 @@
 //! * [`direct`]: every buffer addressable by every member (the in-process world, or arrays inside a
 //!   shared segment): owner-computes reductions (`owner`) and straight copies (`copy`);
 //! * `staged`: private buffers of processes, pipelined through staging buffers;
-//! * `cma`: private buffers of processes, copied straight between them by the kernel, for calls that
-//!   took less time that way than staged lately, or too large to time (`cma::offer`);
-//! * `route_times`: what `staged` and `cma` took lately for each class of calls, on this member;
+//! * `cma`: private buffers of processes, copied straight between them by the kernel (`process_vm`,
+//!   the system calls), for calls that took less time that way than staged lately, or too large to
+//!   time;
+//! * `route`: which of those a call takes (the policy, one owner), with `route_times`, what `staged`
+//!   and `cma` took lately for each class of calls, on this member;
 //! * `claims`: the tiles of a call, claimed by whichever member is free (cma, and direct broadcast);
 //! * `stream`: the local copy of large transfers in `copy` and `cma`, and the staged copies out into
 //!   large outputs, streaming past the caches (the pairwise copies do not stream);
@@ -23,6 +25,8 @@ pub(crate) mod layout;
 pub(crate) mod oneshot;
 pub(crate) mod owner;
 pub(crate) mod pairwise;
+pub(crate) mod process_vm;
+pub(crate) mod route;
 pub(crate) mod route_times;
 pub(crate) mod staged;
 pub(crate) mod stream;
@@ -38,16 +42,6 @@ pub(crate) struct Peer {
     pub send: *const u8,
     /// Output data.
     pub recv: *mut u8,
-}
-
-/// How a collective's data moves, as the world decides from what its members published.
-pub(crate) enum Route {
-    /// Every member's buffers, addressable here: run [`direct`].
-    Direct(Vec<Peer>),
-    /// Through every member's two pipeline buffers of `chunk` bytes (`staged`).
-    Staged { bufs: Vec<[*mut u8; 2]>, chunk: usize },
-    /// Every member's buffers, in this process or in a peer's that lets us copy (`cma`).
-    Cma(Vec<cma::Member>),
 }
 
 /// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it

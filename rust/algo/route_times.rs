@@ -1,13 +1,12 @@
 //! What each route took lately, on this member, for each class of calls that could take either: the
-//! choice between the staged pipeline and cross-memory copies (`cma::offer`) for calls under
+//! choice between the staged pipeline and cross-memory copies (`route::offer`) for calls under
 //! `ROUTE_TIMED_BELOW`.
 //!
 //! Which route wins depends on the machine and, on a VM, on the moment: staging copies every byte
 //! twice, into lines a peer's core last read and out of lines it just wrote, and the kernel's copy
-//! moves it once at its own speed. On one host of this machine's kind, 2 ranks at 256 KiB, staging
-//! took 25 us for an all_reduce against 39 crossing, and broadcast 17 against 16; on another, 31
-//! against 25 and 28 against 9.5; on the first, for seconds to minutes at a time, 80 against 50 and 61
-//! against 22. No size threshold fits all three, so each member times both and asks for the faster.
+//! moves it once at its own speed. No size threshold fits every host, nor one host at every moment
+//! (the measurements are in the docs of the Python bench, `bench.procs`), so each member times both
+//! and asks for the faster.
 //!
 //! A class is a kind, a group size and the power of two of the call's largest buffer. Every call of a
 //! class that took either route reports how long this member took from the end of the arrival wait
@@ -19,12 +18,12 @@
 //! calls, staging first (by the count of calls recorded, the same on every member, which runs the same
 //! calls); then a member asks to cross when the best of its last `ROUTE_WINDOW` crossing samples beats
 //! the best staged one. The best, not the median: a lost time slice only ever adds time, and so does
-//! the first call of a route after the other (its lines sit in the other route's places), which once
-//! kept a 2-rank all_reduce of 256 KiB staging at 32 us for a whole run against 18 crossing. The cost:
+//! the first call of a route after the other (its lines sit in the other route's places), which could
+//! keep a class on the slower route for a whole run (`bench.procs`). The cost:
 //! a route that is now and then much faster than usual wins while such a sample is in its window, even
 //! if it is slower on average. Of every `ROUTE_PROBE_EVERY` calls, one run stages on every member and
 //! one crosses on every member, so a route that lost keeps being measured. A call crosses when any
-//! member asks (`cma::offer`), so members that disagree never split.
+//! member asks (`route::offer`), so members that disagree never split.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

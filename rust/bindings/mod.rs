@@ -81,7 +81,7 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         super::track_main_thread(m.py())?;
-        crate::transport::wait::set_interrupt_hook(super::python_interrupted);
+        crate::sync::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
         // The thread world's earlier name, which scripts use.

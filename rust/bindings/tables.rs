@@ -128,8 +128,8 @@ pub(crate) fn describe_layout_mismatch(
     Ok(match Plan::new(&sig, elem, root, &views, &members) {
         Ok(_) => None,
         Err(Fault::Disagree(details)) => {
-            let calls = members.iter().map(|&r| (r, sig)).collect();
-            Some(crate::error::Error::Mismatch { group: members, details, calls }.to_string())
+            let calls: Vec<_> = members.iter().map(|&r| (r, sig)).collect();
+            Some(crate::signature::mismatch_error(&members, details, &calls).to_string())
         }
         Err(Fault::Overflow) => Some(format!("{sig}: the members' sizes overflow")),
     })

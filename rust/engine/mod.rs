@@ -12,7 +12,7 @@
 //! 3. move data (`algo`): one-shot (every member reduces all one-shot buffers in rank order into its
 //!    own buffer), direct (owner-computes and copies straight between the published buffers), cma
 //!    (the same between processes, copied by the kernel, for calls that took less time that way
-//!    lately or too large to time: `algo::cma::offer`),
+//!    lately or too large to time: `algo::route::offer`),
 //!    or staged (pipelined through staging buffers, otherwise);
 //! 4. store `moved = k` if this member moved its data in full, then `done = k` on every way out of a
 //!    call this member arrived at; after the direct and cma paths, wait until every member's
@@ -59,13 +59,14 @@ pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
 
 use crate::algo::claims::Claims;
 use crate::algo::layout::{self, Fault, Plan};
-use crate::algo::{self, pairwise, spans, staged::Staged, Route};
+use crate::algo::route::{self, Route};
+use crate::algo::{self, pairwise, spans, staged::Staged};
 use crate::call::{self, Call};
 use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::signature::{describe_mismatch, describe_progress, CollKind, Progress, Signature};
-use crate::transport::wait::{current_cpu, leave_core, Stop};
+use crate::signature::{describe_mismatch, describe_progress, mismatch_error, CollKind, Progress, Signature};
+use crate::sync::wait::{current_cpu, leave_core, Stop};
 use crate::work::Lanes;
 
 /// Where the members a wait waits for last published from, seen from the waiting thread's core.
@@ -435,10 +436,7 @@ impl<S: Store> Engine<S> {
             calls.push((s.members()[j], sig));
         }
         if let Some(details) = describe_mismatch(&calls) {
-            return (
-                Err(self.fail(Error::Mismatch { group: s.members().to_vec(), details, calls })),
-                After::Leave,
-            );
+            return (Err(self.fail(mismatch_error(s.members(), details, &calls))), After::Leave);
         }
         let plan = match self.plan(call, sig, k, calls) {
             Ok(plan) => plan,
@@ -460,7 +458,8 @@ impl<S: Store> Engine<S> {
             Some(p) => p.spans.clone(),
             None => (0..n).map(|j| spans(sig, n, call.root == Some(j))).collect(),
         };
-        let route = match s.route(&pages, sig, &spans) {
+        let places = s.places(&pages, sig, &spans);
+        let route = match places.and_then(|p| route::choose(sig.kind, s.members(), &p, || s.staging())) {
             Ok(route) => route,
             Err(e) => return (Err(self.fail(e)), After::Leave),
         };
@@ -567,9 +566,7 @@ impl<S: Store> Engine<S> {
             .collect();
         match Plan::new(sig, call.dtype.size(), call.root, &layouts, s.members()) {
             Ok(plan) => Ok(Some(plan)),
-            Err(Fault::Disagree(details)) => {
-                Err(Error::Mismatch { group: s.members().to_vec(), details, calls })
-            }
+            Err(Fault::Disagree(details)) => Err(mismatch_error(s.members(), details, &calls)),
             Err(Fault::Overflow) => Err(Error::invalid(format!(
                 "{sig}: a member published sizes that overflow (corrupted segment?)"
             ))),

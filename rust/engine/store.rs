@@ -9,14 +9,14 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use super::wire;
+use crate::algo::route::{Place, Staging};
 use crate::algo::route_times::RouteTimes;
-use crate::algo::Route;
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::{may_spin, Wait};
+use crate::sync::wait::{may_spin, Wait};
 
 /// One member's control block in a communicator. Counters are monotonic over the communicator's life
 /// and written only by their member. `repr(C)`: in the shm world it lives in the segment.
@@ -36,11 +36,11 @@ pub(crate) struct Ctrl {
     /// Pipeline steps completed (three per staged round, see `algo::staged`).
     pub step: CachePadded<AtomicU64>,
     /// The core this member ran on when it last published progress, plus one (0: not yet; see
-    /// `transport::wait::current_cpu`): waiters spin past their short budget only while the members
+    /// `sync::wait::current_cpu`): waiters spin past their short budget only while the members
     /// they wait for sit on other cores.
     pub cpu: CachePadded<AtomicU32>,
     /// How many tiles of this member's part of the current call members have claimed
-    /// (`algo::cma::Claims`).
+    /// (`algo::claims::Claims`).
     pub claim: CachePadded<AtomicU64>,
     /// Page `k % 2` describes call k.
     pub pages: [CachePadded<Page>; 2],
@@ -150,10 +150,20 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     fn routes(&self) -> Option<&RouteTimes> {
         None
     }
-    /// How the data of `sig` moves, given every member's page and the bytes its send and recv buffers
-    /// span: straight between the published buffers, or through staging. Fails when a page names a
-    /// buffer no honest peer would publish.
-    fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route>;
+    /// Where every member's send and receive buffers are, read from its page and the bytes they span,
+    /// for the route choice (`algo::route::choose`). Fails when a page names a buffer no honest peer
+    /// would publish.
+    fn places(
+        &self,
+        pages: &[Published],
+        sig: &Signature,
+        spans: &[(usize, usize)],
+    ) -> Result<Vec<[Place; 2]>>;
+    /// Every member's pipeline buffers, for calls that stage (`algo::staged`); none in a world whose
+    /// buffers every member addresses.
+    fn staging(&self) -> Option<Staging> {
+        None
+    }
 
     /// True once the world is aborted (a cheap `SeqCst` load, checked on every poll).
     fn aborted(&self) -> bool;

@@ -128,7 +128,7 @@ fn a_member_waits_for_a_peer_that_left_while_its_call_still_runs() {
 #[test]
 fn members_publish_their_core_and_waiters_read_where_peers_are() {
     use super::Placement;
-    use crate::transport::wait::current_cpu;
+    use crate::sync::wait::current_cpu;
     let mut theirs = vec![2.0f32; COUNT];
     let (mine, s1) = member1_arrived(&mut theirs);
     std::thread::scope(|s| {

@@ -8,10 +8,10 @@ use num_complex::{Complex, Complex32, Complex64};
 use super::{ReduceOp, Scale};
 use crate::dtype::DType;
 
-/// Per-type arithmetic behind [`crate::Element`]. Public only so it can bound `Element`; it is not
-/// nameable outside the crate, which seals `Element`. The operators a type does not take
-/// (`ReduceOp::check`) keep their default, which is never called.
-pub trait Arith: Sized + Copy {
+/// Per-type arithmetic of the element types (`crate::dtype::Element`), which the kernels reach by the
+/// buffers' [`DType`] tags. The operators a type does not take (`ReduceOp::check`) keep their default,
+/// which is never called.
+pub(super) trait Arith: Sized + Copy {
     /// The type values are accumulated in.
     type Acc: Copy + Default;
     /// Widen to the accumulator.
@@ -295,6 +295,29 @@ unsafe fn reduce_typed<T: Arith>(
     }
 }
 
+/// `$f::<T>($args)` with `T` the Rust type of `$dtype` (bool as [`BoolByte`]).
+macro_rules! typed {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::C64 => $f::<Complex32>($($arg),*),
+            DType::C128 => $f::<Complex64>($($arg),*),
+            DType::I8 => $f::<i8>($($arg),*),
+            DType::U8 => $f::<u8>($($arg),*),
+            DType::I16 => $f::<i16>($($arg),*),
+            DType::U16 => $f::<u16>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::U32 => $f::<u32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::U64 => $f::<u64>($($arg),*),
+            DType::Bool => $f::<BoolByte>($($arg),*),
+        }
+    };
+}
+
 /// Type-erased [`reduce_typed`], dispatched on `dtype`.
 ///
 /// # Safety
@@ -310,23 +333,27 @@ pub(crate) unsafe fn reduce_raw(
 ) {
     debug_assert!(!inputs.is_empty());
     // SAFETY: forwarded from the caller.
-    unsafe {
-        match dtype {
-            DType::F16 => reduce_typed::<f16>(op, scale, inputs, outputs, count),
-            DType::F32 => reduce_typed::<f32>(op, scale, inputs, outputs, count),
-            DType::F64 => reduce_typed::<f64>(op, scale, inputs, outputs, count),
-            DType::BF16 => reduce_typed::<bf16>(op, scale, inputs, outputs, count),
-            DType::C64 => reduce_typed::<Complex32>(op, scale, inputs, outputs, count),
-            DType::C128 => reduce_typed::<Complex64>(op, scale, inputs, outputs, count),
-            DType::I8 => reduce_typed::<i8>(op, scale, inputs, outputs, count),
-            DType::U8 => reduce_typed::<u8>(op, scale, inputs, outputs, count),
-            DType::I16 => reduce_typed::<i16>(op, scale, inputs, outputs, count),
-            DType::U16 => reduce_typed::<u16>(op, scale, inputs, outputs, count),
-            DType::I32 => reduce_typed::<i32>(op, scale, inputs, outputs, count),
-            DType::U32 => reduce_typed::<u32>(op, scale, inputs, outputs, count),
-            DType::I64 => reduce_typed::<i64>(op, scale, inputs, outputs, count),
-            DType::U64 => reduce_typed::<u64>(op, scale, inputs, outputs, count),
-            DType::Bool => reduce_typed::<BoolByte>(op, scale, inputs, outputs, count),
-        }
+    unsafe { typed!(dtype, reduce_typed(op, scale, inputs, outputs, count)) }
+}
+
+/// Divide `count` values of `T` at `buf` by `n` in place, as AVERAGE does.
+///
+/// # Safety
+/// `buf` must be valid for reads and writes of `count` values of `T`, untouched by anyone else.
+unsafe fn divide_typed<T: Arith>(buf: *mut u8, count: usize, n: usize) {
+    // SAFETY: forwarded from the caller.
+    let buf = unsafe { std::slice::from_raw_parts_mut(buf.cast::<T>(), count) };
+    for x in buf {
+        *x = T::store(T::div(x.load(), n));
     }
+}
+
+/// Type-erased [`divide_typed`], dispatched on `dtype`.
+///
+/// # Safety
+/// As for [`divide_typed`], with `T` the type of `dtype`; `ReduceOp::Average.check(dtype)` must have
+/// passed.
+pub(super) unsafe fn divide_raw(dtype: DType, buf: *mut u8, count: usize, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { typed!(dtype, divide_typed(buf, count, n)) }
 }

@@ -15,7 +15,6 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 
 pub(crate) use kernels::reduce_raw;
-pub use kernels::Arith;
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -177,8 +176,7 @@ pub fn reduce_slices_scaled<T: Element>(
 /// Divide every element by `divisor` in place: AVERAGE for backends that can only sum (e.g. MPI).
 pub fn scale<T: Element>(buf: &mut [T], divisor: usize) -> Result<()> {
     ReduceOp::Average.check(T::DTYPE)?;
-    for x in buf {
-        *x = T::store(T::div(x.load(), divisor));
-    }
+    // SAFETY: a unique borrow of `buf.len()` values of `T`, whose tag is `T::DTYPE`; checked above.
+    unsafe { kernels::divide_raw(T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), divisor) };
     Ok(())
 }

@@ -214,3 +214,20 @@ fn scaling_multiplies_each_input_and_the_result_in_the_accumulator() {
     reduce_slices_scaled(ReduceOp::Sum, Scale::NONE, &[&[bf16::ONE]], &mut out).unwrap();
     assert_eq!(out[0], bf16::ONE);
 }
+
+#[test]
+fn scale_divides_in_place_as_average_does_and_refuses_integers() {
+    // Three ranks: the bits of AVERAGE over inputs that sum to x are those of x / 3.
+    let mut x = [1.0f32, 2.0, -7.5, f32::NAN];
+    scale(&mut x, 3).unwrap();
+    assert_eq!(x[..3], [1.0 / 3.0, 2.0 / 3.0, -2.5]);
+    assert!(x[3].is_nan());
+    // float16 divides in f32 and rounds once.
+    let mut h = [f16::from_f32(1.0)];
+    scale(&mut h, 3).unwrap();
+    assert_eq!(h[0], f16::from_f32(1.0 / 3.0));
+    let mut c = [Complex32::new(3.0, -6.0)];
+    scale(&mut c, 3).unwrap();
+    assert_eq!(c[0], Complex32::new(1.0, -2.0));
+    assert!(matches!(scale(&mut [6i32], 3), Err(Error::UnsupportedDtype(_))));
+}

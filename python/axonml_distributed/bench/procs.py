@@ -15,6 +15,29 @@ Each table also shows the copy bound (``numpy copy``: every rank copying, with n
 bring in from its peers) and, per peer, the peer's time over it: the best ratio against that peer that a
 collective copying each byte once could show on this machine. Figures and sizes are described in
 `bench.procs_worker`; busbw as nccl-tests define it.
+
+The two routes of private arrays, measured. The shm world moves ordinary (private) arrays either through
+the segment (staged) or straight from process to process by the kernel (crossing); which one a call takes
+is the route policy's choice (``rust/algo/route.rs``, with the timings of ``rust/algo/route_times.rs``).
+``AXONML_SHM_CMA=0`` forces staging and ``AXONML_SHM_CMA=1`` crossing (for arrays of 64 KiB or more), so
+two runs of this bench compare the routes. What the policy rests on, float32, staged against crossing, on
+hosts of the design's machine kind (2 cores, a VM):
+
+* 2 ranks, 256 KiB: all_reduce 25 against 39 us and broadcast 17 against 16 on one host; 31 against 25
+  and 28 against 9.5 on another; on the first, for seconds to minutes at a time, 80 against 50 and 61
+  against 22. No size threshold fits all three, so each member times both routes for calls under
+  ``ROUTE_TIMED_BELOW`` and asks for the faster, by the best of its recent samples, not the median: the
+  first call of a route after the other is slow, and that once kept a 2-rank all_reduce of 256 KiB
+  staging at 32 us for a whole run against 18 crossing.
+* 2 ranks, all_reduce 8 MiB (too large to time): 1.34 ms staged against 1.18 crossing, so large calls
+  cross.
+* 4 ranks on 2 cores (ranks outnumber cores: timings say more about who held a core than about the
+  route, so nothing is timed and the size decides): all_gather 16 MiB 4.3-4.8 ms staged against
+  5.2-6.2 ms crossing, and broadcast 64 MiB beside a CPU-bound process 19 against 28 ms, so the copy
+  collectives stage there; all_reduce on one host 256 KiB 120 against 191 us, 2 MiB about even, 4 MiB
+  2.34 against 2.00 ms, on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us, 2 MiB 737
+  against 583 us (reduce_scatter 2 MiB 564 against 485 us), so reductions cross from
+  ``CMA_REDUCE_CROWDED`` (2 MiB).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ use super::layout::{FREE, MAX_COMMS, REASON};
 use super::shared::Shared;
 use crate::engine::Cause;
 use crate::error::{Error, Result};
-use crate::transport::wait::{may_spin, Event, Stop, Wait};
+use crate::sync::wait::{may_spin, Event, Stop, Wait};
 
 impl Shared {
     /// Fails when the world was aborted: a dead peer or missing ranks are reported as such to every

@@ -28,7 +28,7 @@ pub(super) enum Cut {
 
 /// Ctrl-C while waiting for the other ranks ends the rendezvous.
 pub(super) fn interrupted() -> Result<()> {
-    if crate::transport::wait::interrupted() {
+    if crate::sync::wait::interrupted() {
         return Err(Error::Interrupted { op: "rendezvous".into() });
     }
     Ok(())

@@ -23,7 +23,7 @@ use crossbeam_utils::CachePadded;
 use crate::config::{SHM_CELL, SHM_CHUNK, SHM_ONESHOT};
 use crate::engine::{Ctrl, Page};
 use crate::error::{Error, Result};
-use crate::transport::wait::Event;
+use crate::sync::wait::Event;
 
 /// The segment header's first word: "AXONSHM" + format generation, little endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"AXONSHM1");
@@ -212,7 +212,7 @@ pub(crate) struct Header {
     pub abort_reason: UnsafeCell<[u8; REASON]>,
     pub event: Event,
     pub pids: [AtomicU32; MAX_RANKS],
-    /// Where each rank's process holds `algo::cma::PROBE` (an address in that process).
+    /// Where each rank's process holds `algo::process_vm::PROBE` (an address in that process).
     pub probes: [AtomicU64; MAX_RANKS],
     /// Bumped for rank r whenever a message to it starts on any channel: what a receive from any
     /// source sleeps on (`p2p`).

@@ -29,7 +29,7 @@ use crate::config::{EAGER, EARLY_MAX};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::transport::wait::{may_spin, Stop, Wait};
+use crate::sync::wait::{may_spin, Stop, Wait};
 
 /// Bytes of a message header: tag, dtype code, element count, message number.
 const HEADER: usize = 32;

@@ -66,7 +66,7 @@ fn me() -> u32 {
 /// attached rank.
 pub(crate) fn register(m: &Mapping, rank: usize) {
     let h = m.header();
-    h.probes[rank].store(crate::algo::cma::PROBE.as_ptr() as u64, SeqCst);
+    h.probes[rank].store(crate::algo::process_vm::PROBE.as_ptr() as u64, SeqCst);
     h.pids[rank].store(me(), SeqCst);
     h.attached.fetch_add(1, SeqCst);
 }

@@ -13,7 +13,7 @@ use super::layout::{ChanHead, CommHead, Header, Layout};
 use super::liveness::Liveness;
 use super::rendezvous::Joined;
 use super::segment::Mapping;
-use crate::algo::cma::Policy;
+use crate::algo::route::Policy;
 use crate::dtype::DType;
 use crate::engine::{Ctrl, Splits};
 use crate::error::Result;
@@ -81,7 +81,7 @@ impl Shared {
         })
     }
 
-    /// When this rank copies straight between its memory and every peer's (`algo::cma::Policy`). Each
+    /// When this rank copies straight between its memory and every peer's (`algo::route::Policy`). Each
     /// rank decides for itself and says so in what it publishes, so the members of a call agree on the
     /// route.
     pub(crate) fn cma(&self) -> Policy {
@@ -90,7 +90,7 @@ impl Shared {
             let policy = Policy::from_env();
             let reach = |r: usize| {
                 let (pid, addr) = (self.liveness.pid(r), h.probes[r].load(SeqCst));
-                i32::try_from(pid).is_ok_and(|pid| crate::algo::cma::probe(pid, addr as usize))
+                i32::try_from(pid).is_ok_and(|pid| crate::algo::process_vm::probe(pid, addr as usize))
             };
             if policy == Policy::Never || !(0..self.size).filter(|&r| r != self.rank).all(reach) {
                 Policy::Never

@@ -1,8 +1,9 @@
 //! The shared-memory world's engine store: one rank's view of one communicator slot of the segment.
-//! Buffers are published as segment offsets; peers' arrays are used in place when every member's
-//! buffers lie in the segment; otherwise copied straight between the processes (`algo::cma`) when
-//! every member publishes an address it lets peers copy from and any member asks the call to cross
-//! (`cma::offer`), and staged through the members' blocks when not.
+//! Buffers are published as segment offsets, or, for private buffers, as the member's address with
+//! what it offers for it (`algo::route::offer`) in the tag bits [`PRIVATE`] and [`CROSS`]; the store
+//! reads them back as places (`algo::route::Place`), from which `algo::route::choose` takes the route:
+//! peers' arrays in place, copies straight between the processes (`algo::cma`), or staging through
+//! the members' blocks.
 
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
@@ -10,22 +11,22 @@ use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
-use crate::algo::cma::{self, Loc, Member, Offer};
+use crate::algo::process_vm::Loc;
+use crate::algo::route::{self, Offer, Place, Staging};
 use crate::algo::route_times::RouteTimes;
-use crate::algo::{Peer, Route};
 use crate::backend::SharedMem;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
-use crate::transport::wait::Wait;
+use crate::sync::wait::Wait;
 
 /// A buffer the collective does not have on this member (gather's receive buffer off the root, ...).
 const NO_BUFFER: u64 = NOT_SHARED - 1;
 /// Tags a published private buffer: the rest is its address in the publisher's process, which lets
 /// peers copy from and to it (`algo::cma`). Below it, published values are segment offsets.
 pub(super) const PRIVATE: u64 = 1 << 62;
-/// Tags a published private buffer whose member asks the call to cross (`cma::Offer::Cross`); no
+/// Tags a published private buffer whose member asks the call to cross (`route::Offer::Cross`); no
 /// address has this bit, nor any above it.
 pub(super) const CROSS: u64 = 1 << 61;
 
@@ -78,81 +79,32 @@ impl ShmStore {
         self.world.block(self.first_block + j)
     }
 
-    /// Every member's buffers as local addresses, when all of them live in the segment (the zero-copy
-    /// path); `None` if any member has a private buffer. An offset no correct peer publishes (outside
-    /// its arena, or misaligned for the dtype) is an error.
-    fn direct(
-        &self,
-        pages: &[Published],
-        sig: &Signature,
-        spans: &[(usize, usize)],
-    ) -> Result<Option<Vec<Peer>>> {
+    /// Where member `j` published a buffer of `bytes` for `sig`, told by `off`: a segment offset, a
+    /// private address (tagged [`PRIVATE`], and [`CROSS`] when its member asks the call to cross), or
+    /// none. An offset no correct peer publishes (outside its arena, misaligned for the dtype) or an
+    /// impossible address (wrapping around, misaligned) is an error.
+    fn place(&self, j: usize, off: u64, bytes: usize, sig: &Signature) -> Result<Place> {
+        let rank = self.members[j];
         let align = sig.dtype.map_or(1, |d| d.align());
-        let resolve = |j: usize, off: u64, bytes: usize| -> Result<Option<*mut u8>> {
-            match (bytes, off) {
-                (0, _) => Ok(Some(std::ptr::null_mut())),
-                (_, NO_BUFFER | NOT_SHARED) => Ok(None),
-                (_, off) if off & PRIVATE != 0 => Ok(None),
-                (b, off) => self
-                    .world
-                    .resolve(self.members[j], off, b, align)
-                    .map(Some)
-                    .map_err(|why| Error::invalid(format!("{sig}: {why} (corrupted segment?)"))),
+        let bad =
+            |why: &str| Error::invalid(format!("{sig}: rank {rank} published {why} (corrupted segment?)"));
+        Ok(match (bytes, off) {
+            (0, _) => Place::Here(std::ptr::null_mut()),
+            (_, NO_BUFFER | NOT_SHARED) => Place::Withheld,
+            (_, off) if off & PRIVATE != 0 => {
+                let a = off & !(PRIVATE | CROSS);
+                let a = usize::try_from(a)
+                    .ok()
+                    .filter(|_| a < CROSS)
+                    .ok_or_else(|| bad("an impossible address"))?;
+                if a == 0 || a.checked_add(bytes).is_none() || a % align != 0 {
+                    return Err(bad(&format!("a buffer of {bytes} bytes at {a:#x}")));
+                }
+                let pid = (j != self.index).then(|| self.world.pid(rank) as i32);
+                Place::Offered { at: Loc { pid, addr: a, rank }, cross: off & CROSS != 0 }
             }
-        };
-        let mut peers = Vec::with_capacity(pages.len());
-        for (j, (page, &(s, r))) in pages.iter().zip(spans).enumerate() {
-            let Some(send) = resolve(j, page.send, s)? else { return Ok(None) };
-            let Some(recv) = resolve(j, page.recv, r)? else { return Ok(None) };
-            peers.push(Peer { send: send.cast_const(), recv });
-        }
-        Ok(Some(peers))
-    }
-
-    /// Every member's buffers as places to copy from and to (`algo::cma`), when every member offered
-    /// its private buffers (a member that may not publishes none: `cma::Policy`) and any member asked
-    /// the call to cross (`cma::offer`). An address no correct peer publishes (wrapping around,
-    /// misaligned) is an error.
-    fn cma(
-        &self,
-        pages: &[Published],
-        sig: &Signature,
-        spans: &[(usize, usize)],
-    ) -> Result<Option<Vec<Member>>> {
-        let align = sig.dtype.map_or(1, |d| d.align());
-        let mut members = Vec::with_capacity(pages.len());
-        let mut asked = false;
-        for (j, (page, &(s, r))) in pages.iter().zip(spans).enumerate() {
-            let rank = self.members[j];
-            let pid = (j != self.index).then(|| self.world.pid(rank) as i32);
-            let mut locate = |off: u64, bytes: usize| -> Result<Option<Loc>> {
-                let bad = |why: &str| {
-                    Error::invalid(format!("{sig}: rank {rank} published {why} (corrupted segment?)"))
-                };
-                let addr = match (bytes, off) {
-                    (0, _) => 0,
-                    (_, NO_BUFFER | NOT_SHARED) => return Ok(None),
-                    (_, off) if off & PRIVATE != 0 => {
-                        asked |= off & CROSS != 0;
-                        let a = off & !(PRIVATE | CROSS);
-                        let a = usize::try_from(a)
-                            .ok()
-                            .filter(|_| a < CROSS)
-                            .ok_or_else(|| bad("an impossible address"))?;
-                        if a == 0 || a.checked_add(bytes).is_none() || a % align != 0 {
-                            return Err(bad(&format!("a buffer of {bytes} bytes at {a:#x}")));
-                        }
-                        return Ok(Some(Loc { pid, addr: a, rank }));
-                    }
-                    (b, off) => self.world.resolve(rank, off, b, align).map_err(|why| bad(&why))? as usize,
-                };
-                Ok(Some(Loc { pid: None, addr, rank }))
-            };
-            let Some(send) = locate(page.send, s)? else { return Ok(None) };
-            let Some(recv) = locate(page.recv, r)? else { return Ok(None) };
-            members.push(Member { send, recv });
-        }
-        Ok(asked.then_some(members))
+            (b, off) => Place::Here(self.world.resolve(rank, off, b, align).map_err(|why| bad(&why))?),
+        })
     }
 }
 
@@ -211,7 +163,7 @@ impl Store for ShmStore {
         } else if let Some(off) = self.world.offset_of(ptr, bytes) {
             off
         } else if (ptr as u64) < CROSS {
-            match cma::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.routes()) {
+            match route::offer(|| self.world.cma(), sig, self.members.len(), bytes, self.routes()) {
                 Offer::Withheld => NOT_SHARED,
                 Offer::Address => PRIVATE | ptr as u64,
                 Offer::Cross => PRIVATE | CROSS | ptr as u64,
@@ -221,18 +173,21 @@ impl Store for ShmStore {
         }
     }
     fn routes(&self) -> Option<&RouteTimes> {
-        // Where ranks outnumber cores no call is timed (`cma::offer`).
+        // Where ranks outnumber cores no call is timed (`route::offer`).
         self.spins().then_some(&self.routes)
     }
-    fn route(&self, pages: &[Published], sig: &Signature, spans: &[(usize, usize)]) -> Result<Route> {
-        if let Some(peers) = self.direct(pages, sig, spans)? {
-            return Ok(Route::Direct(peers));
-        }
-        if cma::handles(sig.kind) {
-            if let Some(members) = self.cma(pages, sig, spans)? {
-                return Ok(Route::Cma(members));
-            }
-        }
+    fn places(
+        &self,
+        pages: &[Published],
+        sig: &Signature,
+        spans: &[(usize, usize)],
+    ) -> Result<Vec<[Place; 2]>> {
+        let place = |j: usize, off: u64, bytes: usize| self.place(j, off, bytes, sig);
+        (pages.iter().zip(spans).enumerate())
+            .map(|(j, (page, &(s, r)))| Ok([place(j, page.send, s)?, place(j, page.recv, r)?]))
+            .collect()
+    }
+    fn staging(&self) -> Option<Staging> {
         let p = &self.world.layout.params;
         let bufs = (0..self.members.len())
             .map(|j| {
@@ -241,7 +196,7 @@ impl Store for ShmStore {
                 unsafe { [b.add(2 * p.small), b.add(2 * p.small + p.chunk)] }
             })
             .collect();
-        Ok(Route::Staged { bufs, chunk: p.chunk })
+        Some((bufs, p.chunk))
     }
 
     fn aborted(&self) -> bool {

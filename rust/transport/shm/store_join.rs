@@ -13,7 +13,7 @@ use super::liveness::Liveness;
 use super::rendezvous::{pids, register, Joined};
 use super::segment::{self, Mapping};
 use crate::error::{Error, Result};
-use crate::transport::wait::{may_spin, Stop, Wait};
+use crate::sync::wait::{may_spin, Stop, Wait};
 
 /// A segment rank 0 created for a job whose ranks have not all joined yet. Dropping it removes the
 /// name (the ranks that attached keep their mappings), so a failed start leaves nothing behind.

@@ -145,7 +145,7 @@ fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_e
 
 #[test]
 fn every_rank_of_a_world_in_one_process_may_copy_from_its_peers() {
-    use crate::algo::cma::Policy;
+    use crate::algo::route::Policy;
     let [r0, r1] = pair(Duration::from_secs(20));
     assert!(r0.cma() != Policy::Never && r1.cma() != Policy::Never);
 }

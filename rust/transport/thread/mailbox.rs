@@ -18,7 +18,7 @@ use crate::config::{EAGER, SLICE};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::transport::wait::interrupted;
+use crate::sync::wait::interrupted;
 
 const QUEUED: u8 = 0;
 const COPYING: u8 = 1;

@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::mailbox::Mailbox;
-use crate::algo::{Peer, Route};
+use crate::algo::route::Place;
 use crate::config::INLINE;
 use crate::dtype::{Buf, BufMut};
 use crate::engine::{Cause, Ctrl, Published, Splits, Store};
 use crate::error::{Error, Result};
 use crate::signature::Signature;
 use crate::sync::lock;
-use crate::transport::wait::{Event, Wait};
+use crate::sync::wait::{Event, Wait};
 
 /// Two one-shot buffers of a member (call k uses `k % 2`).
 type OneShot = [UnsafeCell<[u64; INLINE / 8]>; 2];
@@ -199,11 +199,14 @@ impl Store for ThreadStore {
     fn share(&self, ptr: *const u8, _bytes: usize, _sig: &Signature) -> u64 {
         ptr.expose_provenance() as u64
     }
-    fn route(&self, pages: &[Published], _sig: &Signature, _spans: &[(usize, usize)]) -> Result<Route> {
-        let addr = |a: u64| std::ptr::with_exposed_provenance_mut::<u8>(a as usize);
-        Ok(Route::Direct(
-            pages.iter().map(|p| Peer { send: addr(p.send).cast_const(), recv: addr(p.recv) }).collect(),
-        ))
+    fn places(
+        &self,
+        pages: &[Published],
+        _sig: &Signature,
+        _spans: &[(usize, usize)],
+    ) -> Result<Vec<[Place; 2]>> {
+        let here = |a: u64| Place::Here(std::ptr::with_exposed_provenance_mut::<u8>(a as usize));
+        Ok(pages.iter().map(|p| [here(p.send), here(p.recv)]).collect())
     }
 
     fn aborted(&self) -> bool {
