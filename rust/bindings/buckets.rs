@@ -1,26 +1,24 @@
-//! `GradientBucket`, `GradSyncStrategy` and `GradientSynchronizer` for Python.
+//! `GradientBucket`, `GradSyncStrategy`, `GradientSynchronizer` and `assign_buckets` for Python: the
+//! engine every DDP averages gradients with (the Python side keeps only the hooks and `.grad` glue).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList};
 
-use super::args::count;
+use super::args::{count, dtype_arg};
 use super::array::{readable, view, writable};
 use super::group::PyProcessGroup;
 use super::op::PyReduceOp;
-use crate::bucket::GradientBucket;
-use crate::reduce::ReduceOp;
+use crate::bucket::{assign_buckets as layout, GradientBucket};
+use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::synchronizer::{GradSyncStrategy, GradientSynchronizer, DEFAULT_BUCKET_SIZE};
+use crate::synchronizer::{
+    Averaging, GradSyncStrategy, GradientSynchronizer, Pending, SharedBucket, DEFAULT_BUCKET_SIZE,
+};
 
-/// Lock the synchronizer's state without holding the GIL while blocked (its holder may be detached
-/// in a collective and need the GIL to return).
-fn state<'a>(py: Python<'_>, m: &'a Mutex<SyncState>) -> MutexGuard<'a, SyncState> {
-    m.lock_py_attached(py).unwrap_or_else(|e| e.into_inner())
-}
 
 /// A numpy view of the used part of a bucket's flat buffer.
 fn bucket_view<'py>(
@@ -126,10 +124,112 @@ impl From<PyGradSyncStrategy> for GradSyncStrategy {
     }
 }
 
+/// Keeps a bucket's buffer alive: the base object of the numpy views over it.
+#[pyclass(name = "BucketMemory", module = "axonml_distributed", frozen)]
+pub(crate) struct BucketMemory {
+    _bucket: SharedBucket,
+}
+
+/// A writable numpy view of `len` elements at element `offset` of `bucket`, shaped `shape`.
+fn entry_view<'py>(py: Python<'py>, bucket: &SharedBucket, offset: usize, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    let (dtype, ptr) = {
+        let b = lock(bucket);
+        let data = b.data();
+        // SAFETY: `offset` lies within the bucket's elements (an entry's, or 0).
+        (data.dtype(), unsafe { data.as_ptr().add(offset * data.dtype().size()) })
+    };
+    let owner = Bound::new(py, BucketMemory { _bucket: bucket.clone() })?.into_any();
+    // SAFETY: the buffer never moves and lives as long as the bucket, which `owner` (the base) holds.
+    unsafe { view(owner, dtype, ptr, shape, true) }
+}
+
+/// A group written in Python (MPI's, or a wrapper around a native one): buckets are averaged through its
+/// own `all_reduce`. Its exceptions are kept here, to be raised as they are.
+struct PythonGroup {
+    group: Py<PyAny>,
+    error: Mutex<Option<PyErr>>,
+}
+
+impl PythonGroup {
+    /// Run `f` attached; a Python exception is kept and stands in the core's error as a marker.
+    fn call<T>(&self, f: impl FnOnce(Python<'_>, &Bound<'_, PyAny>) -> PyResult<T>) -> Result<T> {
+        Python::attach(|py| {
+            f(py, self.group.bind(py)).map_err(|e| {
+                lock(&self.error).get_or_insert(e);
+                Error::Usage("the Python group's collective raised".into())
+            })
+        })
+    }
+    /// `e` as the Python exception the group raised, when it did.
+    fn raised(&self, e: Error) -> PyErr {
+        lock(&self.error).take().unwrap_or_else(|| e.into())
+    }
+}
+
+fn op<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.get_type::<PyReduceOp>().getattr(name)
+}
+
+impl Averaging for Arc<PythonGroup> {
+    fn start(&self, bucket: &SharedBucket) -> Result<Pending> {
+        let work = self.call(|py, g| {
+            let len = lock(bucket).size();
+            let kw = PyDict::new(py);
+            kw.set_item("async_op", true)?;
+            let v = entry_view(py, bucket, 0, &[len])?;
+            Ok(g.call_method("all_reduce", (v, op(py, "AVERAGE")?), Some(&kw))?.unbind())
+        })?;
+        let me = self.clone();
+        Ok(Box::new(move || me.call(|py, _| work.bind(py).call_method0("wait").map(drop))))
+    }
+    fn run(&self, bucket: &SharedBucket) -> Result<()> {
+        self.call(|py, g| {
+            let len = lock(bucket).size();
+            let v = entry_view(py, bucket, 0, &[len])?;
+            g.call_method1("all_reduce", (v, op(py, "AVERAGE")?)).map(drop)
+        })
+    }
+    fn max_flags(&self, flags: &mut [u8]) -> Result<()> {
+        self.call(|py, g| {
+            let np = py.import("numpy")?;
+            let arr = np.call_method1("array", (PyList::new(py, flags.iter())?, np.getattr("uint8")?))?;
+            g.call_method1("all_reduce", (&arr, op(py, "MAX")?))?;
+            flags.copy_from_slice(&arr.call_method0("tolist")?.extract::<Vec<u8>>()?);
+            Ok(())
+        })
+    }
+}
+
+/// How the synchronizer averages over `pg`: natively, or through the group's Python methods.
+fn averaging(pg: &Bound<'_, PyAny>) -> (Arc<dyn Averaging>, Option<Arc<PythonGroup>>) {
+    if let Ok(g) = pg.cast::<PyProcessGroup>() {
+        return (g.get().inner.clone(), None);
+    }
+    let p = Arc::new(PythonGroup { group: pg.clone().unbind(), error: Mutex::new(None) });
+    (Arc::new(p.clone()), Some(p))
+}
+
 struct SyncState {
     sync: GradientSynchronizer,
     /// The arrays added this step, in order: `sync_all` writes the averages back into them.
     grads: Vec<Py<PyAny>>,
+    /// The group written in Python the buckets are averaged over, whose exceptions are raised as they are.
+    python: Option<Arc<PythonGroup>>,
+}
+
+impl SyncState {
+    fn raise(&self, e: Error) -> PyErr {
+        match &self.python {
+            Some(p) => p.raised(e),
+            None => e.into(),
+        }
+    }
+}
+
+/// Lock the synchronizer's state without holding the GIL while blocked (its holder may be detached
+/// in a collective and need the GIL to return).
+fn state<'a>(py: Python<'_>, m: &'a Mutex<SyncState>) -> MutexGuard<'a, SyncState> {
+    m.lock_py_attached(py).unwrap_or_else(|e| e.into_inner())
 }
 
 /// Buckets gradients and averages them across a group, in place.
@@ -137,11 +237,6 @@ struct SyncState {
 pub(crate) struct PyGradientSynchronizer {
     strategy: PyGradSyncStrategy,
     state: Mutex<SyncState>,
-}
-
-/// A native group, or None for groups implemented in Python (e.g. MPI).
-fn native(pg: &Bound<'_, PyAny>) -> Option<Arc<crate::group::ProcessGroup>> {
-    pg.cast::<PyProcessGroup>().ok().map(|g| g.get().inner.clone())
 }
 
 /// Where `sync_all()` without a group finds one: the Python package's `get_default_group`, handed
@@ -162,6 +257,33 @@ fn default_group(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     source.into_bound(py).call0()
 }
 
+/// Group parameters into buckets (positions, in reduction order): `nbytes[i]` and `dtypes[i]` (any
+/// values compared with ==) describe parameter i; reverse order, one bucket per dtype at a time, closed
+/// before it would pass `cap_bytes`.
+#[pyfunction]
+pub(crate) fn assign_buckets(
+    nbytes: Vec<usize>,
+    dtypes: Vec<Bound<'_, PyAny>>,
+    cap_bytes: usize,
+) -> PyResult<Vec<Vec<usize>>> {
+    if nbytes.len() != dtypes.len() {
+        return Err(PyValueError::new_err("assign_buckets: one dtype per parameter"));
+    }
+    // Each dtype as the position of the first equal one: few distinct values, so a scan is cheap.
+    let mut keys = Vec::with_capacity(dtypes.len());
+    for (i, d) in dtypes.iter().enumerate() {
+        let mut key = i;
+        for (j, e) in dtypes[..i].iter().enumerate() {
+            if e.eq(d)? {
+                key = keys[j];
+                break;
+            }
+        }
+        keys.push(key);
+    }
+    Ok(layout(&nbytes, &keys, cap_bytes))
+}
+
 #[pymethods]
 impl PyGradientSynchronizer {
     /// A synchronizer whose buckets hold `bucket_size` elements (default 25M).
@@ -173,13 +295,32 @@ impl PyGradientSynchronizer {
             return Err(PyValueError::new_err("bucket_size must be at least 1 element"));
         }
         let sync = GradientSynchronizer::new(strategy.into(), bucket_size);
-        Ok(PyGradientSynchronizer { strategy, state: Mutex::new(SyncState { sync, grads: Vec::new() }) })
+        let st = SyncState { sync, grads: Vec::new(), python: None };
+        Ok(PyGradientSynchronizer { strategy, state: Mutex::new(st) })
+    }
+    /// An OVERLAPPED synchronizer over `process_group` for the gradients of `parameters` ((shape, dtype)
+    /// pairs, in the owner's order), in buckets of at most `bucket_cap_bytes` (see `assign_buckets`)
+    /// laid out now, in the group's shared memory when it has some. Each gradient has a view into its
+    /// bucket (`views()`); `ready(i)` says gradient i is in it, `finish` ends the reduction.
+    #[staticmethod]
+    fn for_parameters(
+        py: Python<'_>,
+        process_group: &Bound<'_, PyAny>,
+        parameters: Vec<(Vec<usize>, Bound<'_, PyAny>)>,
+        bucket_cap_bytes: usize,
+    ) -> PyResult<Self> {
+        let params =
+            parameters.iter().map(|(s, d)| Ok((dtype_arg(d)?, s.clone()))).collect::<PyResult<Vec<_>>>()?;
+        let (group, python) = averaging(process_group);
+        let sync = py.detach(|| GradientSynchronizer::for_parameters(group, &params, bucket_cap_bytes))?;
+        let st = SyncState { sync, grads: Vec::new(), python };
+        Ok(PyGradientSynchronizer { strategy: PyGradSyncStrategy::Overlapped, state: Mutex::new(st) })
     }
     /// The strategy.
     fn strategy(&self) -> PyGradSyncStrategy {
         self.strategy
     }
-    /// Elements per bucket.
+    /// Elements per bucket (bytes, for buckets laid out by `for_parameters`).
     fn bucket_size(&self, py: Python<'_>) -> usize {
         state(py, &self.state).sync.bucket_size()
     }
@@ -191,15 +332,63 @@ impl PyGradientSynchronizer {
     fn launched_buckets(&self, py: Python<'_>) -> usize {
         state(py, &self.state).sync.launched()
     }
-    /// Start a step of `num_params` gradients. With a native `process_group`, OVERLAPPED buckets start
-    /// reducing as soon as they are complete.
+    /// The gradients of each bucket, as positions in the parameters given, in reduction order.
+    fn bucket_assignment(&self, py: Python<'_>) -> Vec<Vec<usize>> {
+        state(py, &self.state).sync.assignment()
+    }
+    /// True when every bucket lives in memory the group's members share (no staging copies).
+    fn in_shared_memory(&self, py: Python<'_>) -> bool {
+        let st = state(py, &self.state);
+        (0..st.sync.num_buckets()).all(|i| st.sync.bucket(i).is_some_and(|b| lock(b).is_shared()))
+    }
+    /// One writable numpy view per gradient, shaped as its parameter, into its bucket.
+    fn views<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let st = state(py, &self.state);
+        (0..st.sync.len())
+            .map(|i| {
+                let (b, e) = st.sync.bucket_of(i)?;
+                entry_view(py, st.sync.bucket(b).expect("its bucket"), e.offset, &e.shape)
+            })
+            .collect()
+    }
+    /// Gradient `i` is in its view: every bucket now complete starts its all-reduce, in bucket order
+    /// (the last one waits for `finish`).
+    fn ready(&self, py: Python<'_>, i: usize) -> PyResult<()> {
+        let mut st = state(py, &self.state);
+        let r = st.sync.ready(i);
+        r.map_err(|e| st.raise(e))
+    }
+    /// Whether gradient `i` is in for the reduction under way.
+    fn is_ready(&self, py: Python<'_>, i: usize) -> PyResult<bool> {
+        Ok(state(py, &self.state).sync.is_ready(i)?)
+    }
+    /// Whether a reduction has started (some gradient is in) and not finished.
+    fn in_flight(&self, py: Python<'_>) -> bool {
+        state(py, &self.state).sync.in_flight()
+    }
+    /// The gradients not in yet, in order.
+    fn waiting(&self, py: Python<'_>) -> Vec<usize> {
+        state(py, &self.state).sync.waiting()
+    }
+    /// End the reduction: a gradient neither in nor `used[i]` counts as zeros; with `exchange`, the
+    /// ranks agree on which gradients some rank used (returned; else None); the buckets left are reduced
+    /// and every bucket waited for (the GIL released). Every gradient is out again afterwards.
+    fn finish(&self, py: Python<'_>, used: Vec<bool>, exchange: bool) -> PyResult<Option<Vec<bool>>> {
+        let mut st = state(py, &self.state);
+        let sync = &mut st.sync;
+        let r = py.detach(|| sync.finish(&used, exchange));
+        r.map_err(|e| st.raise(e))
+    }
+    /// Start a step of `num_params` gradients. With a `process_group`, OVERLAPPED buckets start reducing
+    /// as soon as they are complete.
     #[pyo3(signature = (num_params, process_group=None))]
     fn prepare(&self, py: Python<'_>, num_params: usize, process_group: Option<&Bound<'_, PyAny>>) {
         let mut st = state(py, &self.state);
-        let group = process_group.and_then(native);
+        let (group, python) = process_group.map(averaging).unzip();
         let sync = &mut st.sync;
         // Waits for last step's background buckets, whose jobs need the GIL to finish.
         py.detach(|| sync.prepare(num_params, group));
+        st.python = python.flatten();
         st.grads.clear();
     }
     /// Add `grad` to bucket `bucket_idx` (buckets fill in index order). `sync_all` writes the average
@@ -209,7 +398,9 @@ impl PyGradientSynchronizer {
         let mut st = state(py, &self.state);
         let sync = &mut st.sync;
         // SAFETY: the borrow guard in `a` lives across the copy.
-        py.detach(|| sync.add_gradient(bucket_idx, unsafe { a.raw.buf() }, &a.shape))?;
+        let r = py.detach(|| sync.add_gradient(bucket_idx, unsafe { a.raw.buf() }, &a.shape));
+        drop(a);
+        r.map_err(|e| st.raise(e))?;
         st.grads.push(grad.clone().unbind());
         Ok(())
     }
@@ -222,39 +413,22 @@ impl PyGradientSynchronizer {
             None => default_group(py)?,
         };
         let mut st = state(py, &self.state);
-        if self.strategy == PyGradSyncStrategy::NoSync {
+        if self.strategy != PyGradSyncStrategy::NoSync {
+            let (group, python) = averaging(&pg);
+            st.python = python;
             let sync = &mut st.sync;
-            py.detach(|| sync.clear());
-            st.grads.clear();
-            return Ok(());
-        }
-        match native(&pg) {
-            Some(group) => {
-                let sync = &mut st.sync;
-                py.detach(|| sync.sync_all(&group))?
+            let r = py.detach(|| sync.sync_all(group));
+            r.map_err(|e| st.raise(e))?;
+            let grads = std::mem::take(&mut st.grads);
+            for (i, g) in grads.iter().enumerate() {
+                let a = writable(g.bind(py), "grad")?;
+                // SAFETY: the borrow guard in `a` lives across the copy.
+                st.sync.averaged(i, unsafe { a.raw.buf_mut() })?;
             }
-            None => {
-                // A group implemented in Python: reduce each bucket through its own all_reduce.
-                let op = Py::new(py, PyReduceOp(ReduceOp::Average))?;
-                for i in 0..st.sync.num_buckets() {
-                    let bucket = st.sync.bucket(i).expect("in range").clone();
-                    let b = lock(&bucket);
-                    let holder = PyList::empty(py).into_any();
-                    let data = b.data();
-                    // SAFETY: `b` stays locked (the buffer unmoved) until the view is dropped below.
-                    let v = unsafe { view(holder, data.dtype(), data.as_ptr(), &[data.len()], true)? };
-                    pg.call_method1("all_reduce", (&v, &op))?;
-                }
-            }
-        }
-        let grads = std::mem::take(&mut st.grads);
-        for (i, g) in grads.iter().enumerate() {
-            let a = writable(g.bind(py), "grad")?;
-            // SAFETY: the borrow guard in `a` lives across the copy.
-            st.sync.averaged(i, unsafe { a.raw.buf_mut() })?;
         }
         let sync = &mut st.sync;
         py.detach(|| sync.clear());
+        st.grads.clear();
         Ok(())
     }
     /// Forget every gradient and bucket.

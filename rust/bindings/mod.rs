@@ -53,7 +53,8 @@ mod _core {
     use super::backend::{PyBackend, PyThreadBackend};
     #[pymodule_export]
     use super::buckets::{
-        set_default_group_source, PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer,
+        assign_buckets, set_default_group_source, BucketMemory, PyGradSyncStrategy, PyGradientBucket,
+        PyGradientSynchronizer,
     };
     #[pymodule_export]
     use super::check::PyCallCheck;
