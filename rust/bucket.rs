@@ -22,7 +22,11 @@ use crate::error::{Error, Result};
 /// larger than the cap makes a bucket exceed it. The bucket whose first parameter comes latest (whose
 /// gradients are ready first) comes first. Unlike torch there is no smaller first bucket, nor a rebuild
 /// in the order the first backward produced gradients.
-pub fn assign_buckets<K: Hash + Eq + Clone>(nbytes: &[usize], dtypes: &[K], cap_bytes: usize) -> Vec<Vec<usize>> {
+pub fn assign_buckets<K: Hash + Eq + Clone>(
+    nbytes: &[usize],
+    dtypes: &[K],
+    cap_bytes: usize,
+) -> Vec<Vec<usize>> {
     let mut open: HashMap<K, (Vec<usize>, usize)> = HashMap::new();
     // Open buckets in the order their dtype first appeared, so the result does not depend on hashing.
     let mut order: Vec<K> = Vec::new();
@@ -121,7 +125,9 @@ impl GradientBucket {
         for shape in shapes {
             let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             let end = n.and_then(|n| len.checked_add(n)).ok_or_else(|| {
-                Error::invalid(format!("a bucket of gradients of shape {shape:?} is larger than any address space"))
+                Error::invalid(format!(
+                    "a bucket of gradients of shape {shape:?} is larger than any address space"
+                ))
             })?;
             entries.push(Entry { offset: len, shape });
             len = end;
@@ -309,7 +315,10 @@ mod tests {
 
     #[test]
     fn layout_is_reverse_order_per_dtype_under_the_cap() {
-        assert_eq!(assign_buckets(&[8, 4, 8, 4], &["f8", "f4", "f8", "f4"], 1 << 20), vec![vec![3, 1], vec![2, 0]]);
+        assert_eq!(
+            assign_buckets(&[8, 4, 8, 4], &["f8", "f4", "f8", "f4"], 1 << 20),
+            vec![vec![3, 1], vec![2, 0]]
+        );
         assert_eq!(assign_buckets(&[4, 4, 4, 4], &[0, 0, 0, 0], 8), vec![vec![3, 2], vec![1, 0]]);
         assert_eq!(assign_buckets(&[4, 100, 4], &[0, 0, 0], 8), vec![vec![2], vec![1], vec![0]]);
         assert!(assign_buckets::<u8>(&[], &[], 8).is_empty());

@@ -57,31 +57,45 @@ pub trait Averaging: Send + Sync {
 impl Averaging for ProcessGroup {
     fn start(&self, bucket: &SharedBucket) -> Result<Pending> {
         let comm = self.comm()?.clone();
-        let b = bucket.clone();
-        let work = self.submit(Lane::Collectives, move || {
-            let r = comm.all_reduce(lock(&b).data_mut(), ReduceOp::Average);
-            if r.is_err() && comm.buffers_may_be_in_use() {
-                std::mem::forget(b); // a stopped peer may still write it: never free or reuse it
-            }
-            r
-        })?;
-        Ok(Box::new(move || work.wait()))
+        let (b, waiter) = (bucket.clone(), comm.clone());
+        let work = self.submit(Lane::Collectives, move || reduce(&*comm, &b))?;
+        Ok(Box::new(move || interrupted_abort(&*waiter, work.wait())))
     }
     fn run(&self, bucket: &SharedBucket) -> Result<()> {
-        self.flush(Lane::Collectives)?;
         let comm = self.comm()?;
-        let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
-        if r.is_err() && comm.buffers_may_be_in_use() {
-            std::mem::forget(bucket.clone());
-        }
-        r
+        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        reduce(&**comm, bucket)
     }
     fn max_flags(&self, flags: &mut [u8]) -> Result<()> {
-        self.all_reduce_tensor(flags, ReduceOp::Max)
+        let comm = self.comm()?;
+        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        comm.all_reduce(BufMut::new(flags), ReduceOp::Max)
     }
     fn backend(&self) -> Option<&dyn Backend> {
         Some(&**ProcessGroup::backend(self))
     }
+}
+
+/// Average `bucket` over `comm`. When that fails while a stopped peer may still write the buffer, the
+/// bucket is kept for the process's life: never freed or reused under the peer.
+fn reduce(comm: &dyn Backend, bucket: &SharedBucket) -> Result<()> {
+    let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
+    if r.is_err() && comm.buffers_may_be_in_use() {
+        std::mem::forget(bucket.clone());
+    }
+    r
+}
+
+/// A Ctrl-C while this rank waits for its buckets aborts the world: the queued reductions go on, and the
+/// peers must not wait for the rest of this rank.
+fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
+    if let Err(Error::Interrupted { .. }) = &r {
+        comm.abort(&format!(
+            "rank {} was interrupted (Ctrl-C) while waiting for its gradient buckets",
+            comm.rank()
+        ));
+    }
+    r
 }
 
 /// One bucket of the step, and its reduction.
@@ -155,12 +169,7 @@ impl GradientSynchronizer {
                 slots[i] = Some(Slot { bucket: b, entry, ready: false });
             }
             let pending = members.len();
-            states.push(BucketState {
-                bucket: Arc::new(Mutex::new(bucket)),
-                pending,
-                members,
-                work: None,
-            });
+            states.push(BucketState { bucket: Arc::new(Mutex::new(bucket)), pending, members, work: None });
         }
         Ok(GradientSynchronizer {
             strategy: GradSyncStrategy::Overlapped,
@@ -348,7 +357,9 @@ impl GradientSynchronizer {
     /// Copy `grad` (of `shape`) into bucket `bucket`; returns its position in the order of gradients.
     pub fn add_gradient(&mut self, bucket: usize, grad: Buf<'_>, shape: &[usize]) -> Result<usize> {
         if self.laid_out {
-            return Err(Error::invalid("add_gradient: this synchronizer's buckets are laid out; use ready()"));
+            return Err(Error::invalid(
+                "add_gradient: this synchronizer's buckets are laid out; use ready()",
+            ));
         }
         if self.expected.is_some_and(|n| self.slots.len() >= n) {
             return Err(Error::invalid(format!(

@@ -19,7 +19,6 @@ use crate::synchronizer::{
     Averaging, GradSyncStrategy, GradientSynchronizer, Pending, SharedBucket, DEFAULT_BUCKET_SIZE,
 };
 
-
 /// A numpy view of the used part of a bucket's flat buffer.
 fn bucket_view<'py>(
     owner: Bound<'py, PyAny>,
@@ -131,7 +130,12 @@ pub(crate) struct BucketMemory {
 }
 
 /// A writable numpy view of `len` elements at element `offset` of `bucket`, shaped `shape`.
-fn entry_view<'py>(py: Python<'py>, bucket: &SharedBucket, offset: usize, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+fn entry_view<'py>(
+    py: Python<'py>,
+    bucket: &SharedBucket,
+    offset: usize,
+    shape: &[usize],
+) -> PyResult<Bound<'py, PyAny>> {
     let (dtype, ptr) = {
         let b = lock(bucket);
         let data = b.data();
