@@ -197,6 +197,11 @@ impl GradientSynchronizer {
     /// waited for. Returns, with `exchange`, whether some rank used each gradient. Every gradient is out
     /// again afterwards, even on an error.
     pub fn finish(&mut self, used: &[bool], exchange: bool) -> Result<Option<Vec<bool>>> {
+        if !self.laid_out {
+            return Err(Error::invalid(
+                "finish(): this synchronizer's buckets fill through add_gradient; use sync_all",
+            ));
+        }
         if used.len() != self.slots.len() {
             return Err(Error::invalid(format!(
                 "finish: {} use flags for {} gradients",
