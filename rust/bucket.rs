@@ -1,11 +1,52 @@
-//! Gradient buckets: many gradients packed into one flat buffer, so one collective serves them all.
+//! Gradient buckets: many gradients packed into one flat buffer, so one collective serves them all, and
+//! the layout that assigns parameters to buckets.
 //!
-//! The buffer is allocated once, at the bucket's capacity, when the first gradient fixes the dtype, and
-//! never moves afterwards: views handed out over it (the Python `data_mut()`) stay valid for the bucket's
-//! whole life, and `clear()` only forgets the contents.
+//! The buffer is allocated once and never moves afterwards: views handed out over it (the Python
+//! `data_mut()`, the DDPs' gradient views) stay valid for the bucket's whole life, and `clear()` only
+//! forgets the contents. A bucket grows as gradients are added (allocated at its capacity when the first
+//! one fixes the dtype), or is laid out whole up front ([`GradientBucket::laid_out`]), in memory the
+//! group's members share when the backend has some, so that its all-reduce copies nothing through staging.
 
+use std::collections::HashMap;
+use std::hash::Hash;
+
+use crate::backend::{Backend, SharedMem};
 use crate::dtype::{Buf, BufMut, DType, Element};
 use crate::error::{Error, Result};
+
+/// Group parameters into buckets, in the order the buckets are reduced: `nbytes[i]` and `dtypes[i]`
+/// (any key: a dtype, or whatever stands for one) describe parameter i.
+///
+/// Parameters are taken in reverse order (backward produces gradients roughly last layer first), one open
+/// bucket per dtype; a bucket is closed before it would pass `cap_bytes`, so only a single parameter
+/// larger than the cap makes a bucket exceed it. The bucket whose first parameter comes latest (whose
+/// gradients are ready first) comes first. Unlike torch there is no smaller first bucket, nor a rebuild
+/// in the order the first backward produced gradients.
+pub fn assign_buckets<K: Hash + Eq + Clone>(
+    nbytes: &[usize],
+    dtypes: &[K],
+    cap_bytes: usize,
+) -> Vec<Vec<usize>> {
+    let mut open: HashMap<K, (Vec<usize>, usize)> = HashMap::new();
+    // Open buckets in the order their dtype first appeared, so the result does not depend on hashing.
+    let mut order: Vec<K> = Vec::new();
+    let mut closed: Vec<Vec<usize>> = Vec::new();
+    for i in (0..nbytes.len().min(dtypes.len())).rev() {
+        let (members, size) = open.entry(dtypes[i].clone()).or_insert_with(|| {
+            order.push(dtypes[i].clone());
+            (Vec::new(), 0)
+        });
+        if !members.is_empty() && size.saturating_add(nbytes[i]) > cap_bytes {
+            closed.push(std::mem::take(members));
+            *size = 0;
+        }
+        members.push(i);
+        *size = size.saturating_add(nbytes[i]);
+    }
+    closed.extend(order.iter().filter_map(|k| open.remove(k)).map(|(members, _)| members));
+    closed.sort_by_key(|members| std::cmp::Reverse(members[0]));
+    closed
+}
 
 /// One gradient's place in the bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,13 +68,39 @@ impl Entry {
     }
 }
 
+/// Where a bucket's elements live.
+enum Storage {
+    /// 8-byte words so every dtype is aligned.
+    Private(Vec<u64>),
+    /// Memory the group's members share (see [`Backend::alloc`]).
+    Shared(SharedMem),
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Storage::Private(_) => "Private",
+            Storage::Shared(_) => "Shared",
+        })
+    }
+}
+
+impl Storage {
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Storage::Private(v) => v.as_ptr().cast_mut().cast(),
+            Storage::Shared(m) => m.as_ptr(),
+        }
+    }
+}
+
 /// A fixed-capacity flat buffer of gradients of one dtype.
 #[derive(Debug)]
 pub struct GradientBucket {
     capacity: usize,
     dtype: Option<DType>,
-    /// 8-byte words so every dtype is aligned; `capacity` elements once the dtype is known.
-    storage: Vec<u64>,
+    /// `capacity` elements once the dtype is known.
+    storage: Storage,
     len: usize,
     entries: Vec<Entry>,
 }
@@ -41,7 +108,48 @@ pub struct GradientBucket {
 impl GradientBucket {
     /// A bucket for up to `capacity` elements. Nothing is allocated until the first gradient.
     pub fn new(capacity: usize) -> Self {
-        GradientBucket { capacity, dtype: None, storage: Vec::new(), len: 0, entries: Vec::new() }
+        GradientBucket {
+            capacity,
+            dtype: None,
+            storage: Storage::Private(Vec::new()),
+            len: 0,
+            entries: Vec::new(),
+        }
+    }
+
+    /// A full bucket of zeros for gradients of `dtype` and `shapes`, one after the other, in memory
+    /// `backend` shares with its peers when it has some (else private memory).
+    pub fn laid_out(dtype: DType, shapes: Vec<Vec<usize>>, backend: Option<&dyn Backend>) -> Result<Self> {
+        let mut entries = Vec::with_capacity(shapes.len());
+        let mut len = 0usize;
+        for shape in shapes {
+            let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            let end = n.and_then(|n| len.checked_add(n)).ok_or_else(|| {
+                Error::invalid(format!(
+                    "a bucket of gradients of shape {shape:?} is larger than any address space"
+                ))
+            })?;
+            entries.push(Entry { offset: len, shape });
+            len = end;
+        }
+        let shared = match (backend, len.checked_mul(dtype.size())) {
+            (Some(b), Some(bytes)) if bytes > 0 => b.alloc(bytes)?,
+            _ => None,
+        };
+        let storage = match shared {
+            Some(mem) => {
+                // SAFETY: the allocation holds `len * dtype.size()` bytes, owned by this bucket alone.
+                unsafe { std::ptr::write_bytes(mem.as_ptr(), 0, len * dtype.size()) };
+                Storage::Shared(mem)
+            }
+            None => Storage::Private(storage(len, dtype)?),
+        };
+        Ok(GradientBucket { capacity: len, dtype: Some(dtype), storage, len, entries })
+    }
+
+    /// True when the buffer lives in memory the group's members share.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.storage, Storage::Shared(_))
     }
 
     /// Capacity in elements.
@@ -88,7 +196,7 @@ impl GradientBucket {
             }
             Some(_) => {}
             None => {
-                self.storage = storage(self.capacity, grad.dtype())?;
+                self.storage = Storage::Private(storage(self.capacity, grad.dtype())?);
                 self.dtype = Some(grad.dtype());
             }
         }
@@ -99,7 +207,7 @@ impl GradientBucket {
         // SAFETY: `start + byte_len` is within the capacity (checked above) of the storage allocated for
         // this dtype. Only the new range is touched: a view of the used part may be in a collective.
         unsafe {
-            let dst = self.storage.as_mut_ptr().cast::<u8>().add(start);
+            let dst = self.storage.as_ptr().add(start);
             std::ptr::copy_nonoverlapping(grad.as_ptr(), dst, grad.byte_len());
         }
         self.entries.push(Entry { offset: self.len, shape: shape.to_vec() });
@@ -116,19 +224,27 @@ impl GradientBucket {
     pub fn data(&self) -> Buf<'_> {
         let dtype = self.dtype.unwrap_or(DType::F32);
         // SAFETY: `len` elements of `dtype` were written into the aligned storage (none when empty).
-        unsafe { Buf::from_raw(dtype, self.storage.as_ptr().cast(), self.len) }
+        unsafe { Buf::from_raw(dtype, self.storage.as_ptr(), self.len) }
     }
 
     /// The used part of the flat buffer, writable (e.g. to all-reduce it in place).
     pub fn data_mut(&mut self) -> BufMut<'_> {
         let dtype = self.dtype.unwrap_or(DType::F32);
         // SAFETY: as for `data`, with the unique borrow of `self`.
-        unsafe { BufMut::from_raw(dtype, self.storage.as_mut_ptr().cast(), self.len) }
+        unsafe { BufMut::from_raw(dtype, self.storage.as_ptr(), self.len) }
     }
 
     /// Address of the flat buffer; stable for the bucket's life once the dtype is set.
     pub fn as_ptr(&self) -> *const u8 {
-        self.storage.as_ptr().cast()
+        self.storage.as_ptr()
+    }
+
+    /// Zero the elements of entry `i` (a gradient this rank does not have counts as zeros).
+    pub fn zero_entry(&mut self, i: usize) {
+        let (Some(e), Some(dtype)) = (self.entries.get(i), self.dtype) else { return };
+        let size = dtype.size();
+        // SAFETY: the entry lies within the `len` elements written into the storage.
+        unsafe { std::ptr::write_bytes(self.storage.as_ptr().add(e.offset * size), 0, e.len() * size) };
     }
 
     /// The gradients back, as (shape, values), in the order they were added.
@@ -195,5 +311,27 @@ mod tests {
         b.clear();
         assert!(b.is_empty() && b.add(&[7.0f32]).unwrap());
         assert_eq!(b.as_ptr(), before, "the buffer never moves");
+    }
+
+    #[test]
+    fn layout_is_reverse_order_per_dtype_under_the_cap() {
+        assert_eq!(
+            assign_buckets(&[8, 4, 8, 4], &["f8", "f4", "f8", "f4"], 1 << 20),
+            vec![vec![3, 1], vec![2, 0]]
+        );
+        assert_eq!(assign_buckets(&[4, 4, 4, 4], &[0, 0, 0, 0], 8), vec![vec![3, 2], vec![1, 0]]);
+        assert_eq!(assign_buckets(&[4, 100, 4], &[0, 0, 0], 8), vec![vec![2], vec![1], vec![0]]);
+        assert!(assign_buckets::<u8>(&[], &[], 8).is_empty());
+    }
+
+    #[test]
+    fn laid_out_buckets_are_zeroed_and_full() {
+        let mut b = GradientBucket::laid_out(DType::F64, vec![vec![2, 3], vec![0], vec![4]], None).unwrap();
+        assert!(b.is_full() && !b.is_shared());
+        assert_eq!(b.entries().iter().map(|e| e.offset).collect::<Vec<_>>(), vec![0, 6, 6]);
+        assert!(b.data().typed::<f64>().unwrap().iter().all(|&x| x == 0.0));
+        b.data_mut().bytes_mut().fill(0xff);
+        b.zero_entry(2);
+        assert_eq!(b.data().bytes()[5 * 8..].iter().map(|&x| x as u32).sum::<u32>(), 0xff * 8);
     }
 }

@@ -1,21 +1,23 @@
-//! The gradient synchronizer: gradients are packed into buckets as they become ready, and each bucket is
-//! averaged across the group with one all-reduce.
+//! The gradient synchronizer: the one engine that averages gradients across a group, bucket by bucket.
 //!
-//! Buckets fill in index order (as DDP fills them in backward). A bucket is complete when it is full, when
-//! a gradient goes to a later bucket, or when the number of gradients announced by `prepare` has arrived.
-//! With [`GradSyncStrategy::Overlapped`] a complete bucket's all-reduce starts at once on the group's
-//! worker thread, while the caller keeps computing; `sync_all` launches what is left and waits. The
-//! averaged values are then read back per gradient (`averaged`), in the order gradients were added.
+//! Its buckets are laid out up front from the parameters ([`GradientSynchronizer::for_parameters`]: what
+//! the DDPs and the Horovod-style optimizer use, each gradient a view into its bucket) or fill as
+//! gradients are added ([`GradientSynchronizer::add_gradient`], buckets in index order). A bucket is
+//! complete when every gradient it holds is in; complete buckets start their all-reduce (AVERAGE) in
+//! bucket order, on the group's worker, while the caller goes on ([`GradSyncStrategy::Overlapped`]): so
+//! every rank issues the same collectives in the same order. [`GradientSynchronizer::finish`] (laid-out
+//! buckets) and [`GradientSynchronizer::sync_all`] (filled ones) reduce what is left and wait.
 
 use std::sync::{Arc, Mutex};
 
-use crate::bucket::{Entry, GradientBucket};
-use crate::dtype::{Buf, BufMut};
+mod averaging;
+
+pub use averaging::{Averaging, Pending, SharedBucket};
+
+use crate::bucket::{assign_buckets, Entry, GradientBucket};
+use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
-use crate::group::ProcessGroup;
-use crate::reduce::ReduceOp;
 use crate::sync::lock;
-use crate::work::{Lane, Work};
 
 /// The default bucket size: 25M elements (~100 MB of f32).
 pub const DEFAULT_BUCKET_SIZE: usize = 25_000_000;
@@ -33,146 +35,248 @@ pub enum GradSyncStrategy {
 
 /// One bucket of the step, and its reduction.
 struct BucketState {
-    bucket: Arc<Mutex<GradientBucket>>,
-    /// Set once the bucket is complete: nothing more may be added to it.
-    closed: bool,
-    /// Its background all-reduce, once launched.
-    work: Option<Work>,
+    bucket: SharedBucket,
+    /// Gradients still to come before the bucket is complete (a bucket that fills as gradients are
+    /// added counts 1 until it is closed).
+    pending: usize,
+    /// Its gradients, as positions in `slots`.
+    members: Vec<usize>,
+    /// Its background all-reduce, once started.
+    work: Option<Pending>,
+}
+
+/// One gradient's place: its bucket and entry there, and whether it is in for this reduction.
+struct Slot {
+    bucket: usize,
+    entry: usize,
+    ready: bool,
 }
 
 /// Buckets gradients and averages them across a group.
 pub struct GradientSynchronizer {
     strategy: GradSyncStrategy,
     bucket_size: usize,
+    /// Buckets laid out up front (the DDPs'); else they fill as gradients are added.
+    laid_out: bool,
     expected: Option<usize>,
-    added: usize,
     states: Vec<BucketState>,
-    /// (bucket, entry index) of each gradient, in the order added.
-    order: Vec<(usize, usize)>,
-    group: Option<Arc<ProcessGroup>>,
+    slots: Vec<Slot>,
+    /// The first bucket not yet started: buckets start in order, the same on every rank.
+    next: usize,
+    group: Option<Arc<dyn Averaging>>,
 }
 
 impl GradientSynchronizer {
-    /// A synchronizer whose buckets hold `bucket_size` elements each.
+    /// A synchronizer whose buckets fill as gradients are added, `bucket_size` elements each.
     pub fn new(strategy: GradSyncStrategy, bucket_size: usize) -> Self {
         GradientSynchronizer {
             strategy,
             bucket_size: bucket_size.max(1),
+            laid_out: false,
             expected: None,
-            added: 0,
             states: Vec::new(),
-            order: Vec::new(),
+            slots: Vec::new(),
+            next: 0,
             group: None,
         }
+    }
+
+    /// An overlapped synchronizer over `group` for gradients of `params` ((dtype, shape) in the owner's
+    /// order), in buckets of at most `cap_bytes` laid out by [`assign_buckets`] and allocated in the
+    /// group's shared memory when it has some. Gradient `i` is then entry `i` of [`Self::bucket_of`].
+    pub fn for_parameters(
+        group: Arc<dyn Averaging>,
+        params: &[(DType, Vec<usize>)],
+        cap_bytes: usize,
+    ) -> Result<Self> {
+        let nbytes: Vec<usize> = params
+            .iter()
+            .map(|(d, s)| s.iter().try_fold(d.size(), |a, &n| a.checked_mul(n)).unwrap_or(usize::MAX))
+            .collect();
+        let dtypes: Vec<DType> = params.iter().map(|(d, _)| *d).collect();
+        let layout = assign_buckets(&nbytes, &dtypes, cap_bytes);
+        let mut slots: Vec<Option<Slot>> = (0..params.len()).map(|_| None).collect();
+        let mut states = Vec::with_capacity(layout.len());
+        for (b, members) in layout.into_iter().enumerate() {
+            let shapes = members.iter().map(|&i| params[i].1.clone()).collect();
+            let bucket = GradientBucket::laid_out(params[members[0]].0, shapes, group.backend())?;
+            for (entry, &i) in members.iter().enumerate() {
+                slots[i] = Some(Slot { bucket: b, entry, ready: false });
+            }
+            let pending = members.len();
+            states.push(BucketState { bucket: Arc::new(Mutex::new(bucket)), pending, members, work: None });
+        }
+        Ok(GradientSynchronizer {
+            strategy: GradSyncStrategy::Overlapped,
+            bucket_size: cap_bytes,
+            laid_out: true,
+            expected: None,
+            states,
+            slots: slots.into_iter().map(|s| s.expect("assign_buckets places every parameter")).collect(),
+            next: 0,
+            group: Some(group),
+        })
     }
 
     /// The strategy.
     pub fn strategy(&self) -> GradSyncStrategy {
         self.strategy
     }
-    /// Elements per bucket.
+    /// Elements per bucket (bytes for laid-out buckets).
     pub fn bucket_size(&self) -> usize {
         self.bucket_size
     }
-    /// Number of buckets used this step.
+    /// Number of buckets (used this step, for buckets that fill).
     pub fn num_buckets(&self) -> usize {
         self.states.len()
     }
-
-    /// Start a step of `num_gradients` gradients; with `group`, overlapped buckets launch as they complete
-    /// (without one, they launch in `sync_all`).
-    pub fn prepare(&mut self, num_gradients: usize, group: Option<Arc<ProcessGroup>>) {
-        self.clear();
-        self.expected = Some(num_gradients);
-        self.group = group;
+    /// Bucket `i`, for views over its buffer.
+    pub fn bucket(&self, i: usize) -> Option<&SharedBucket> {
+        self.states.get(i).map(|s| &s.bucket)
+    }
+    /// The gradients of each bucket, as their positions (the owner's order), in reduction order.
+    pub fn assignment(&self) -> Vec<Vec<usize>> {
+        self.states.iter().map(|s| s.members.clone()).collect()
+    }
+    /// Gradient `i`'s bucket and its entry there.
+    pub fn bucket_of(&self, i: usize) -> Result<(usize, Entry)> {
+        let s = self.slot(i)?;
+        Ok((s.bucket, lock(&self.states[s.bucket].bucket).entries()[s.entry].clone()))
+    }
+    /// Buckets whose all-reduce was started in the background this step.
+    pub fn launched(&self) -> usize {
+        self.states.iter().filter(|s| s.work.is_some()).count()
+    }
+    /// Number of gradients (added this step, for buckets that fill).
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+    /// True when there is no gradient.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
     }
 
-    /// Add `grad` (of `shape`) to bucket `bucket`; returns its position in the order of gradients.
-    pub fn add_gradient(&mut self, bucket: usize, grad: Buf<'_>, shape: &[usize]) -> Result<usize> {
-        if self.expected.is_some_and(|n| self.added >= n) {
+    fn slot(&self, i: usize) -> Result<&Slot> {
+        self.slots.get(i).ok_or_else(|| Error::invalid(format!("no gradient {i} in this synchronizer")))
+    }
+
+    // -- laid-out buckets: a gradient is ready in its view, then `finish` --------------------------------
+
+    /// Whether gradient `i` is in its bucket for the reduction under way.
+    pub fn is_ready(&self, i: usize) -> Result<bool> {
+        Ok(self.slot(i)?.ready)
+    }
+    /// Whether a reduction has started (some gradient is in) and not finished.
+    pub fn in_flight(&self) -> bool {
+        self.slots.iter().any(|s| s.ready)
+    }
+    /// The gradients not in yet, in order.
+    pub fn waiting(&self) -> Vec<usize> {
+        (0..self.slots.len()).filter(|&i| !self.slots[i].ready).collect()
+    }
+
+    /// Gradient `i` is in its view: start every bucket now complete, in order, except the last, whose
+    /// gradients come last in backward (so nothing is left to overlap it with): `finish` reduces it.
+    pub fn ready(&mut self, i: usize) -> Result<()> {
+        if !self.laid_out {
+            return Err(Error::invalid("ready(): this synchronizer's buckets fill through add_gradient"));
+        }
+        let slot = self.slots.get_mut(i).ok_or_else(|| Error::invalid(format!("no gradient {i}")))?;
+        if slot.ready {
+            return Err(Error::invalid(format!("gradient {i} is already in for this reduction")));
+        }
+        slot.ready = true;
+        let b = slot.bucket;
+        self.states[b].pending -= 1;
+        self.start_complete(false)
+    }
+
+    /// End the reduction: gradients not in and not `used` (no backward reached them on this rank) count
+    /// as zeros; with `exchange`, which gradients some rank used is agreed on (a MAX over the group, after
+    /// the buckets already started); the buckets left start (the last one on this thread); all are
+    /// waited for. Returns, with `exchange`, whether some rank used each gradient. Every gradient is out
+    /// again afterwards, even on an error.
+    pub fn finish(&mut self, used: &[bool], exchange: bool) -> Result<Option<Vec<bool>>> {
+        if !self.laid_out {
+            return Err(Error::invalid(
+                "finish(): this synchronizer's buckets fill through add_gradient; use sync_all",
+            ));
+        }
+        if used.len() != self.slots.len() {
             return Err(Error::invalid(format!(
-                "prepare() announced {} gradients for this step and all have been added",
-                self.added
+                "finish: {} use flags for {} gradients",
+                used.len(),
+                self.slots.len()
             )));
         }
-        if bucket >= self.states.len() {
-            self.states.resize_with(bucket + 1, || BucketState {
-                bucket: Arc::new(Mutex::new(GradientBucket::new(self.bucket_size))),
-                closed: false,
-                work: None,
-            });
+        let r = self.finish_inner(used, exchange);
+        for s in &mut self.slots {
+            s.ready = false;
         }
-        if self.states[bucket].closed {
-            return Err(Error::invalid(format!(
-                "bucket {bucket} is already complete (buckets fill in index order); use a later bucket"
-            )));
-        }
-        {
-            // A gradient larger than a whole bucket gets a bucket of its own size (as in torch's DDP).
-            let mut b = lock(&self.states[bucket].bucket);
-            if b.is_empty() && grad.len() > b.capacity() {
-                *b = GradientBucket::new(grad.len());
+        for st in &mut self.states {
+            st.pending = st.members.len();
+            if let Some(w) = st.work.take() {
+                let _ = w(); // only after an error: the first one is what the caller hears
             }
         }
-        let added = lock(&self.states[bucket].bucket).add_buf(grad, shape)?;
-        if !added {
-            let b = lock(&self.states[bucket].bucket);
-            return Err(Error::invalid(format!(
-                "bucket {bucket} is full: {} of {} elements used, the gradient has {}; use another bucket",
-                b.size(),
-                b.capacity(),
-                grad.len()
-            )));
-        }
-        let entry = lock(&self.states[bucket].bucket).entries().len() - 1;
-        self.order.push((bucket, entry));
-        self.added += 1;
-        for earlier in 0..bucket {
-            self.complete(earlier)?;
-        }
-        if lock(&self.states[bucket].bucket).is_full() || self.expected == Some(self.added) {
-            self.complete(bucket)?;
-        }
-        Ok(self.order.len() - 1)
+        self.next = 0;
+        r
     }
 
-    /// Mark bucket `i` complete; overlapped buckets start reducing now when the group is known.
-    fn complete(&mut self, i: usize) -> Result<()> {
-        let state = &mut self.states[i];
-        if state.closed {
+    fn finish_inner(&mut self, used: &[bool], exchange: bool) -> Result<Option<Vec<bool>>> {
+        for (slot, &u) in self.slots.iter().zip(used) {
+            if !slot.ready && !u {
+                lock(&self.states[slot.bucket].bucket).zero_entry(slot.entry);
+            }
+        }
+        for st in &mut self.states {
+            st.pending = 0;
+        }
+        let group = self.group.clone().ok_or_else(|| Error::invalid("finish: no group"))?;
+        let global = if exchange {
+            let mut flags: Vec<u8> = used.iter().map(|&u| u8::from(u)).collect();
+            group.max_flags(&mut flags)?;
+            Some(flags.into_iter().map(|f| f != 0).collect())
+        } else {
+            None
+        };
+        self.start_complete(true)?;
+        self.wait_all()?;
+        Ok(global)
+    }
+
+    /// Start the complete buckets, in order, from the first not started. The last laid-out bucket waits
+    /// for `last` and then runs on this thread: a hand-off to the worker would only add a thread
+    /// wake-up, most of a small model's step.
+    fn start_complete(&mut self, last: bool) -> Result<()> {
+        if self.strategy != GradSyncStrategy::Overlapped {
             return Ok(());
         }
-        state.closed = true;
-        if let (GradSyncStrategy::Overlapped, Some(group)) = (self.strategy, &self.group) {
-            state.work = Some(launch(group, &state.bucket)?);
+        let Some(group) = self.group.clone() else { return Ok(()) };
+        while self.next < self.states.len() && self.states[self.next].pending == 0 {
+            let is_last = self.next + 1 == self.states.len();
+            let st = &mut self.states[self.next];
+            if !lock(&st.bucket).is_empty() {
+                if self.laid_out && is_last {
+                    if !last {
+                        return Ok(());
+                    }
+                    group.run(&st.bucket)?;
+                } else {
+                    st.work = Some(group.start(&st.bucket)?);
+                }
+            }
+            self.next += 1;
         }
         Ok(())
     }
 
-    /// Average every bucket across `group` (nothing with `NoSync`), waiting for background work.
-    /// Returns the first error; the averaged values are then available through [`Self::averaged`].
-    pub fn sync_all(&mut self, group: &Arc<ProcessGroup>) -> Result<()> {
-        if self.strategy == GradSyncStrategy::NoSync {
-            return Ok(());
-        }
-        for state in &mut self.states {
-            state.closed = true;
-            let empty = lock(&state.bucket).is_empty();
-            if state.work.is_none() && !empty {
-                match self.strategy {
-                    GradSyncStrategy::Overlapped => state.work = Some(launch(group, &state.bucket)?),
-                    _ => {
-                        let comm = group.comm()?;
-                        group.flush(Lane::Collectives)?;
-                        comm.all_reduce(lock(&state.bucket).data_mut(), ReduceOp::Average)?;
-                    }
-                }
-            }
-        }
+    /// Wait for every background bucket; the first error.
+    fn wait_all(&mut self) -> Result<()> {
         let mut first = Ok(());
-        for state in &self.states {
-            if let Some(w) = &state.work {
-                if let (Err(e), Ok(())) = (w.wait(), &first) {
+        for st in &mut self.states {
+            if let Some(w) = st.work.take() {
+                if let (Err(e), Ok(())) = (w(), &first) {
                     first = Err(e);
                 }
             }
@@ -180,13 +284,99 @@ impl GradientSynchronizer {
         first
     }
 
+    // -- buckets that fill as gradients are added ---------------------------------------------------------
+
+    /// Start a step of `num_gradients` gradients; with `group`, overlapped buckets start as they complete
+    /// (without one, they start in `sync_all`).
+    pub fn prepare(&mut self, num_gradients: usize, group: Option<Arc<dyn Averaging>>) {
+        self.clear();
+        self.expected = Some(num_gradients);
+        self.group = group;
+    }
+
+    /// Copy `grad` (of `shape`) into bucket `bucket`; returns its position in the order of gradients.
+    pub fn add_gradient(&mut self, bucket: usize, grad: Buf<'_>, shape: &[usize]) -> Result<usize> {
+        if self.laid_out {
+            return Err(Error::invalid(
+                "add_gradient: this synchronizer's buckets are laid out; use ready()",
+            ));
+        }
+        if self.expected.is_some_and(|n| self.slots.len() >= n) {
+            return Err(Error::invalid(format!(
+                "prepare() announced {} gradients for this step and all have been added",
+                self.slots.len()
+            )));
+        }
+        if bucket >= self.states.len() {
+            self.states.resize_with(bucket + 1, || BucketState {
+                bucket: Arc::new(Mutex::new(GradientBucket::new(self.bucket_size))),
+                pending: 1,
+                members: Vec::new(),
+                work: None,
+            });
+        }
+        if self.states[bucket].pending == 0 {
+            return Err(Error::invalid(format!(
+                "bucket {bucket} is already complete (buckets fill in index order); use a later bucket"
+            )));
+        }
+        let (entry, full) = {
+            let mut b = lock(&self.states[bucket].bucket);
+            // A gradient larger than a whole bucket gets a bucket of its own size (as in torch's DDP).
+            if b.is_empty() && grad.len() > b.capacity() {
+                *b = GradientBucket::new(grad.len());
+            }
+            if !b.add_buf(grad, shape)? {
+                return Err(Error::invalid(format!(
+                    "bucket {bucket} is full: {} of {} elements used, the gradient has {}; use another bucket",
+                    b.size(),
+                    b.capacity(),
+                    grad.len()
+                )));
+            }
+            (b.entries().len() - 1, b.is_full())
+        };
+        let i = self.slots.len();
+        self.slots.push(Slot { bucket, entry, ready: true });
+        self.states[bucket].members.push(i);
+        for st in &mut self.states[..bucket] {
+            st.pending = 0;
+        }
+        if full || self.expected == Some(self.slots.len()) {
+            self.states[bucket].pending = 0;
+        }
+        self.start_complete(false)?;
+        Ok(i)
+    }
+
+    /// Average every bucket across `group` (nothing with `NoSync`), waiting for background work.
+    /// Returns the first error; the averaged values are then available through [`Self::averaged`].
+    pub fn sync_all(&mut self, group: Arc<dyn Averaging>) -> Result<()> {
+        if self.strategy == GradSyncStrategy::NoSync {
+            return Ok(());
+        }
+        self.group = Some(group.clone());
+        for st in &mut self.states {
+            st.pending = 0;
+        }
+        if self.strategy == GradSyncStrategy::Synchronous {
+            for st in &mut self.states[self.next..] {
+                if !lock(&st.bucket).is_empty() {
+                    group.run(&st.bucket)?;
+                }
+            }
+            self.next = self.states.len();
+        }
+        self.start_complete(true)?;
+        self.wait_all()
+    }
+
     /// Copy gradient `i` (in the order added) out of its bucket into `out` (same dtype and length).
     pub fn averaged(&self, i: usize, mut out: BufMut<'_>) -> Result<()> {
-        let &(b, e) =
-            self.order.get(i).ok_or_else(|| Error::invalid(format!("no gradient {i} in this step")))?;
-        let bucket = lock(&self.states[b].bucket);
-        let Entry { offset, .. } = &bucket.entries()[e];
-        let len = bucket.entries()[e].len();
+        let s = self.slot(i)?;
+        let bucket = lock(&self.states[s.bucket].bucket);
+        let e = &bucket.entries()[s.entry];
+        let (offset, len) = (e.offset, e.len());
         let data = bucket.data();
         if out.dtype() != data.dtype() || out.len() != len {
             return Err(Error::invalid("averaged: the output must match the gradient's dtype and size"));
@@ -196,41 +386,68 @@ impl GradientSynchronizer {
         Ok(())
     }
 
-    /// Buckets whose all-reduce was started in the background this step.
-    pub fn launched(&self) -> usize {
-        self.states.iter().filter(|s| s.work.is_some()).count()
-    }
-
-    /// Bucket `i` of this step (for backends that reduce it themselves).
-    pub fn bucket(&self, i: usize) -> Option<&Arc<Mutex<GradientBucket>>> {
-        self.states.get(i).map(|s| &s.bucket)
-    }
-
-    /// Number of gradients added this step.
-    pub fn len(&self) -> usize {
-        self.order.len()
-    }
-    /// True when no gradient was added this step.
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
-    /// Forget every gradient and bucket (waiting for background work first).
+    /// Forget every gradient and bucket that filled (waiting for background work first); laid-out
+    /// buckets stay, their reduction waited for and ended.
     pub fn clear(&mut self) {
-        for state in &self.states {
-            if let Some(w) = &state.work {
-                let _ = w.wait();
+        let _ = self.wait_all();
+        if self.laid_out {
+            for st in &mut self.states {
+                st.pending = st.members.len();
             }
+            for s in &mut self.slots {
+                s.ready = false;
+            }
+            self.next = 0;
+            return;
         }
         self.states.clear();
-        self.order.clear();
-        self.added = 0;
+        self.slots.clear();
+        self.next = 0;
         self.expected = None;
     }
 }
 
-fn launch(group: &Arc<ProcessGroup>, bucket: &Arc<Mutex<GradientBucket>>) -> Result<Work> {
-    let comm = group.comm()?.clone();
-    let bucket = bucket.clone();
-    group.submit(Lane::Collectives, move || comm.all_reduce(lock(&bucket).data_mut(), ReduceOp::Average))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::ProcessGroup;
+    use crate::transport::thread::ThreadBackend;
+
+    #[test]
+    fn laid_out_buckets_average_in_order_and_agree_on_use() {
+        let params = vec![(DType::F32, vec![2]), (DType::F64, vec![3]), (DType::F32, vec![1, 2])];
+        let handles: Vec<_> = ThreadBackend::create_world(2)
+            .into_iter()
+            .map(|b| {
+                let params = params.clone();
+                std::thread::spawn(move || {
+                    let group: Arc<dyn Averaging> = Arc::new(ProcessGroup::new(Arc::new(b)));
+                    let r = group.backend().map(|b| b.rank()).unwrap_or(0) as f32;
+                    let mut sync = GradientSynchronizer::for_parameters(group, &params, 8).unwrap();
+                    assert_eq!(sync.assignment(), vec![vec![2], vec![1], vec![0]]);
+                    for i in [2, 0] {
+                        let (b, e) = sync.bucket_of(i).unwrap();
+                        let mut bucket = lock(sync.bucket(b).unwrap());
+                        let mut data = bucket.data_mut();
+                        let bytes = &mut data.bytes_mut()[e.offset * 4..(e.offset + e.len()) * 4];
+                        bytes.copy_from_slice(&(r + 1.0).to_ne_bytes().repeat(e.len()));
+                    }
+                    sync.ready(2).unwrap();
+                    let global = sync.finish(&[true, r == 0.0, true], true).unwrap().unwrap();
+                    assert!(!sync.in_flight());
+                    let f32s = |i| {
+                        let (b, e) = sync.bucket_of(i).unwrap();
+                        let bucket = lock(sync.bucket(b).unwrap());
+                        bucket.data().typed::<f32>().unwrap()[e.offset..e.offset + e.len()].to_vec()
+                    };
+                    (global, f32s(0), f32s(2))
+                })
+            })
+            .collect();
+        for h in handles {
+            let (global, a, c) = h.join().unwrap();
+            assert_eq!(global, vec![true, true, true]);
+            assert_eq!((a, c), (vec![1.5, 1.5], vec![1.5, 1.5]));
+        }
+    }
 }

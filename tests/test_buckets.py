@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axonml_distributed as ad
-from axonml_distributed._core import GradientBucket, GradientSynchronizer, GradSyncStrategy
+from axonml_distributed._core import GradientBucket, GradientSynchronizer, GradSyncStrategy, assign_buckets
 from reference import DTYPES, data, reduce_ref, same_bits
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,3 +223,110 @@ _GIL_SCRIPT = textwrap.dedent(
 def test_synchronizer_waits_release_the_gil() -> None:
     p = subprocess.run([sys.executable, "-c", _GIL_SCRIPT], capture_output=True, text=True, timeout=90)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+# -- the engine the DDPs use: buckets laid out from the parameters ----------------------------------------
+
+_PARAMS = [((2, 3), np.float32), ((4,), np.float64), ((1,), np.float32), ((5,), np.float32)]
+
+
+def test_laid_out_buckets_start_in_order_and_average_in_place() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sync = GradientSynchronizer.for_parameters(pg, _PARAMS, 12)
+        views = sync.views()
+        for i, v in enumerate(views):
+            v[...] = data(pg.rank() + i, v.size, v.dtype).reshape(v.shape)
+        started = []
+        for i in reversed(range(len(views))):
+            sync.ready(i)
+            started.append(sync.launched_buckets())
+        in_flight = sync.in_flight()
+        assert sync.finish([True] * len(views), False) is None
+        return sync.bucket_assignment(), started, in_flight, sync.in_flight(), [v.copy() for v in views]
+
+    for layout, started, in_flight, after, got in ad.spawn(fn, 3):
+        assert layout == assign_buckets([24, 32, 4, 20], [np.float32, np.float64, np.float32, np.float32], 12)
+        assert layout == [[3], [2], [1], [0]]
+        assert started == [1, 2, 3, 3], "in bucket order as each completes; the last waits for finish"
+        assert in_flight and not after
+        for i, ((shape, dtype), g) in enumerate(zip(_PARAMS, got, strict=True)):
+            want = reduce_ref(
+                [data(r + i, g.size, dtype).reshape(shape) for r in range(3)], ad.ReduceOp.AVERAGE
+            )
+            assert g.dtype == dtype and same_bits(g, want), i
+
+
+def test_finish_counts_missing_gradients_as_zeros_and_agrees_on_use() -> None:
+    def fn(pg: ad.ProcessGroup) -> Any:
+        sync = GradientSynchronizer.for_parameters(pg, _PARAMS, 1 << 20)
+        views = sync.views()
+        for v in views:
+            v[...] = 9  # an older step's average: what a missing gradient must not count
+        used = [True, False, pg.rank() == 0, False]
+        for i, v in enumerate(views):
+            if used[i]:
+                v[...] = pg.rank() + 1
+        sync.ready(0)
+        agreed = sync.finish(used, True)
+        return agreed, [v.copy() for v in views], sync.waiting()
+
+    for agreed, got, waiting in ad.spawn(fn, 2):
+        assert agreed == [True, False, True, False]
+        assert [float(g.flat[0]) for g in got] == [1.5, 0.0, 0.5, 0.0]
+        assert waiting == [0, 1, 2, 3], "every gradient is out again after finish"
+
+
+def test_laid_out_buckets_over_a_python_group_use_its_all_reduce() -> None:
+    class Recording:  # a group written in Python (as MPI's)
+        def __init__(self, pg: ad.ProcessGroup) -> None:
+            self.pg, self.calls = pg, []
+
+        def all_reduce(self, buf: np.ndarray, op: Any, *, async_op: bool = False) -> Any:
+            self.calls.append((op, buf.size, async_op))
+            return self.pg.all_reduce(buf, op, async_op=async_op)
+
+    def fn(pg: ad.ProcessGroup) -> Any:
+        group = Recording(pg)
+        sync = GradientSynchronizer.for_parameters(group, _PARAMS, 12)
+        views = sync.views()
+        for v in views:
+            v[...] = pg.rank()
+        sync.ready(3)
+        agreed = sync.finish([True] * 4, True)
+        return group.calls, agreed, [float(v.flat[0]) for v in views], sync.in_shared_memory()
+
+    for calls, agreed, got, shared in ad.spawn(fn, 2):
+        avg, mx = ad.ReduceOp.AVERAGE, ad.ReduceOp.MAX
+        assert calls == [(avg, 5, True), (mx, 4, False), (avg, 1, True), (avg, 4, True), (avg, 6, False)]
+        assert agreed == [True] * 4 and got == [0.5] * 4 and not shared
+
+
+def test_a_python_groups_exception_is_raised_as_it_is() -> None:
+    class Failing:
+        def all_reduce(self, buf: np.ndarray, op: Any, *, async_op: bool = False) -> Any:
+            raise ad.CollectiveTimeoutError("the group timed out")
+
+    sync = GradientSynchronizer.for_parameters(Failing(), _PARAMS, 1 << 20)
+    with pytest.raises(ad.CollectiveTimeoutError, match="timed out"):
+        sync.finish([True] * 4, False)
+    assert not sync.in_flight()
+
+
+def _shm_ddp(rank: int, n: int, ports: list[int], job: Any, timeout: float, q: Any) -> Any:
+    from shm_run import connect
+
+    pg = connect(rank, n, ports[0], timeout, job)
+    sync = GradientSynchronizer.for_parameters(pg, _PARAMS, 12)
+    for i, v in enumerate(sync.views()):
+        v[...] = rank + i
+    sync.finish([True] * 4, False)
+    return sync.in_shared_memory(), [float(v.flat[0]) for v in sync.views()]
+
+
+@pytest.mark.timeout(120)
+def test_buckets_live_in_the_shm_segment_and_average_there() -> None:
+    from shm_run import ok, run_world
+
+    for shared, got in ok(run_world(2, _shm_ddp)):
+        assert shared, "the buckets were allocated in the group's shared memory"
+        assert got == [0.5, 1.5, 2.5, 3.5]

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axonml_distributed import spawn
-from axonml_distributed._core import ProcessGroup
-from axonml_distributed.buckets import assign_buckets
+from axonml_distributed._core import ProcessGroup, assign_buckets
 from axonml_distributed.ddp import DDP
 from ddp_models import (
     D_IN,

@@ -1,10 +1,11 @@
-"""Many arrays in few flat buffers: the bucket layout of gradients, and broadcasting many arrays at once.
-Shared by both DDPs and the Horovod-style API."""
+"""Many arrays in few flat buffers: the bucket cap argument of gradient buckets (the native engine,
+`GradientSynchronizer.for_parameters`, lays them out), and broadcasting many arrays at once. Shared by both
+DDPs and the Horovod-style API."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -13,29 +14,6 @@ from axonml_distributed._types import ProcessGroupLike
 _MIB = 1024 * 1024
 # Parameters and buffers travel in broadcasts of at most this many bytes (torch uses 250 MiB).
 _BROADCAST_CAP = 256 * _MIB
-
-
-def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets, in the order the buckets are reduced.
-
-    Parameters are taken in reverse order (backward produces gradients roughly last layer first), one open
-    bucket per dtype (any hashable key: numpy or torch dtypes); a bucket is closed before it would pass
-    ``cap_bytes``, so only a single parameter larger than the cap makes a bucket exceed it. Unlike torch
-    there is no smaller first bucket, nor a rebuild in the order the first backward produced gradients.
-    """
-    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
-    closed: list[list[int]] = []
-    for i in reversed(range(len(nbytes))):
-        members, size = open_buckets.get(dtypes[i], ([], 0))
-        if members and size + nbytes[i] > cap_bytes:
-            closed.append(members)
-            members, size = [], 0
-        members.append(i)
-        open_buckets[dtypes[i]] = (members, size + nbytes[i])
-    closed.extend(members for members, _ in open_buckets.values())
-    # Reduce first the bucket whose first parameter comes latest, i.e. whose gradients are ready first.
-    closed.sort(key=lambda members: -members[0])
-    return closed
 
 
 def bucket_bytes(bucket_cap_mb: float) -> int:

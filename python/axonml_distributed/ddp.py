@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed._core import ReduceOp
-from axonml_distributed._types import ProcessGroupLike, WorkLike
-from axonml_distributed.buckets import assign_buckets, broadcast_arrays, bucket_bytes, raw_bytes
+from axonml_distributed._core import GradientSynchronizer
+from axonml_distributed._types import ProcessGroupLike
+from axonml_distributed.buckets import broadcast_arrays, bucket_bytes, raw_bytes
 from axonml_distributed.init import get_default_group
 
 
@@ -42,9 +42,8 @@ class _NumpyParam:
 class _Slot:
     """Where one parameter's gradient lives inside its bucket."""
 
-    def __init__(self, index: int, flag: int, ref: _NumpyParam, view: np.ndarray) -> None:
+    def __init__(self, index: int, ref: _NumpyParam, view: np.ndarray) -> None:
         self.index = index  # position in parameters()
-        self.flag = flag  # position in the has-grad flag vector
         self.ref = ref
         self.view = view
         self.address = _address(view)
@@ -146,9 +145,12 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         self._awaiting_sync: _Snapshot | None = None
         self._training = bool(getattr(module, "training", True))
         self._params = self._param_refs()
-        self._buckets, self._slots = self._build_buckets(cap)
-        # One flag per bucketed parameter: "this rank has a gradient"; MAX over ranks = "some rank has one".
-        self._has_grad = self._pg.empty((len(self._slots),), np.uint8)
+        # The engine lays out the buckets (in the group's shared memory when it has some) and reduces them.
+        trainable = [(i, ref) for i, ref in enumerate(self._params) if ref.requires_grad]
+        shapes = [(ref.data().shape, ref.data().dtype) for _, ref in trainable]
+        self._engine = GradientSynchronizer.for_parameters(self._pg, shapes, cap)
+        views = self._engine.views()
+        self._slots = [_Slot(i, ref, view) for (i, ref), view in zip(trainable, views, strict=True)]
         if gradient_as_bucket_view:
             self._install_views()
         if init_sync:
@@ -181,7 +183,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
 
     def bucket_assignment(self) -> list[list[int]]:
         """Parameter indices (positions in ``parameters()``) of each bucket, in reduction order."""
-        return [[slot.index for slot in slots] for _, slots in self._buckets]
+        return [[self._slots[k].index for k in bucket] for bucket in self._engine.bucket_assignment()]
 
     def is_training(self) -> bool:
         return self._training
@@ -244,22 +246,12 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         if not self._slots:
             return
         grads = [self._fill_bucket(slot) for slot in self._slots]
-        # The flag vector is a few bytes: a direct call costs less than handing it to the group's worker.
-        self._pg.all_reduce(self._has_grad, ReduceOp.MAX)
-        # All buckets but the last go to the worker, which reduces them back to back while this thread issues
-        # the rest; the last one this thread reduces itself (it runs after them: a group keeps issue order),
-        # so a one-bucket model pays no hand-off at all. AVERAGE rather than SUM and a divide here: the core
-        # scales within the pass that reduces, sparing a second sweep over the gradients.
-        *queued, (last, _) = self._buckets
-        works: list[WorkLike | None] = [
-            self._pg.all_reduce(f, ReduceOp.AVERAGE, async_op=True) for f, _ in queued
-        ]
-        self._pg.all_reduce(last, ReduceOp.AVERAGE)
-        for work in works:
-            assert work is not None  # async_op=True always returns a handle
-            work.wait()
-        for slot, grad in zip(self._slots, grads, strict=True):
-            if self._has_grad[slot.flag]:
+        # The engine zeros the views of missing gradients, agrees with the other ranks on which gradients
+        # some rank has (a MAX of flags), then reduces every bucket in order.
+        some_rank_has = self._engine.finish([grad is not None for grad in grads], True)
+        assert some_rank_has is not None  # asked for
+        for slot, grad, some in zip(self._slots, grads, some_rank_has, strict=True):
+            if some:
                 self._write_back(slot, grad)
 
     # -- internals ----------------------------------------------------------------------------------------
@@ -303,27 +295,6 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
             refs.append(_NumpyParam(param))
         return refs
 
-    def _build_buckets(self, cap_bytes: int) -> tuple[list[tuple[np.ndarray, list[_Slot]]], list[_Slot]]:
-        trainable = [(i, ref) for i, ref in enumerate(self._params) if ref.requires_grad]
-        datas = [ref.data() for _, ref in trainable]
-        layout = assign_buckets([d.nbytes for d in datas], [d.dtype for d in datas], cap_bytes)
-        buckets: list[tuple[np.ndarray, list[_Slot]]] = []
-        slots: list[_Slot] = []
-        for members in layout:
-            flat = self._pg.empty((sum(datas[k].size for k in members),), datas[members[0]].dtype)
-            flat.fill(0)
-            bucket_slots = []
-            offset = 0
-            for k in members:
-                shape, size = datas[k].shape, datas[k].size
-                view = flat[offset : offset + size].reshape(shape)
-                offset += size
-                slot = _Slot(trainable[k][0], len(slots), trainable[k][1], view)
-                bucket_slots.append(slot)
-                slots.append(slot)
-            buckets.append((flat, bucket_slots))
-        return buckets, slots
-
     def _install_views(self) -> None:
         for slot in self._slots:
             grad = slot.ref.grad()
@@ -338,12 +309,9 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
                 slot.ref.set_grad(slot.view.copy())
 
     def _fill_bucket(self, slot: _Slot) -> np.ndarray | None:
-        """Put this rank's gradient into the bucket and raise its flag; returns the gradient seen."""
+        """Put this rank's gradient into the bucket; returns the gradient seen (None: the engine zeros it)."""
         grad = slot.ref.grad()
-        self._has_grad[slot.flag] = grad is not None
-        if grad is None:
-            slot.view.fill(0)  # the slot may still hold an older step's average
-        elif not (self._gradient_as_bucket_view and _is_view(grad, slot)):
+        if grad is not None and not (self._gradient_as_bucket_view and _is_view(grad, slot)):
             # Copy mode, or the model replaced .grad with a new array instead of writing into the view.
             self._copy_in(slot, grad)
             if self._gradient_as_bucket_view:

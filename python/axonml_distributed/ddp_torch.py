@@ -154,7 +154,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
 
     def bucket_assignment(self) -> list[list[int]]:
         """Parameter indices (positions in ``parameters()``) of each bucket, in reduction order."""
-        return [[slot.index for slot in bucket.slots] for bucket in self._grads().buckets]
+        return [[slot.index for slot in bucket] for bucket in self._grads().buckets()]
 
     # -- internals ----------------------------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class TorchDistributedDataParallel(torch.nn.Module):
 
     def _on_gradient(self, slot: Slot) -> None:
         """Autograd has accumulated ``slot``'s gradient: reduce it now unless this backward stays local."""
-        if self._step.local or not self.require_backward_grad_sync or slot.ready:
+        if self._step.local or not self.require_backward_grad_sync or self._grads().is_ready(slot):
             return  # no_sync(): the gradient stays local
         if not self._step.reducing:
             self._step.reducing = True

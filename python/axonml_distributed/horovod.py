@@ -74,7 +74,7 @@ class _DistributedOptimizer:
         self._reducer = GradReducer(group, named, cap, True, self)
 
     def _on_gradient(self, slot: Any) -> None:
-        if slot.ready:
+        if self._reducer.is_ready(slot):
             raise RuntimeError(
                 f"DistributedOptimizer: {slot.name} received a gradient after its reduction started: "
                 f"more than backward_passes_per_step={self._passes} backward passes before step(); "

@@ -9,7 +9,9 @@ mod collectives;
 mod exceptions;
 mod group;
 mod op;
+mod python_group;
 mod segment;
+mod synchronizer;
 mod tables;
 mod work;
 mod world;
@@ -52,9 +54,7 @@ mod _core {
     #[pymodule_export]
     use super::backend::{PyBackend, PyThreadBackend};
     #[pymodule_export]
-    use super::buckets::{
-        set_default_group_source, PyGradSyncStrategy, PyGradientBucket, PyGradientSynchronizer,
-    };
+    use super::buckets::{assign_buckets, BucketMemory, PyGradientBucket};
     #[pymodule_export]
     use super::check::PyCallCheck;
     #[pymodule_export]
@@ -67,6 +67,8 @@ mod _core {
     use super::op::PyReduceOp;
     #[pymodule_export]
     use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
+    #[pymodule_export]
+    use super::synchronizer::{set_default_group_source, PyGradSyncStrategy, PyGradientSynchronizer};
     #[pymodule_export]
     use super::tables::{
         check_op, checked_timeout, describe_layout_mismatch, describe_mismatch, segment_name, validate_ranks,

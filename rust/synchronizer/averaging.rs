@@ -1,0 +1,78 @@
+//! How a synchronizer's buckets are averaged over a group: the [`Averaging`] a native [`ProcessGroup`]
+//! gives (each bucket queued on the group's worker lane, or run on the caller's thread after it).
+
+use std::sync::{Arc, Mutex};
+
+use crate::backend::Backend;
+use crate::bucket::GradientBucket;
+use crate::dtype::BufMut;
+use crate::error::{Error, Result};
+use crate::group::ProcessGroup;
+use crate::reduce::ReduceOp;
+use crate::sync::lock;
+use crate::work::Lane;
+
+/// A bucket shared with the work that reduces it (and with the views handed out over it).
+pub type SharedBucket = Arc<Mutex<GradientBucket>>;
+
+/// Waits for a bucket's background reduction; returns its result.
+pub type Pending = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// How buckets are averaged over a group. A native [`ProcessGroup`] queues them on its worker lane; the
+/// bindings give groups written in Python (MPI's) their own.
+pub trait Averaging: Send + Sync {
+    /// Start averaging `bucket` in the background, after everything started on the group before.
+    fn start(&self, bucket: &SharedBucket) -> Result<Pending>;
+    /// Average `bucket` now, after everything started on the group before.
+    fn run(&self, bucket: &SharedBucket) -> Result<()>;
+    /// The maximum of `flags` over the group, in place, after everything started before.
+    fn max_flags(&self, flags: &mut [u8]) -> Result<()>;
+    /// The backend whose shared memory buckets should live in (None: private memory).
+    fn backend(&self) -> Option<&dyn Backend> {
+        None
+    }
+}
+
+impl Averaging for ProcessGroup {
+    fn start(&self, bucket: &SharedBucket) -> Result<Pending> {
+        let comm = self.comm()?.clone();
+        let (b, waiter) = (bucket.clone(), comm.clone());
+        let work = self.submit(Lane::Collectives, move || reduce(&*comm, &b))?;
+        Ok(Box::new(move || interrupted_abort(&*waiter, work.wait())))
+    }
+    fn run(&self, bucket: &SharedBucket) -> Result<()> {
+        let comm = self.comm()?;
+        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        reduce(&**comm, bucket)
+    }
+    fn max_flags(&self, flags: &mut [u8]) -> Result<()> {
+        let comm = self.comm()?;
+        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        comm.all_reduce(BufMut::new(flags), ReduceOp::Max)
+    }
+    fn backend(&self) -> Option<&dyn Backend> {
+        Some(&**ProcessGroup::backend(self))
+    }
+}
+
+/// Average `bucket` over `comm`. When that fails while a stopped peer may still write the buffer, the
+/// bucket is kept for the process's life: never freed or reused under the peer.
+fn reduce(comm: &dyn Backend, bucket: &SharedBucket) -> Result<()> {
+    let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
+    if r.is_err() && comm.buffers_may_be_in_use() {
+        std::mem::forget(bucket.clone());
+    }
+    r
+}
+
+/// A Ctrl-C while this rank waits for its buckets aborts the world: the queued reductions go on, and the
+/// peers must not wait for the rest of this rank.
+fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
+    if let Err(Error::Interrupted { .. }) = &r {
+        comm.abort(&format!(
+            "rank {} was interrupted (Ctrl-C) while waiting for its gradient buckets",
+            comm.rank()
+        ));
+    }
+    r
+}
