@@ -64,6 +64,6 @@ pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};
 pub use reduce::ReduceOp;
 pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
-pub use transport::thread::{MockBackend, ThreadBackend};
+pub use transport::thread::ThreadBackend;
 pub use transport::wait::set_interrupt_hook;
 pub use work::{Lane, Work};

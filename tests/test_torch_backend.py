@@ -337,6 +337,9 @@ def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
     for r in by_hand("mismatch", tmp_path):
         assert r.get("error") == "CollectiveMismatchError", r
         assert "all_reduce" in r["message"] and "broadcast" in r["message"]
+        facts = r["facts"]  # our error's facts reach the script through torch
+        assert (facts["ranks"], facts["group"], sorted(facts["calls"])) == ((1,), (0, 1), [0, 1]), r
+        assert facts["calls"][1].startswith(f"broadcast(#{facts['seq']}, 4 x float32, root=0)"), r
 
 
 @pytest.mark.timeout(200)
@@ -349,6 +352,9 @@ def test_a_groups_own_timeout_raises_with_torchs_words(tmp_path: Path, mode: str
     assert re.search(r" (Timed out|closed|timeout) ", early["message"]), early
     assert "Timed out after 1s" in early["message"] and "rank(s) [1]" in early["message"], early
     assert early["waited"] < 8, early  # the group's 1 s and slack, far below the world's 30 s
+    facts = early["facts"]
+    assert (facts["rank"], facts["ranks"], facts["waited"]) == (0, (1,), 1.0), early
+    assert facts["call"].startswith("barrier(#" if mode == "group_timeout" else "recv("), early
     assert late.get("error") == "PeerFailureError", late  # its barrier finds the world aborted
 
 

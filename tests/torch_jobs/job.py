@@ -511,6 +511,8 @@ MODES = {
     for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled, sparse]
     + [group_timeout, group_recv_timeout]
 }
+# The facts our errors carry as attributes (see axonml_distributed.exceptions), saved with the error.
+FACTS = ("rank", "ranks", "call", "seq", "group", "calls", "waited", "pid", "exit_code", "signal")
 
 
 def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:
@@ -533,6 +535,8 @@ def run_one(rank: int, world: int, mode: str, out: str, init: str | None) -> Non
         dist.destroy_process_group()
     except Exception as e:
         result = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e), **NOTES}
+        result["runtime_error"] = isinstance(e, RuntimeError)
+        result["facts"] = {k: getattr(e, k) for k in FACTS if hasattr(e, k)}
         if getattr(e, "uncaught", False):
             torch.save(result, path)
             raise
