@@ -417,6 +417,15 @@ def group_recv_timeout(rank: int, world: int) -> dict[str, Any]:
     return _late_peer(group, rank, lambda group: dist.recv(torch.zeros(4), src=1, group=group))
 
 
+def monitored_zero(rank: int, world: int) -> dict[str, Any]:
+    """torch's test_monitored_barrier_gloo_rank_0_timeout: rank 0 alone calls a group's monitored barrier
+    with a zero timeout."""
+    group = dist.new_group(ranks=list(range(world)))
+    if rank == 0:
+        group.monitored_barrier(datetime.timedelta(seconds=0))
+    return {}
+
+
 def _late_peer(group: Any, rank: int, call: Any) -> dict[str, Any]:
     """Rank 0 makes `call` on `group` at once, rank 1 after 4 s; what rank 0 raised goes with how long it
     waited."""
@@ -509,7 +518,7 @@ NOTES: dict[str, Any] = {}
 MODES = {
     f.__name__: f
     for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled, sparse]
-    + [group_timeout, group_recv_timeout]
+    + [group_timeout, group_recv_timeout, monitored_zero]
 }
 # The facts our errors carry as attributes (see axonml_distributed.exceptions), saved with the error.
 FACTS = ("rank", "ranks", "call", "seq", "group", "calls", "waited", "pid", "exit_code", "signal")
