@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use axonml_distributed::reduce::reduce_slices;
-use axonml_distributed::{GradientBucket, MockBackend, ProcessGroup, ReduceOp};
+use axonml_distributed::{GradientBucket, ProcessGroup, ReduceOp, ThreadBackend};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 fn kernels(c: &mut Criterion) {
@@ -64,7 +64,7 @@ impl Ranks {
     fn new(n: usize, len: usize) -> Ranks {
         let (done_tx, done) = mpsc::channel();
         let start = Arc::new(Barrier::new(n));
-        let go = MockBackend::create_world(n)
+        let go = ThreadBackend::create_world(n)
             .into_iter()
             .map(|b| {
                 let (tx, rx) = mpsc::channel::<u64>();

@@ -12,7 +12,6 @@ use crate::backend::Backend;
 use crate::dtype::{Buf, BufMut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::transport::thread::ThreadBackend;
 use crate::work::{Lane, Work};
 
 /// A group of ranks, as seen from one rank (which may or may not be a member).
@@ -44,11 +43,6 @@ impl ProcessGroup {
         let member = ranks.contains(&backend.rank());
         let comm = member.then(|| backend.split(&ranks, Some(timeout))).transpose()?;
         Ok(ProcessGroup { backend, comm, ranks, timeout })
-    }
-
-    /// A world of one rank, in the in-process world.
-    pub fn mock() -> Self {
-        Self::new(Arc::new(ThreadBackend::single()))
     }
 
     /// The world backend this group was made from.
@@ -193,10 +187,6 @@ impl World {
     /// The world of `backend`: the group of every rank, and the subgroups made from it.
     pub fn init(backend: Arc<dyn Backend>) -> Self {
         World { group: Arc::new(ProcessGroup::new(backend)) }
-    }
-    /// A world of one rank.
-    pub fn mock() -> Self {
-        World { group: Arc::new(ProcessGroup::mock()) }
     }
     /// The group of every rank.
     pub fn default_group(&self) -> &Arc<ProcessGroup> {

@@ -79,5 +79,5 @@ pub use group::{ProcessGroup, World};
 pub use reduce::ReduceOp;
 pub use sync::wait::set_interrupt_hook;
 pub use synchronizer::{GradSyncStrategy, GradientSynchronizer};
-pub use transport::thread::{MockBackend, ThreadBackend};
+pub use transport::thread::ThreadBackend;
 pub use work::{Lane, Work};

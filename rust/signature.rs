@@ -147,6 +147,13 @@ impl Signature {
         self.root = Some(root as u32);
         self
     }
+    /// The sequence number in the text of a call, as `Display` writes it ("all_reduce(#3, ...)"); None
+    /// for a call that has none (a send, a receive, setup). Errors carry their call as text.
+    pub fn seq_in(call: &str) -> Option<u64> {
+        let (_, after) = call.split_once("(#")?;
+        let digits = after.find(|c: char| !c.is_ascii_digit()).map_or(after, |end| &after[..end]);
+        digits.parse().ok()
+    }
 }
 
 impl fmt::Display for Signature {
@@ -239,4 +246,22 @@ pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<Error>
 pub(crate) fn mismatch_error(members: &[usize], details: String, calls: &[(usize, Signature)]) -> Error {
     let calls = calls.iter().map(|(r, s)| (*r, s.to_string())).collect();
     Error::Mismatch { group: members.to_vec(), details, calls }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CollKind, Signature};
+    use crate::dtype::DType;
+    use crate::reduce::ReduceOp;
+
+    #[test]
+    fn seq_in_reads_the_sequence_number_display_writes() {
+        for kind in CollKind::ALL {
+            let sig = Signature::new(kind, 12345, 7).dtype(DType::F32).op(ReduceOp::Sum).root(3);
+            assert_eq!(Signature::seq_in(&sig.to_string()), Some(12345), "{sig}");
+            assert_eq!(Signature::seq_in(&Signature::new(kind, 1, 0).to_string()), Some(1), "{kind:?}");
+        }
+        assert_eq!(Signature::seq_in("send(4 x float32 to rank 1, tag 0)"), None);
+        assert_eq!(Signature::seq_in("rendezvous"), None);
+    }
 }

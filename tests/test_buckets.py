@@ -143,7 +143,7 @@ def test_overlapped_buckets_start_before_sync_all() -> None:
 
 def test_synchronous_strategy_waits_for_sync_all() -> None:
     sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, 1)
-    sync.prepare(1, ad.ProcessGroup.mock())
+    sync.prepare(1, ad.ProcessGroup(ad.ThreadBackend.single()))
     sync.add_gradient(0, np.ones(1, np.float32))
     assert sync.launched_buckets() == 0
 

@@ -97,9 +97,9 @@ def test_sync_gradients_averages_each_gradient_in_place() -> None:
 
 
 def test_helpers_validate_their_arguments() -> None:
-    pg = ad.ProcessGroup(ad.MockBackend.create_world(1)[0])
+    pg = ad.ProcessGroup(ad.ThreadBackend.create_world(1)[0])
     with pytest.raises(ValueError, match="divide"):
-        ad.scatter_tensor(np.ones(5), 0, ad.ProcessGroup(ad.MockBackend.create_world(2)[0]))
+        ad.scatter_tensor(np.ones(5), 0, ad.ProcessGroup(ad.ThreadBackend.create_world(2)[0]))
     with pytest.raises(ValueError, match="out of range"):
         ad.gather_tensor(np.ones(5), 3, pg)
 

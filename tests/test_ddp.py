@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axonml_distributed import spawn
-from axonml_distributed._core import ProcessGroup, assign_buckets
+from axonml_distributed._core import ProcessGroup, ThreadBackend, assign_buckets
 from axonml_distributed.ddp import DDP
 from ddp_models import (
     D_IN,
@@ -99,7 +99,7 @@ def test_one_all_reduce_per_bucket_plus_one_tiny_flag_vector() -> None:
 
 def test_bucket_layout_follows_reverse_order_cap_and_dtype() -> None:
     def layout(cap: float) -> list[list[int]]:
-        return DDP(MLP(0), ProcessGroup.mock(), bucket_cap_mb=cap).bucket_assignment()
+        return DDP(MLP(0), ProcessGroup(ThreadBackend.single()), bucket_cap_mb=cap).bucket_assignment()
 
     assert layout(TINY_MB) == [[3], [2], [1], [0]]
     assert layout(HUGE_MB) == [[3, 2, 1, 0]]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from axonml_distributed import spawn
-from axonml_distributed._core import ProcessGroup
+from axonml_distributed._core import ProcessGroup, ThreadBackend
 from axonml_distributed.ddp import DDP
 from ddp_models import (
     MLP,
@@ -54,7 +54,7 @@ def test_a_forgotten_sync_gradients_fails_loudly_at_the_next_training_forward(
 def test_new_weights_between_forwards_are_no_step_without_gradients() -> None:
     # A forward, a checkpoint load, a forward: no gradient exists, so nothing was left unsynced.
     model = MLP(0, inplace=False)
-    ddp = DDP(model, ProcessGroup.mock())
+    ddp = DDP(model, ProcessGroup(ThreadBackend.single()))
     x, y = batches(2, np.float64, 1)[0]
     ddp(x)
     for p in model.parameters():
@@ -76,7 +76,7 @@ def test_new_weights_between_forwards_are_no_step_without_gradients() -> None:
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["grads-written", "grads-replaced"])
 def test_forwards_with_nothing_left_to_sync_do_not_raise(inplace: bool) -> None:
-    pg = ProcessGroup.mock()
+    pg = ProcessGroup(ThreadBackend.single())
     model = MLP(0, inplace=inplace)
     ddp = DDP(model, pg)
     x, y = batches(2, np.float64, 1)[0]

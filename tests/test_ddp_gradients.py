@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from axonml_distributed import spawn
-from axonml_distributed._core import ProcessGroup
+from axonml_distributed._core import ProcessGroup, ThreadBackend
 from axonml_distributed.ddp import DDP
 from ddp_models import (
     Bag,
@@ -98,7 +98,7 @@ def test_tied_parameters_are_bucketed_once() -> None:
         def parameters(self) -> Iterator[Param]:
             return iter([shared, shared])
 
-    ddp = DDP(Tied(), ProcessGroup.mock())
+    ddp = DDP(Tied(), ProcessGroup(ThreadBackend.single()))
     assert ddp.bucket_assignment() == [[0]]
     ddp.sync_gradients()
     np.testing.assert_array_equal(shared.grad, 1.0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from axonml_distributed import spawn
-from axonml_distributed._core import ProcessGroup
+from axonml_distributed._core import ProcessGroup, ThreadBackend
 from axonml_distributed.ddp import DDP, DistributedDataParallel
 from ddp_models import (
     D_IN,
@@ -144,7 +144,7 @@ def test_builders_chain_and_switch_gradient_storage() -> None:
     bag = Bag(np.zeros(3), np.zeros(2))
     for p in bag.params:
         p.grad = np.ones(p.data.shape)
-    ddp = DDP(bag, ProcessGroup.mock())
+    ddp = DDP(bag, ProcessGroup(ThreadBackend.single()))
     views = [p.grad for p in bag.params]
     assert address(views[1]) + views[1].nbytes == address(views[0])  # installed as bucket views
     assert ddp.broadcast_buffers(True).gradient_as_bucket_view(False) is ddp
@@ -157,7 +157,7 @@ def test_builders_chain_and_switch_gradient_storage() -> None:
 
 
 def test_delegation_and_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = ProcessGroup.mock()
+    pg = ProcessGroup(ThreadBackend.single())
     model = MLP(0)
     ddp = DistributedDataParallel(model, pg)
     assert DDP is DistributedDataParallel
@@ -192,7 +192,7 @@ def test_delegation_and_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_arguments() -> None:
-    pg = ProcessGroup.mock()
+    pg = ProcessGroup(ThreadBackend.single())
     for cap in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="bucket_cap_mb"):
             DDP(MLP(0), pg, bucket_cap_mb=cap)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from axonml_distributed import DDP, DistributedDataParallel, ProcessGroup, ReduceOp, spawn
+from axonml_distributed import DDP, DistributedDataParallel, ProcessGroup, ReduceOp, ThreadBackend, spawn
 from axonml_distributed.ddp_torch import TorchDistributedDataParallel
 from ddp_models import D_IN, D_OUT, HIDDEN, LR, STEPS, TINY_MB, batches, check_training
 
@@ -265,7 +265,7 @@ def test_find_unused_parameters() -> None:
 
 
 def test_it_is_a_torch_module_with_torch_ddp_keys() -> None:
-    pg = ProcessGroup.mock()
+    pg = ProcessGroup(ThreadBackend.single())
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     ddp = DDP(model, pg)
     assert isinstance(ddp, TorchDistributedDataParallel)
@@ -302,7 +302,7 @@ def test_to_rebuilds_the_buckets_for_the_new_dtype() -> None:
 
 
 def test_torch_constructor_arguments() -> None:
-    pg = ProcessGroup.mock()
+    pg = ProcessGroup(ThreadBackend.single())
     model = torch.nn.Linear(2, 2)
     for devices in (None, [], "cpu", torch.device("cpu"), ["cpu"], [torch.device("cpu")]):
         ddp = DDP(model, pg, device_ids=devices, output_device=None if devices == [] else devices)

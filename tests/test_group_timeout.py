@@ -99,7 +99,7 @@ def test_a_groups_timeout_is_its_own_or_the_worlds() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, 1e10, timedelta(0)])
 def test_a_bad_group_timeout_is_a_value_error(bad: Any) -> None:
-    pg = ad.ProcessGroup(ad.MockBackend.single())
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         pg.new_group([0], timeout=bad)
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
@@ -107,6 +107,6 @@ def test_a_bad_group_timeout_is_a_value_error(bad: Any) -> None:
 
 
 def test_a_group_timeout_of_another_type_is_a_type_error() -> None:
-    pg = ad.ProcessGroup(ad.MockBackend.single())
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
     with pytest.raises(TypeError, match="datetime.timedelta"):
         pg.new_group([0], timeout="1")

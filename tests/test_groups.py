@@ -15,14 +15,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_world_api_and_single_rank_mocks() -> None:
-    w = ad.World.mock()
+    w = ad.World(ad.ThreadBackend.single())
     assert (w.rank(), w.world_size(), w.is_main()) == (0, 1, True)
-    pg = ad.ProcessGroup.mock()
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
     x = np.arange(5, dtype=np.float32)
     pg.all_reduce(x, ad.ReduceOp.AVERAGE)
     assert same_bits(x, np.arange(5, dtype=np.float32))
     assert pg.all_gather_tensor(x).shape == (1, 5)
-    assert ad.MockBackend.single().name() == "threads"
+    assert ad.ThreadBackend.single().name() == "threads"
     w.barrier()
 
 
@@ -61,7 +61,7 @@ def test_group_ranks_are_global_for_roots() -> None:
 
 @pytest.mark.parametrize("ranks", [[], [0, 0], [0, 9], [-1]])
 def test_bad_rank_lists_are_refused(ranks: list[int]) -> None:
-    (b,) = ad.MockBackend.create_world(1)
+    (b,) = ad.ThreadBackend.create_world(1)
     with pytest.raises((ValueError, OverflowError)):
         ad.World(b).new_group(ranks)
 
@@ -127,7 +127,7 @@ def test_recv_from_a_rank_that_returned_fails_at_once() -> None:
 
 
 def test_sending_to_oneself_is_refused() -> None:
-    pg = ad.ProcessGroup(ad.MockBackend.create_world(2)[0])
+    pg = ad.ProcessGroup(ad.ThreadBackend.create_world(2)[0])
     with pytest.raises(ValueError, match="itself"):
         pg.send(np.ones(100_000, np.float32), 0)
 

@@ -53,7 +53,7 @@ def test_broadcast_parameters_takes_a_state_dict_named_parameters_or_parameters(
             if "running" not in key and "num_batches" not in key:
                 assert torch.equal(by_named[key], value) and torch.equal(by_params[key], value), key
     with pytest.raises(TypeError, match="expected tensors"):
-        ad.broadcast_parameters({"lr": 0.1}, 0, ad.ProcessGroup.mock())
+        ad.broadcast_parameters({"lr": 0.1}, 0, ad.ProcessGroup(ad.ThreadBackend.single()))
 
 
 def test_broadcast_optimizer_state_gives_every_rank_the_roots_state() -> None:
@@ -127,7 +127,7 @@ def test_distributed_optimizer_averages_gradients_before_the_step(passes: int) -
 
 
 def test_distributed_optimizer_errors_and_extras() -> None:
-    pg = ad.ProcessGroup.mock()
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
     model = _model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not in it"):

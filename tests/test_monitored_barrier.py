@@ -112,7 +112,7 @@ def test_a_bad_timeout_is_refused_and_aborts_the_world(timeout: Any, error: type
 
 def test_wait_all_ranks_in_the_groups_place_is_a_type_error_naming_the_fix() -> None:
     with pytest.raises(TypeError, match="pass the group as group="):
-        ad.monitored_barrier(1.0, ad.ProcessGroup.mock())  # type: ignore[arg-type]
+        ad.monitored_barrier(1.0, ad.ProcessGroup(ad.ThreadBackend.single()))  # type: ignore[arg-type]
 
 
 def shm_late(rank: int, n: int, ports: list[int], job: Any, timeout: float, q: Any) -> Any:

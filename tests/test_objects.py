@@ -93,7 +93,7 @@ def test_torch_order_arguments_are_a_type_error_naming_the_call() -> None:
 
 def test_a_tensor_the_codec_does_not_carry_is_refused_with_the_fix() -> None:
     torch = pytest.importorskip("torch")
-    pg = ad.ProcessGroup.mock()
+    pg = ad.ProcessGroup(ad.ThreadBackend.single())
     with pytest.raises(
         TypeError, match=r"obj\['w'\] is a torch.nn.parameter.Parameter \(a tensor subclass: send"
     ):

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import axonml_distributed
 from axonml_distributed import _core
 from axonml_distributed._core import ProcessGroup, ReduceOp, ShmSegment, ThreadBackend
 
@@ -23,12 +24,13 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.timeout(300)  # mypy analyses numpy's stubs from scratch: a minute on a loaded 2-core machine
 def test_stub_matches_the_native_module(tmp_path: Path) -> None:
     pytest.importorskip("mypy")
-    # The stub alone, under an empty package: otherwise mypy also analyses the package's Python modules
-    # and, through them, all of torch (45 s instead of 8).
+    # The stub alone (with the exceptions it names), under an empty package: otherwise mypy also analyses
+    # the package's Python modules and, through them, all of torch (45 s instead of 8).
     stubs = tmp_path / "axonml_distributed"
     stubs.mkdir()
     (stubs / "__init__.pyi").touch()
-    shutil.copy(Path(_core.__file__).with_name("_core.pyi"), stubs)
+    for name in ["_core.pyi", "exceptions.py"]:
+        shutil.copy(Path(_core.__file__).with_name(name), stubs)
     run = subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "axonml_distributed._core"],
         capture_output=True,
@@ -196,19 +198,25 @@ def test_describe_mismatch_is_the_thread_worlds_message(case: str) -> None:
     assert all(isinstance(e, _core.CollectiveMismatchError) for e in errors), errors
     assert str(errors[0]) == str(errors[1])
     last = steps[-1]
-    assert _core.describe_mismatch([last[0][1], last[1][1]], [0, 1]) == str(errors[0])
-    assert _core.describe_mismatch([last[0][1], last[0][1]], [0, 1]) is None
+    exported = _core.mismatch_error([last[0][1], last[1][1]], [0, 1])
+    assert type(exported) is type(errors[0]) and str(exported) == str(errors[0])
+    assert vars(exported) == vars(errors[0])  # the same facts
+    assert _core.mismatch_error([last[0][1], last[0][1]], [0, 1]) is None
 
 
-def test_describe_mismatch_names_a_member_that_entered_no_call() -> None:
+def test_mismatch_error_names_a_member_that_entered_no_call() -> None:
     sig = (3, _core.KIND_CODES["barrier"], -1, 0, -1, -1, 1.0, 1.0)
-    text = _core.describe_mismatch([sig, None, sig], [0, 2, 5])
-    assert text is not None and "group [0, 2, 5]" in text and "rank(s) [2] entered no call" in text
-    assert _core.describe_mismatch([None, None], [0, 1]) is None
+    err = _core.mismatch_error([sig, None, sig], [0, 2, 5])
+    assert isinstance(err, _core.CollectiveMismatchError)
+    text = str(err)
+    assert "group [0, 2, 5]" in text and "rank(s) [2] entered no call" in text
+    assert (err.ranks, err.seq, err.group) == ((2,), 3, (0, 2, 5))
+    assert err.calls == {0: "barrier(#3)", 5: "barrier(#3)"}
+    assert _core.mismatch_error([None, None], [0, 1]) is None
     with pytest.raises(ValueError, match="kind code"):
-        _core.describe_mismatch([(1, 99, -1, 0, -1, -1, 1.0, 1.0)], [0])
+        _core.mismatch_error([(1, 99, -1, 0, -1, -1, 1.0, 1.0)], [0])
     with pytest.raises(ValueError, match="one \\(or None\\) per member"):
-        _core.describe_mismatch([sig], [0, 1])
+        _core.mismatch_error([sig], [0, 1])
 
 
 def test_segment_facts_match_a_real_segment() -> None:
@@ -232,16 +240,19 @@ def test_segment_facts_match_a_real_segment() -> None:
     assert field("creator") == os.getpid()
 
 
-def test_thread_backend_is_the_thread_world_and_mock_backend_its_alias() -> None:
-    assert _core.MockBackend is ThreadBackend
+def test_thread_backend_is_the_thread_world_and_the_mock_names_are_gone() -> None:
     assert ThreadBackend.single().name() == "threads"
+    # The world of one rank is `ProcessGroup(ThreadBackend.single())`; the names from when the in-process
+    # world only pretended to communicate mean nothing now.
+    assert not hasattr(_core, "MockBackend") and not hasattr(axonml_distributed, "MockBackend")
+    assert not hasattr(ProcessGroup, "mock") and not hasattr(_core.World, "mock")
 
 
 def test_sync_all_without_a_group_calls_the_source_handed_down() -> None:
     from axonml_distributed._core import GradientSynchronizer, GradSyncStrategy
     from axonml_distributed.init import get_default_group
 
-    native = ProcessGroup.mock()
+    native = ProcessGroup(ThreadBackend.single())
     ops: list[Any] = []
 
     class PythonGroup:  # a group written in Python (as MPI's): reduced bucket by bucket

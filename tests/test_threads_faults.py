@@ -195,7 +195,7 @@ def test_a_non_member_cannot_call_a_group_collective() -> None:
 
 
 def test_two_threads_on_one_rank_are_a_usage_error_that_does_not_abort() -> None:
-    backends = ad.MockBackend.create_world(2, timeout=30)
+    backends = ad.ThreadBackend.create_world(2, timeout=30)
     pg = ad.ProcessGroup(backends[0])
     got: list[object] = []
 
@@ -218,7 +218,7 @@ def test_two_threads_on_one_rank_are_a_usage_error_that_does_not_abort() -> None
 
 
 def test_ctrl_c_interrupts_a_waiting_collective() -> None:
-    backends = ad.MockBackend.create_world(2, timeout=60)
+    backends = ad.ThreadBackend.create_world(2, timeout=60)
     pg = ad.ProcessGroup(backends[0])
     sigint_once_in("pg.barrier()  # rank 1 never arrives")
     start = time.monotonic()

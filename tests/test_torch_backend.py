@@ -337,6 +337,9 @@ def test_a_mismatch_raises_our_error_on_every_rank(tmp_path: Path) -> None:
     for r in by_hand("mismatch", tmp_path):
         assert r.get("error") == "CollectiveMismatchError", r
         assert "all_reduce" in r["message"] and "broadcast" in r["message"]
+        facts = r["facts"]  # our error's facts reach the script through torch
+        assert (facts["ranks"], facts["group"], sorted(facts["calls"])) == ((1,), (0, 1), [0, 1]), r
+        assert facts["calls"][1].startswith(f"broadcast(#{facts['seq']}, 4 x float32, root=0)"), r
 
 
 @pytest.mark.timeout(200)
@@ -349,7 +352,22 @@ def test_a_groups_own_timeout_raises_with_torchs_words(tmp_path: Path, mode: str
     assert re.search(r" (Timed out|closed|timeout) ", early["message"]), early
     assert "Timed out after 1s" in early["message"] and "rank(s) [1]" in early["message"], early
     assert early["waited"] < 8, early  # the group's 1 s and slack, far below the world's 30 s
+    facts = early["facts"]
+    assert (facts["rank"], facts["ranks"], facts["waited"]) == (0, (1,), 1.0), early
+    assert facts["call"].startswith("barrier(#" if mode == "group_timeout" else "recv("), early
     assert late.get("error") == "PeerFailureError", late  # its barrier finds the world aborted
+
+
+@pytest.mark.timeout(200)
+def test_a_zero_timeout_monitored_barrier_times_out_at_once_in_torchs_words(tmp_path: Path) -> None:
+    """torch's test_monitored_barrier_gloo_rank_0_timeout: a RuntimeError saying "Rank 0 timed out in
+    monitoredBarrier", as gloo's, where the native group refuses a zero timeout (ValueError)."""
+    zero, other = by_hand("monitored_zero", tmp_path)
+    assert zero.get("error") == "CollectiveTimeoutError" and zero["runtime_error"], zero
+    assert "Rank 0 timed out in monitoredBarrier" in zero["message"], zero
+    facts = zero["facts"]
+    assert (facts["rank"], facts["ranks"], facts["group"], facts["waited"]) == (0, (1,), (0, 1), 0.0), zero
+    assert "error" not in other, other
 
 
 @pytest.mark.timeout(200)
@@ -459,13 +477,19 @@ def test_a_short_job_secret_is_refused_before_the_store_is_touched(monkeypatch: 
 
 
 def test_registration_without_and_with_our_import() -> None:
-    """A script that only names the backend finds it (entry point); importing the package alone
-    registers nothing and does not load torch; importing axonml_distributed.torch registers it."""
+    """Importing the package alone registers nothing and does not load torch; importing torch registers
+    the name (torch's autoload, torch 2.5 and later) without loading our torch layer; with autoload off,
+    importing axonml_distributed.torch registers it; a script that only names the backend runs."""
     alone = (
         "import sys, axonml_distributed; "
         "assert 'torch' not in sys.modules and 'axonml_distributed.torch' not in sys.modules; "
         "import torch.distributed as d; assert 'AXONML' not in d.Backend._plugins; "
         "import axonml_distributed.torch; assert 'AXONML' in d.Backend._plugins"
+    )
+    autoloaded = (
+        "import sys, torch.distributed as d; assert 'AXONML' in d.Backend._plugins; "
+        "assert 'axonml_distributed.torch' not in sys.modules; "
+        "import axonml_distributed.torch"  # registers again: harmless
     )
     unchanged = (
         "import sys, tempfile, torch, torch.distributed as d; "
@@ -474,8 +498,13 @@ def test_registration_without_and_with_our_import() -> None:
         "assert d.get_backend() == 'axonml' and 'axonml_distributed.torch' in sys.modules; "
         "d.destroy_process_group()"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=_env()) for code in [alone, unchanged]]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    # torch 2.5 to 2.13 find the name only through the autoload: without torch's lookup by entry point
+    # (2.14 and later), the unchanged script must run as well.
+    no_lookup = "import torch.distributed as d; d.Backend._ensure_backend_registered = lambda name: None; "
+    no_autoload = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    runs = [(alone, no_autoload), (autoloaded, {}), (unchanged, {}), (no_lookup + unchanged, {})]
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=_env() | extra) for code, extra in runs]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
 
 
 class _Native:

@@ -60,7 +60,7 @@ def test_the_ddp_tutorial_flows_match_torch_ddp_over_gloo(tmp_path: Path) -> Non
             _assert_same(ours[rank][flow], ours[0][flow], f"{flow}: replicas agree")
     # The checkpoint torch DDP wrote loads into ours: the same module.-prefixed keys.
     torch_checkpoint = torch.load(tmp_path / "tutorial.torch.ckpt", weights_only=True)
-    ddp = ad.DistributedDataParallel(flows.ToyModel(), ad.ProcessGroup.mock())
+    ddp = ad.DistributedDataParallel(flows.ToyModel(), ad.ProcessGroup(ad.ThreadBackend.single()))
     ddp.load_state_dict(torch_checkpoint)
     _assert_same(ddp.state_dict(), torch_checkpoint, "torch's checkpoint in our DDP")
 

@@ -39,7 +39,7 @@ fn all_reduce_matches_sequential_reduction_for_every_op_and_size() {
 
 #[test]
 fn bad_arguments_are_refused() {
-    let pg = ProcessGroup::mock();
+    let pg = ProcessGroup::new(Arc::new(ThreadBackend::single()));
     let mut x = [1i32; 4];
     assert!(matches!(pg.all_reduce_tensor(&mut x, ReduceOp::Average), Err(Error::UnsupportedDtype(_))));
     let b = ThreadBackend::single();

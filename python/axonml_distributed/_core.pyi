@@ -6,6 +6,12 @@ from typing import Any, ClassVar, Protocol, final
 
 import numpy.typing as npt
 
+# The errors the native calls raise, with their facts as attributes (defined in Python).
+from axonml_distributed.exceptions import CollectiveMismatchError as CollectiveMismatchError
+from axonml_distributed.exceptions import CollectiveTimeoutError as CollectiveTimeoutError
+from axonml_distributed.exceptions import DistributedError as DistributedError
+from axonml_distributed.exceptions import PeerFailureError as PeerFailureError
+
 __version__: str
 INLINE_BYTES: int
 
@@ -19,19 +25,6 @@ class _Tensor(Protocol):
 
 # What collectives take: a numpy array or a CPU torch tensor. The `*_tensor` calls return the caller's type.
 _Buf = _Array | _Tensor
-
-class DistributedError(RuntimeError):
-    """Base of every collective failure."""
-
-class CollectiveMismatchError(DistributedError):
-    """Ranks called different collectives (kind, shape, dtype, op or root). No buffer was changed."""
-
-class CollectiveTimeoutError(DistributedError):
-    """Some ranks never arrived before the timeout; the message names them. The world is aborted."""
-
-class PeerFailureError(DistributedError):
-    """A peer died (the message gives its pid and exit code or signal, or why that is unknown), or the
-    world was aborted (by a failing rank, a timeout or a mismatch elsewhere)."""
 
 @final
 class ReduceOp:
@@ -65,20 +58,20 @@ def validate_ranks(ranks: Sequence[int], world_size: int) -> list[int]:
     """`ranks` sorted, when the core's member check accepts them (not empty, in range, no duplicate);
     else the ValueError a group raises."""
 
-def describe_mismatch(
+def mismatch_error(
     signatures: Sequence[tuple[int, int, int, int, int, int, float, float] | None], members: Sequence[int]
-) -> str | None:
-    """The message of the CollectiveMismatchError the native worlds raise, given each member's call as
+) -> CollectiveMismatchError | None:
+    """The CollectiveMismatchError the native worlds raise (message and facts), given each member's call as
     `(seq, kind, dtype, count, root, op, prescale, postscale)` (codes from the tables above, -1 for a
     field not set, factors 1.0 when not scaled; `root` is a global rank) or None for a member that
     entered no call; None when every member agrees."""
 
-def describe_layout_mismatch(
+def layout_mismatch_error(
     signature: tuple[int, int, int, int, int, int, float, float],
     layouts: Sequence[Sequence[int]],
     members: Sequence[int],
-) -> str | None:
-    """The message of the CollectiveMismatchError the native worlds raise when the members of a call with
+) -> CollectiveMismatchError | None:
+    """The CollectiveMismatchError the native worlds raise (message and facts) when the members of a call with
     per-member sizes, whose (agreed) signature is `signature`, published `layouts` (each member's layout
     words from `CallCheck`, in group order); None when they agree."""
 
@@ -130,7 +123,7 @@ class CallCheck:
     def recv_any(self, buf: _Buf) -> _Checked: ...
     def all_to_all(self, send: _Buf, recv: _Buf) -> _Checked: ...
     # The collectives with per-member sizes also return their layout words (counts or split sizes, in
-    # elements), which the members compare with `describe_layout_mismatch`.
+    # elements), which the members compare with `layout_mismatch_error`.
     def all_to_all_single(
         self,
         send: _Buf,
@@ -198,8 +191,6 @@ class ThreadBackend:
     @staticmethod
     def single(timeout: float | None = None) -> Backend: ...
 
-MockBackend = ThreadBackend  # its earlier name
-
 @final
 class ShmBackend:
     """Joins the multi-process world on this host, through a shared-memory segment."""
@@ -251,8 +242,6 @@ class ProcessGroup:
     def with_ranks(
         backend: Backend, ranks: Sequence[int], timeout: float | timedelta | None = None
     ) -> ProcessGroup: ...
-    @staticmethod
-    def mock() -> ProcessGroup: ...
     def backend(self) -> Backend: ...
     def rank(self) -> int: ...
     def world_size(self) -> int: ...
@@ -349,8 +338,6 @@ class World:
     def __new__(cls, backend: Backend) -> World: ...
     @staticmethod
     def init(backend: Backend) -> World: ...
-    @staticmethod
-    def mock() -> World: ...
     def default_group(self) -> ProcessGroup: ...
     def rank(self) -> int: ...
     def world_size(self) -> int: ...
@@ -442,7 +429,6 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistributedError",
-    "MockBackend",
     "PeerFailureError",
     "ProcessGroup",
     "ReduceOp",
@@ -454,8 +440,8 @@ __all__ = [
     "World",
     "check_op",
     "checked_timeout",
-    "describe_layout_mismatch",
-    "describe_mismatch",
+    "layout_mismatch_error",
+    "mismatch_error",
     "segment_name",
     "assign_buckets",
     "set_default_group_source",

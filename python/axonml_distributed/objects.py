@@ -89,7 +89,12 @@ def _agree(g: ProcessGroupLike, call: str, local: _Local, root: Any = None) -> t
     roots = table[:, 2].tolist()
     if any(r != roots[0] for r in roots):
         called = ", ".join(f"rank {rank} with {r}" for rank, r in zip(ranks, roots, strict=True))
-        raise CollectiveMismatchError(f"{call}: the members disagree on the root: {called}")
+        raise CollectiveMismatchError(
+            f"{call}: the members disagree on the root: {called}",
+            ranks=[rank for rank, r in zip(ranks, roots, strict=True) if r != roots[0]],
+            call=call,
+            group=ranks,
+        )
     if root != _NO_ROOT and root not in ranks:
         raise ValueError(f"{call}: the root, rank {root}, is not a member of the group {ranks}")
     limit = int(table[:, 1].min())

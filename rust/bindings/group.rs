@@ -107,11 +107,6 @@ impl PyProcessGroup {
     fn with_ranks(backend: &PyBackend, ranks: Vec<usize>, timeout: Option<&Obj>) -> PyResult<Self> {
         Self::new(backend, Some(ranks), timeout)
     }
-    /// A group over a world of one rank.
-    #[staticmethod]
-    fn mock() -> Self {
-        PyProcessGroup { inner: Arc::new(ProcessGroup::mock()) }
-    }
     /// A subgroup of `ranks` (global), made over this group's world as `World.new_group` does: every
     /// member creates it, in the same order as its other groups. Its waits last `timeout` (seconds or a
     /// `datetime.timedelta`; None: the world's). The same call as on the MPI group.

@@ -58,10 +58,6 @@ mod _core {
     #[pymodule_export]
     use super::check::PyCallCheck;
     #[pymodule_export]
-    use super::exceptions::{
-        CollectiveMismatchError, CollectiveTimeoutError, DistributedError, PeerFailureError,
-    };
-    #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]
     use super::op::PyReduceOp;
@@ -71,7 +67,7 @@ mod _core {
     use super::synchronizer::{set_default_group_source, PyGradSyncStrategy, PyGradientSynchronizer};
     #[pymodule_export]
     use super::tables::{
-        check_op, checked_timeout, describe_layout_mismatch, describe_mismatch, segment_name, validate_ranks,
+        check_op, checked_timeout, layout_mismatch_error, mismatch_error, segment_name, validate_ranks,
     };
     #[pymodule_export]
     use super::work::PyWork;
@@ -86,8 +82,7 @@ mod _core {
         crate::sync::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
-        // The thread world's earlier name, which scripts use.
-        m.add("MockBackend", m.getattr("ThreadBackend")?)?;
+        super::exceptions::add_to(m)?;
         super::op::add_members(m.py())?;
         super::tables::add_to(m)
     }

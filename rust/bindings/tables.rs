@@ -4,7 +4,7 @@
 
 use std::mem::{offset_of, size_of};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyBaseException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -103,15 +103,16 @@ fn signature_of((seq, kind, dtype, count, root, op, pre, post): SigTuple) -> PyR
     Ok(Signature { seq, count, root, kind, dtype, op, scale: Scale { pre, post } })
 }
 
-/// The mismatch error message the native worlds raise when the members of a call whose signature
-/// (every member's) is `signature` published `layouts` (in group order; see `CallCheck`), or None
-/// when they make one plan.
+/// The CollectiveMismatchError the native worlds raise (with its facts) when the members of a call whose
+/// signature (every member's) is `signature` published `layouts` (in group order; see `CallCheck`), or
+/// None when they make one plan.
 #[pyfunction]
-pub(crate) fn describe_layout_mismatch(
+pub(crate) fn layout_mismatch_error(
+    py: Python<'_>,
     signature: SigTuple,
     layouts: Vec<Vec<u64>>,
     members: Vec<usize>,
-) -> PyResult<Option<String>> {
+) -> PyResult<Option<Py<PyBaseException>>> {
     use crate::algo::layout::{words, Fault, Plan};
     let sig = signature_of(signature)?;
     if !sig.kind.has_layout() || members.is_empty() {
@@ -125,23 +126,24 @@ pub(crate) fn describe_layout_mismatch(
     let root = sig.root.map(|r| crate::call::index_of(&members, r as usize, "root")).transpose()?;
     let elem = sig.dtype.map_or(1, DType::size);
     let views: Vec<&[u64]> = layouts.iter().map(Vec::as_slice).collect();
-    Ok(match Plan::new(&sig, elem, root, &views, &members) {
-        Ok(_) => None,
-        Err(Fault::Disagree(details)) => {
-            let calls: Vec<_> = members.iter().map(|&r| (r, sig)).collect();
-            Some(crate::signature::mismatch_error(&members, details, &calls).to_string())
-        }
-        Err(Fault::Overflow) => Some(format!("{sig}: the members' sizes overflow")),
-    })
+    let details = match Plan::new(&sig, elem, root, &views, &members) {
+        Ok(_) => return Ok(None),
+        Err(Fault::Disagree(details)) => details,
+        Err(Fault::Overflow) => format!("{sig}: the members' sizes overflow"),
+    };
+    let calls: Vec<_> = members.iter().map(|&r| (r, sig)).collect();
+    Ok(Some(PyErr::from(crate::signature::mismatch_error(&members, details, &calls)).into_value(py)))
 }
 
-/// The message of the mismatch error the native worlds raise for members whose calls are `signatures`
-/// (in group order; None for a member that has not entered the call), or None when they all agree.
+/// The CollectiveMismatchError the native worlds raise (with its facts) for members whose calls are
+/// `signatures` (in group order; None for a member that has not entered the call), or None when they
+/// all agree.
 #[pyfunction]
-pub(crate) fn describe_mismatch(
+pub(crate) fn mismatch_error(
+    py: Python<'_>,
     signatures: Vec<Option<SigTuple>>,
     members: Vec<usize>,
-) -> PyResult<Option<String>> {
+) -> PyResult<Option<Py<PyBaseException>>> {
     if signatures.len() != members.len() {
         return Err(PyValueError::new_err(format!(
             "{} signatures for {} members: give one (or None) per member",
@@ -151,5 +153,5 @@ pub(crate) fn describe_mismatch(
     }
     let calls =
         signatures.into_iter().map(|s| s.map(signature_of).transpose()).collect::<PyResult<Vec<_>>>()?;
-    Ok(mismatch(&members, &calls).map(|e| e.to_string()))
+    Ok(mismatch(&members, &calls).map(|e| PyErr::from(e).into_value(py)))
 }

@@ -8,7 +8,6 @@ use super::args::timeout_arg;
 use super::backend::PyBackend;
 use super::group::PyProcessGroup;
 use crate::group::World;
-use crate::transport::thread::ThreadBackend;
 
 /// The world: the default group over every rank, and the factory of subgroups.
 #[pyclass(name = "World", module = "axonml_distributed", frozen)]
@@ -27,11 +26,6 @@ impl PyWorld {
     #[staticmethod]
     fn init(backend: &PyBackend) -> Self {
         Self::new(backend)
-    }
-    /// A world of one rank.
-    #[staticmethod]
-    fn mock() -> Self {
-        PyWorld { inner: World::init(Arc::new(ThreadBackend::single())) }
     }
     /// This process's rank.
     fn rank(&self) -> usize {

@@ -417,6 +417,15 @@ def group_recv_timeout(rank: int, world: int) -> dict[str, Any]:
     return _late_peer(group, rank, lambda group: dist.recv(torch.zeros(4), src=1, group=group))
 
 
+def monitored_zero(rank: int, world: int) -> dict[str, Any]:
+    """torch's test_monitored_barrier_gloo_rank_0_timeout: rank 0 alone calls a group's monitored barrier
+    with a zero timeout."""
+    group = dist.new_group(ranks=list(range(world)))
+    if rank == 0:
+        group.monitored_barrier(datetime.timedelta(seconds=0))
+    return {}
+
+
 def _late_peer(group: Any, rank: int, call: Any) -> dict[str, Any]:
     """Rank 0 makes `call` on `group` at once, rank 1 after 4 s; what rank 0 raised goes with how long it
     waited."""
@@ -509,8 +518,10 @@ NOTES: dict[str, Any] = {}
 MODES = {
     f.__name__: f
     for f in [collectives, ddp, mismatch, dies, nested, raises, reinit, init_args, profiled, sparse]
-    + [group_timeout, group_recv_timeout]
+    + [group_timeout, group_recv_timeout, monitored_zero]
 }
+# The facts our errors carry as attributes (see axonml_distributed.exceptions), saved with the error.
+FACTS = ("rank", "ranks", "call", "seq", "group", "calls", "waited", "pid", "exit_code", "signal")
 
 
 def run(rank: int, world: int, modes: list[str], out: str, init: str | None) -> None:
@@ -533,6 +544,8 @@ def run_one(rank: int, world: int, mode: str, out: str, init: str | None) -> Non
         dist.destroy_process_group()
     except Exception as e:
         result = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e), **NOTES}
+        result["runtime_error"] = isinstance(e, RuntimeError)
+        result["facts"] = {k: getattr(e, k) for k in FACTS if hasattr(e, k)}
         if getattr(e, "uncaught", False):
             torch.save(result, path)
             raise

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from mpi4py import MPI
 
-from axonml_distributed._core import DTYPE_CODES, describe_layout_mismatch, describe_mismatch
+from axonml_distributed._core import DTYPE_CODES, layout_mismatch_error, mismatch_error
 from axonml_distributed.exceptions import CollectiveMismatchError
 from axonml_distributed.mpi.args import Describe
 from axonml_distributed.mpi.queue import OpQueue, mpi_error
@@ -188,13 +188,13 @@ def check_signatures(
     queue.wait_request(queue.comm.Iallgather([own, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
     if static[0] == 0:
         return False
-    raise CollectiveMismatchError(mismatch_message(every, ranks))
+    raise mismatch(every, ranks)
 
 
-def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
-    """The core's description of the members' calls (`every`: one gathered signature per member), worded
-    as the native worlds word their CollectiveMismatchError; members whose own arguments were invalid,
-    which the core's worlds never publish, are named after it."""
+def mismatch(every: np.ndarray, ranks: list[int]) -> CollectiveMismatchError:
+    """The core's CollectiveMismatchError for the members' calls (`every`: one gathered signature per
+    member), worded and with the facts the native worlds give theirs; members whose own arguments were
+    invalid, which the core's worlds never publish, are named after it."""
     signatures = every.tolist()
 
     def factor(bits: int) -> float:
@@ -204,12 +204,12 @@ def mismatch_message(every: np.ndarray, ranks: list[int]) -> str:
         (seq, kind, dtype, count, root, op, factor(pre), factor(post))
         for _, kind, dtype, count, root, op, pre, post, seq in signatures
     ]
-    message = describe_mismatch(calls, ranks)
-    assert message is not None  # the check failed, so two signatures differ
+    error = mismatch_error(calls, ranks)
+    assert error is not None  # the check failed, so two signatures differ
     invalid = [rank for rank, sig in zip(ranks, signatures, strict=True) if not sig[0]]
     if invalid:
-        message += f"; rank(s) {invalid} passed invalid arguments and raised their own error"
-    return message
+        error.args = (f"{error}; rank(s) {invalid} passed invalid arguments and raised their own error",)
+    return error
 
 
 def check_layouts(
@@ -226,6 +226,6 @@ def check_layouts(
     mine = np.array(layout, dtype=np.int64)
     every = np.empty((len(ranks), mine.size), dtype=np.int64)
     queue.wait_request(queue.comm.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), 0, describe)
-    message = describe_layout_mismatch(sig, every.tolist(), ranks)
-    if message is not None:
-        raise CollectiveMismatchError(message)
+    error = layout_mismatch_error(sig, every.tolist(), ranks)
+    if error is not None:
+        raise error

@@ -67,7 +67,14 @@ def init_mpi_process_group(timeout: float | None = None, check_signatures: bool 
     await_peers(world, {r: r for r in ranks if r != me}, timeout, describe, ranks)
     comm, request = world.Idup()
     if not wait_until(request, time.monotonic() + timeout, 0):  # everyone is there: it completes at once
-        raise abort_job(world, CollectiveTimeoutError(f"{describe} did not complete within {timeout:g} s"))
+        late = CollectiveTimeoutError(
+            f"{describe} did not complete within {timeout:g} s",
+            rank=me,
+            call=describe,
+            group=ranks,
+            waited=timeout,
+        )
+        raise abort_job(world, late)
     return MpiProcessGroup(comm, ranks, me, timeout, check_signatures)
 
 
@@ -282,7 +289,13 @@ class MpiProcessGroup:
             if missing:
                 error = never_arrived(describe, seconds, missing, self._ranks)
             else:  # every member came, too late for this one's deadline
-                error = CollectiveTimeoutError(f"{describe} did not complete within {seconds:g} s")
+                error = CollectiveTimeoutError(
+                    f"{describe} did not complete within {seconds:g} s",
+                    rank=self._rank,
+                    call=describe,
+                    group=self._ranks,
+                    waited=seconds,
+                )
             self._poison(queue, f"{type(error).__name__}: {error}")
         raise error
 
@@ -480,7 +493,9 @@ class MpiProcessGroup:
             got = status.Get_count(dt)
             if got != buf.size:
                 # MPI accepts a shorter message silently; the package treats it as a size mismatch.
-                raise CollectiveMismatchError(f"{describe()}: the sender sent {got} elements")
+                sender = self._ranks[status.Get_source()]
+                message = f"{describe()}: the sender sent {got} elements"
+                raise CollectiveMismatchError(message, rank=self._rank, ranks=[sender], call=describe())
             return self._ranks[status.Get_source()] if src is None else None
 
         with queue.lock:

@@ -124,9 +124,15 @@ def missing_peers(comm: MPI.Intracomm, peers: dict[int, int], timeout: float, de
 def never_arrived(
     describe: str, timeout: float, missing: list[int], group: list[int]
 ) -> CollectiveTimeoutError:
+    me = MPI.COMM_WORLD.Get_rank()
     return CollectiveTimeoutError(
-        f"{describe}: rank {MPI.COMM_WORLD.Get_rank()} waited {timeout:g} s, but rank(s) {missing} of "
-        f"group {group} never arrived (they are hung, dead, or never made this call)"
+        f"{describe}: rank {me} waited {timeout:g} s, but rank(s) {missing} of "
+        f"group {group} never arrived (they are hung, dead, or never made this call)",
+        rank=me,
+        ranks=missing,
+        call=describe,
+        group=group,
+        waited=timeout,
     )
 
 
@@ -326,9 +332,13 @@ class OpQueue:
         return abort_job(self.comm, self._timeout_error(describe))
 
     def _timeout_error(self, describe: str) -> CollectiveTimeoutError:
+        me = MPI.COMM_WORLD.Get_rank()
         return CollectiveTimeoutError(
             f"{describe} did not complete within {self.timeout:g} s on MPI rank "
-            f"{MPI.COMM_WORLD.Get_rank()}: a peer never reached it, or is stuck or dead"
+            f"{me}: a peer never reached it, or is stuck or dead",
+            rank=me,
+            call=describe,
+            waited=self.timeout,
         )
 
 
@@ -336,6 +346,5 @@ def mpi_error(describe: str, exc: MPI.Exception) -> DistributedError:
     # With mpi4py's default ERRORS_RETURN handler, MPI reports errors as exceptions instead of aborting.
     # A truncated receive means sender and receiver disagreed on the message size.
     message = f"{describe} failed in MPI: {exc.Get_error_string()}"
-    if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-        return CollectiveMismatchError(message)
-    return DistributedError(message)
+    kind = CollectiveMismatchError if exc.Get_error_class() == MPI.ERR_TRUNCATE else DistributedError
+    return kind(message, rank=MPI.COMM_WORLD.Get_rank(), call=describe)

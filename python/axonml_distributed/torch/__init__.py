@@ -1,9 +1,9 @@
 """A torch.distributed backend, "axonml": unchanged PyTorch scripts on the shared-memory world.
 
-torch finds it through this package's ``torch.distributed.backends`` entry point the first time a
-script names it (torch 2.15 reads that group), so scripts need no import of ours; ``import
-axonml_distributed.torch`` registers it explicitly (for a torch that does not). Importing
-``axonml_distributed`` alone registers nothing and never loads torch. Then
+torch finds it through this package's entry points (see `axonml_distributed.torch_entry`: at ``import
+torch`` from torch 2.5, and the first time a script names it from torch 2.14), so scripts need no import
+of ours; ``import axonml_distributed.torch`` registers it explicitly (for a torch whose autoload is
+turned off). Importing ``axonml_distributed`` alone registers nothing and never loads torch. Then
 ``torch.distributed.init_process_group("axonml")`` (or ``"cpu:axonml"``) joins the shared-memory world
 of this host with any init method (``env://`` under torchrun or axonml-run, ``tcp://``, ``file://``),
 and torch's DDP, object collectives and the rest of ``torch.distributed`` run on our core.
@@ -38,21 +38,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ThreadBackend
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
 from axonml_distributed.torch.rendezvous import join_world
+from axonml_distributed.torch_entry import register
 
-__all__ = ["BACKEND", "AxonmlProcessGroup", "register"]
+__all__ = ["BACKEND", "AxonmlProcessGroup", "create", "register"]
 
 # The world of this process's default group: subgroups are native subgroups over it.
 _world: Backend | None = None
 
 
-def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
-    """torch's creator (extended API): the default group joins the world, subgroups split it."""
+def create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
+    """torch's creator (extended API; `register` hands torch a stub that imports this module first): the
+    default group joins the world, subgroups split it."""
     global _world
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
@@ -72,13 +72,6 @@ def _create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = ProcessGroup(_world, ranks, opts.timeout)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
-
-
-def register() -> None:
-    """Register "axonml" with torch.distributed (again is harmless). Importing this module does it;
-    torch also calls it through the package's ``torch.distributed.backends`` entry point the first time
-    a script names "axonml", so scripts need no import of ours."""
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
 register()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -30,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.exceptions import CollectiveTimeoutError
 from axonml_distributed.torch.profiling import profiled
 from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import AnySourceWork, Completer, Work
-
-BACKEND = "axonml"
+from axonml_distributed.torch_entry import BACKEND
 
 _SUM = dist.ReduceOp.SUM
 _OPS = {
@@ -51,6 +52,11 @@ INLINE_IN_BACKWARD = 1 << 20
 # torch's id of the backward pass running on this thread, -1 outside one (a private API: without it,
 # every asynchronous all-reduce goes to the lane).
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _seconds(timeout: Any) -> float:
+    """A timeout torch hands over (a ``timedelta``, or seconds) in seconds."""
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 def _async(opts: Any) -> bool:
@@ -442,9 +448,28 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         """torch's ``ProcessGroup.monitored_barrier``, which the native group's carries out (naming
         every missing rank). torch's ``dist.monitored_barrier`` never gets here: it asks for a group
         with a CPU device backend registered, which a backend that is a ProcessGroup has not (and
-        claiming one would have torch attach its flight recorder, which fails on such a group); call
-        it on the group: ``dist.group.WORLD.monitored_barrier(timeout)``."""
+        claiming one would have torch attach its flight recorder, which fails on such a group; torch
+        2.13 and older refuse every backend but gloo by name, and 2.15 forwards the call only to a
+        backend written as a subclass of its private C++ ``Backend``); call it on the group:
+        ``dist.group.WORLD.monitored_barrier(timeout)``. A zero timeout times out at
+        once, as gloo's does (the native group refuses it as no timeout at all)."""
+        if timeout is not None and _seconds(timeout) == 0:
+            raise self._timed_out_at_once()
         self._native.monitored_barrier(timeout, wait_all_ranks)
+
+    def _timed_out_at_once(self) -> CollectiveTimeoutError:
+        """A monitored barrier with a zero timeout: it waits for no member, so every other one counts as
+        missing, in torch's words; the world is aborted, as by any timeout, so none waits for this rank."""
+        me, members = self._native.rank(), self._native.ranks()
+        others = [r for r in members if r != me]
+        message = (
+            f"Rank {me} timed out in monitoredBarrier after 0 ms: a zero timeout waits for no member, so "
+            f"rank(s) {others} of group {members} never arrived"
+        )
+        self._native.backend().abort(message)
+        return CollectiveTimeoutError(
+            message, rank=me, ranks=others, call="monitored_barrier", group=members, waited=0.0
+        )
 
     @_event("barrier", _none)
     def barrier(self, opts: Any = None) -> Work | None:

@@ -20,10 +20,6 @@ use store::{Shared, ThreadStore};
 /// member arrives and exchange data through the callers' own buffers. A [`Backend`](crate::Backend).
 pub struct ThreadBackend(Engine<ThreadStore>);
 
-/// The original name of [`ThreadBackend`], from when the in-process world only pretended to
-/// communicate; kept so code written against it runs unchanged.
-pub type MockBackend = ThreadBackend;
-
 impl ThreadBackend {
     /// A world of `n` ranks with the default timeout; hand one backend to each thread.
     pub fn create_world(n: usize) -> Vec<ThreadBackend> {
