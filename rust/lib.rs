@@ -6,7 +6,8 @@
 //!   averaging), [`work`] (queued asynchronous calls);
 //! * the protocol: `engine` (publish, wait for arrivals, compare signatures, move data, done, drain:
 //!   written once, against the `engine::Store` that each world implements), which implements the
-//!   [`backend`] trait [`Backend`];
+//!   [`backend`] trait [`Backend`], whose one collective entry point takes a call's description
+//!   ([`collective`]);
 //! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
 //! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
 //!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
@@ -39,6 +40,7 @@ mod algo;
 pub mod backend;
 pub mod bucket;
 mod call;
+pub mod collective;
 pub mod config;
 pub mod dtype;
 mod engine;
@@ -59,6 +61,7 @@ mod bindings;
 
 pub use backend::Backend;
 pub use bucket::GradientBucket;
+pub use collective::Collective;
 pub use dtype::{Buf, BufMut, DType, Element};
 pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};
