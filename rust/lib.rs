@@ -26,7 +26,7 @@
 //!     .map(|b| std::thread::spawn(move || {
 //!         let pg = ProcessGroup::new(Arc::new(b));
 //!         let mut x = vec![pg.rank() as f32 + 1.0; 3];
-//!         pg.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
+//!         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
 //!         x
 //!     }))
 //!     .collect();
