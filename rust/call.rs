@@ -1,8 +1,8 @@
-//! Validation of one collective call, shared by every backend: checks the caller's buffers and
-//! arguments and turns them into a [`Call`] (signature plus the addresses to publish). Bad input fails
-//! here, before any peer is involved or any byte is written, and aborts the world; only a reduction its
-//! dtype does not take is refused without an abort, so that members asking it alike all go on
-//! ([`supported`]).
+//! Validation of one collective call, shared by every backend: [`check`] checks a call's description
+//! ([`Collective`]: the caller's buffers and arguments) and turns it into a [`Call`] (signature plus the
+//! addresses to publish). Bad input fails here, before any peer is involved or any byte is written, and
+//! aborts the world; only a reduction its dtype does not take is refused without an abort, so that
+//! members asking it alike all go on ([`supported`]).
 
 use std::time::Duration;
 
