@@ -6,8 +6,7 @@
 //!   averaging), [`work`] (queued asynchronous calls);
 //! * the protocol: `engine` (publish, wait for arrivals, compare signatures, move data, done, drain:
 //!   written once, against the `engine::Store` that each world implements), which implements the
-//!   [`backend`] trait [`Backend`], whose one collective entry point takes a call's description
-//!   ([`collective`]);
+//!   [`backend`] trait [`Backend`];
 //! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
 //! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
 //!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
