@@ -7,8 +7,9 @@ mod common;
 use std::sync::Arc;
 
 use axonml_distributed::reduce::reduce_slices;
+use axonml_distributed::signature::CollKind;
 use axonml_distributed::work::Lane;
-use axonml_distributed::{Backend, Error, ProcessGroup, ReduceOp, ThreadBackend};
+use axonml_distributed::{Backend, Collective, Error, ProcessGroup, ReduceOp, ThreadBackend};
 
 use common::{float_ops, input, Threads, Worlds, LONG};
 
@@ -47,6 +48,14 @@ fn bad_arguments_are_refused() {
     let b = ThreadBackend::single();
     assert!(matches!(b.split(&[3], None), Err(Error::InvalidArgument(_))));
     assert!(matches!(b.split(&[0], Some(std::time::Duration::ZERO)), Err(Error::InvalidArgument(_))));
+    // A description without the buffers its collective needs is refused by its check, naming it.
+    let b = ThreadBackend::single();
+    match b.collective(Collective::of(CollKind::AllGather)) {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("all_gather: the call has no send buffer"), "{m}")
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
