@@ -9,13 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::collective::Collective;
 use crate::dtype::{Buf, BufMut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::signature::CollKind;
 use crate::transport::thread::ThreadBackend;
 use crate::work::{Lane, Work};
+use crate::{collective::Collective, signature::CollKind};
 
 /// A group of ranks, as seen from one rank (which may or may not be a member).
 pub struct ProcessGroup {
