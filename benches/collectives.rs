@@ -76,7 +76,7 @@ impl Ranks {
                         start.wait();
                         let t = Instant::now();
                         for _ in 0..iters {
-                            pg.all_reduce_tensor(&mut x, ReduceOp::Average).unwrap();
+                            pg.all_reduce(&mut x, ReduceOp::Average).unwrap();
                         }
                         done_tx.send(t.elapsed()).unwrap();
                     }

@@ -1,16 +1,20 @@
 //! The backend trait: one rank's handle on a communicator (the whole world or a subgroup).
 //!
 //! Ranks are global everywhere: `rank()`, roots, sources and destinations. The trait is object-safe, so
-//! buffers cross it type-erased ([`Buf`], [`BufMut`]); [`crate::ProcessGroup`] adds the typed API.
+//! buffers cross it type-erased ([`Buf`], [`BufMut`]). Its one collective entry point,
+//! [`Backend::collective`], takes a call's description ([`Collective`]); the typed methods are thin
+//! constructors of one, and [`crate::ProcessGroup`] adds the slice-typed API.
 
 use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::collective::Collective;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Scale};
+use crate::signature::CollKind;
 use crate::work::Lanes;
 
 /// A communication backend, as seen by one rank. Every collective blocks until all members of the
@@ -25,8 +29,15 @@ pub trait Backend: Send + Sync {
     /// Global ranks of this communicator's members, in group order (ascending).
     fn members(&self) -> &[usize];
 
+    /// Run one collective: the one entry point every collective goes through (the typed methods
+    /// below only describe their call). Every member must describe the same call (kind, dtype, counts,
+    /// root, op, scaling), or every one of them fails with a mismatch.
+    fn collective(&self, call: Collective<'_>) -> Result<()>;
+
     /// Reduce `buf` across members in place.
-    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllReduce).recv(buf).op(op))
+    }
     /// Reduce every member's `send` (or, when `None`, its `recv` itself) into `recv`, each input
     /// multiplied by `scale.pre` and the result by `scale.post`. Out of place, `send` is only read and
     /// must have `recv`'s dtype and length.
@@ -36,19 +47,33 @@ pub trait Backend: Send + Sync {
         recv: BufMut<'_>,
         op: ReduceOp,
         scale: Scale,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllReduce).io(send, Some(recv)).op(op).scale(scale))
+    }
     /// Copy `root`'s `buf` into every member's `buf`.
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.collective(Collective::of(CollKind::Broadcast).recv(buf).root(root))
+    }
     /// Concatenate every member's `send` into `recv` (`members().len() * send.len()` elements).
-    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllGather).send(send).recv(recv))
+    }
     /// Reduce `send` (`members().len() * recv.len()` elements) and keep chunk i on the i-th member.
-    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    fn reduce_scatter(&self, send: Buf<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.collective(Collective::of(CollKind::ReduceScatter).send(send).recv(recv).op(op))
+    }
     /// Concatenate every member's `send` into `root`'s `recv` (`None` on the others).
-    fn gather(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, root: usize) -> Result<()>;
+    fn gather(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
+        self.collective(Collective::of(CollKind::Gather).io(Some(send), recv).root(root))
+    }
     /// Split `root`'s `send` (`None` on the others) into one chunk per member's `recv`.
-    fn scatter(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, root: usize) -> Result<()>;
+    fn scatter(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, root: usize) -> Result<()> {
+        self.collective(Collective::of(CollKind::Scatter).io(send, Some(recv)).root(root))
+    }
     /// Reduce `buf` into `root`'s `buf`; the others' buffers are left unchanged.
-    fn reduce(&self, buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()>;
+    fn reduce(&self, buf: BufMut<'_>, root: usize, op: ReduceOp) -> Result<()> {
+        self.collective(Collective::of(CollKind::Reduce).recv(buf).root(root).op(op))
+    }
     /// [`Backend::reduce`] with the options of [`Backend::all_reduce_into`]: only `root`'s `recv` is
     /// written.
     fn reduce_into(
@@ -58,16 +83,24 @@ pub trait Backend: Send + Sync {
         root: usize,
         op: ReduceOp,
         scale: Scale,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.collective(Collective::of(CollKind::Reduce).io(send, Some(recv)).root(root).op(op).scale(scale))
+    }
     /// Block until every member arrives.
-    fn barrier(&self) -> Result<()>;
+    fn barrier(&self) -> Result<()> {
+        self.collective(Collective::of(CollKind::Barrier))
+    }
     /// A barrier that waits at most `timeout` instead of the communicator's: when members do not
     /// arrive in time, every member that did fails with a timeout naming all the missing ones, and the
     /// world is aborted (as by any timeout). It matches `barrier` calls of other members.
-    fn monitored_barrier(&self, timeout: Duration) -> Result<()>;
+    fn monitored_barrier(&self, timeout: Duration) -> Result<()> {
+        self.collective(Collective::of(CollKind::Barrier).timeout(timeout))
+    }
     /// Part j of `send` (`members().len()` equal parts) to the j-th member; part i of `recv` (as long
     /// as `send`) from the i-th.
-    fn all_to_all(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()>;
+    fn all_to_all(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllToAll).send(send).recv(recv))
+    }
     /// all_to_all with sizes: `send_splits[j]` elements (in order) to the j-th member, `recv_splits[i]`
     /// from the i-th; member j's `send_splits[i]` must equal member i's `recv_splits[j]`.
     fn all_to_all_single(
@@ -76,18 +109,40 @@ pub trait Backend: Send + Sync {
         recv: BufMut<'_>,
         send_splits: &[usize],
         recv_splits: &[usize],
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.collective(
+            Collective::of(CollKind::AllToAllSingle).send(send).recv(recv).splits(send_splits, recv_splits),
+        )
+    }
     /// all_gather of `counts[i]` elements from the i-th member (`recv` holds their sum).
-    fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()>;
+    fn all_gather_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize]) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllGatherV).send(send).recv(recv).counts(counts))
+    }
     /// gather of `counts[i]` elements from the i-th member into `root`'s `recv` (`None` elsewhere).
-    fn gather_v(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, counts: &[usize], root: usize) -> Result<()>;
+    fn gather_v(&self, send: Buf<'_>, recv: Option<BufMut<'_>>, counts: &[usize], root: usize) -> Result<()> {
+        self.collective(Collective::of(CollKind::GatherV).io(Some(send), recv).counts(counts).root(root))
+    }
     /// scatter of `counts[i]` elements of `root`'s `send` (`None` elsewhere) to the i-th member.
-    fn scatter_v(&self, send: Option<Buf<'_>>, recv: BufMut<'_>, counts: &[usize], root: usize)
-        -> Result<()>;
+    fn scatter_v(
+        &self,
+        send: Option<Buf<'_>>,
+        recv: BufMut<'_>,
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        self.collective(Collective::of(CollKind::ScatterV).io(send, Some(recv)).counts(counts).root(root))
+    }
     /// Reduce `send` (the sum of `counts` elements) and keep the i-th piece (`counts[i]`) on the i-th
     /// member.
-    fn reduce_scatter_v(&self, send: Buf<'_>, recv: BufMut<'_>, counts: &[usize], op: ReduceOp)
-        -> Result<()>;
+    fn reduce_scatter_v(
+        &self,
+        send: Buf<'_>,
+        recv: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.collective(Collective::of(CollKind::ReduceScatterV).send(send).recv(recv).counts(counts).op(op))
+    }
     /// Send `buf` to global rank `dst`; returns once the receiver has it. Matched by (source, tag), in order.
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()>;
     /// Receive into `buf` from global rank `src` with `tag`; dtype and length must match the send.

@@ -1,12 +1,13 @@
-//! Validation of one collective call, shared by every backend: checks the caller's buffers and
-//! arguments and turns them into a [`Call`] (signature plus the addresses to publish). Bad input fails
-//! here, before any peer is involved or any byte is written, and aborts the world; only a reduction its
-//! dtype does not take is refused without an abort, so that members asking it alike all go on
-//! ([`supported`]).
+//! Validation of one collective call, shared by every backend: [`check`] checks a call's description
+//! ([`Collective`]: the caller's buffers and arguments) and turns it into a [`Call`] (signature plus the
+//! addresses to publish). Bad input fails here, before any peer is involved or any byte is written, and
+//! aborts the world; only a reduction its dtype does not take is refused without an abort, so that
+//! members asking it alike all go on ([`supported`]).
 
 use std::time::Duration;
 
 use crate::algo::Peer;
+use crate::collective::Collective;
 use crate::config::MAX_TIMEOUT;
 use crate::dtype::{expect_dtype, Buf, BufMut, DType};
 use crate::error::{Error, Result};
@@ -153,143 +154,43 @@ pub(crate) fn p2p_timeout(rank: usize, op: &str, waited: Duration, peer: usize) 
     Error::timeout(rank, op, waited, vec![peer], vec![rank, peer])
 }
 
-/// The collectives of a [`crate::backend::Backend`] impl, written once for every implementor: each call
-/// is checked and built here, then handed to `self.$run(Result<Call>)`.
-macro_rules! checked_collectives {
-    ($run:ident) => {
-        fn all_reduce(
-            &self,
-            mut buf: $crate::dtype::BufMut<'_>,
-            op: $crate::reduce::ReduceOp,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_reduce(None, &mut buf, op, $crate::reduce::Scale::NONE))
+/// Check `c`, a call of global rank `me` on a communicator over `members`, into the [`Call`] the engine
+/// runs: the one place each collective's description meets its checks (below).
+pub(crate) fn check(c: &mut Collective<'_>, members: &[usize], me: usize) -> Result<Call> {
+    let (kind, n) = (c.kind, members.len());
+    let send = c.send.as_ref();
+    let recv = c.recv.as_mut();
+    match kind {
+        CollKind::AllReduce => all_reduce(send, output(kind, recv)?, c.op, c.scale),
+        CollKind::Broadcast => broadcast(members, output(kind, recv)?, c.root),
+        CollKind::AllGather => all_gather(n, input(kind, send)?, output(kind, recv)?),
+        CollKind::ReduceScatter => reduce_scatter(n, input(kind, send)?, output(kind, recv)?, c.op),
+        CollKind::Gather => gather(members, me, input(kind, send)?, recv, c.root),
+        CollKind::Scatter => scatter(members, me, send, output(kind, recv)?, c.root),
+        CollKind::Reduce => reduce(members, send, output(kind, recv)?, c.root, c.op, c.scale),
+        CollKind::Barrier => Ok(Call { timeout: c.timeout, ..barrier() }),
+        CollKind::AllToAll => all_to_all(n, input(kind, send)?, output(kind, recv)?),
+        CollKind::AllToAllSingle => {
+            all_to_all_single(n, input(kind, send)?, output(kind, recv)?, c.counts, c.recv_counts)
         }
-        fn all_reduce_into(
-            &self,
-            send: Option<$crate::dtype::Buf<'_>>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            op: $crate::reduce::ReduceOp,
-            scale: $crate::reduce::Scale,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_reduce(send.as_ref(), &mut recv, op, scale))
+        CollKind::AllGatherV => all_gather_v(members, me, input(kind, send)?, output(kind, recv)?, c.counts),
+        CollKind::GatherV => gather_v(members, me, input(kind, send)?, recv, c.counts, c.root),
+        CollKind::ScatterV => scatter_v(members, me, send, output(kind, recv)?, c.counts, c.root),
+        CollKind::ReduceScatterV => {
+            reduce_scatter_v(members, me, input(kind, send)?, output(kind, recv)?, c.counts, c.op)
         }
-        fn broadcast(&self, mut buf: $crate::dtype::BufMut<'_>, root: usize) -> $crate::error::Result<()> {
-            self.$run($crate::call::broadcast(self.members(), &mut buf, root))
-        }
-        fn all_gather(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_gather(self.members().len(), &send, &mut recv))
-        }
-        fn reduce_scatter(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            op: $crate::reduce::ReduceOp,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::reduce_scatter(self.members().len(), &send, &mut recv, op))
-        }
-        fn gather(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: Option<$crate::dtype::BufMut<'_>>,
-            root: usize,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::gather(self.members(), self.rank(), &send, recv.as_mut(), root))
-        }
-        fn scatter(
-            &self,
-            send: Option<$crate::dtype::Buf<'_>>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            root: usize,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::scatter(self.members(), self.rank(), send.as_ref(), &mut recv, root))
-        }
-        fn reduce(
-            &self,
-            mut buf: $crate::dtype::BufMut<'_>,
-            root: usize,
-            op: $crate::reduce::ReduceOp,
-        ) -> $crate::error::Result<()> {
-            let none = $crate::reduce::Scale::NONE;
-            self.$run($crate::call::reduce(self.members(), None, &mut buf, root, op, none))
-        }
-        fn reduce_into(
-            &self,
-            send: Option<$crate::dtype::Buf<'_>>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            root: usize,
-            op: $crate::reduce::ReduceOp,
-            scale: $crate::reduce::Scale,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::reduce(self.members(), send.as_ref(), &mut recv, root, op, scale))
-        }
-        fn barrier(&self) -> $crate::error::Result<()> {
-            self.$run(Ok($crate::call::barrier()))
-        }
-        fn monitored_barrier(&self, timeout: std::time::Duration) -> $crate::error::Result<()> {
-            self.$run(Ok($crate::call::Call { timeout: Some(timeout), ..$crate::call::barrier() }))
-        }
-        fn all_to_all(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_to_all(self.members().len(), &send, &mut recv))
-        }
-        fn all_to_all_single(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            send_splits: &[usize],
-            recv_splits: &[usize],
-        ) -> $crate::error::Result<()> {
-            let n = self.members().len();
-            self.$run($crate::call::all_to_all_single(n, &send, &mut recv, send_splits, recv_splits))
-        }
-        fn all_gather_v(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            counts: &[usize],
-        ) -> $crate::error::Result<()> {
-            self.$run($crate::call::all_gather_v(self.members(), self.rank(), &send, &mut recv, counts))
-        }
-        fn gather_v(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: Option<$crate::dtype::BufMut<'_>>,
-            counts: &[usize],
-            root: usize,
-        ) -> $crate::error::Result<()> {
-            let (m, me) = (self.members(), self.rank());
-            self.$run($crate::call::gather_v(m, me, &send, recv.as_mut(), counts, root))
-        }
-        fn scatter_v(
-            &self,
-            send: Option<$crate::dtype::Buf<'_>>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            counts: &[usize],
-            root: usize,
-        ) -> $crate::error::Result<()> {
-            let (m, me) = (self.members(), self.rank());
-            self.$run($crate::call::scatter_v(m, me, send.as_ref(), &mut recv, counts, root))
-        }
-        fn reduce_scatter_v(
-            &self,
-            send: $crate::dtype::Buf<'_>,
-            mut recv: $crate::dtype::BufMut<'_>,
-            counts: &[usize],
-            op: $crate::reduce::ReduceOp,
-        ) -> $crate::error::Result<()> {
-            let (m, me) = (self.members(), self.rank());
-            self.$run($crate::call::reduce_scatter_v(m, me, &send, &mut recv, counts, op))
-        }
-    };
+    }
 }
-pub(crate) use checked_collectives;
+
+/// The input buffer a `kind` call must have.
+fn input<'b, 'a>(kind: CollKind, send: Option<&'b Buf<'a>>) -> Result<&'b Buf<'a>> {
+    send.ok_or_else(|| Error::invalid(format!("{}: the call has no send buffer", kind.name())))
+}
+
+/// The output buffer a `kind` call must have.
+fn output<'b, 'a>(kind: CollKind, recv: Option<&'b mut BufMut<'a>>) -> Result<&'b mut BufMut<'a>> {
+    recv.ok_or_else(|| Error::invalid(format!("{}: the call has no receive buffer", kind.name())))
+}
 
 fn call(kind: CollKind, dtype: DType, count: usize, send: *const u8, recv: *mut u8) -> Call {
     Call {

@@ -13,6 +13,7 @@ use crate::dtype::{Buf, BufMut, Element};
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
 use crate::work::{Lane, Work};
+use crate::{collective::Collective, signature::CollKind};
 
 /// A group of ranks, as seen from one rank (which may or may not be a member).
 pub struct ProcessGroup {
@@ -126,55 +127,89 @@ impl ProcessGroup {
         self.comm()?.lanes().flush(lane)
     }
 
-    /// All-reduce `buf` in place.
-    pub fn all_reduce_tensor<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    /// Run the collective `c` on this group, after the calls queued on it (the typed methods below
+    /// describe theirs and come here).
+    pub fn collective(&self, c: Collective<'_>) -> Result<()> {
         self.flush(Lane::Collectives)?;
-        self.comm()?.all_reduce(BufMut::new(buf), op)
+        self.comm()?.collective(c)
+    }
+
+    // In place, as torch's `dist.all_reduce(t)`: the plain names write the caller's buffer.
+
+    /// All-reduce `buf` in place.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.collective(Collective::of(CollKind::AllReduce).recv(BufMut::new(buf)).op(op))
     }
     /// Copy global rank `root`'s `buf` into every member's.
-    pub fn broadcast_tensor<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.flush(Lane::Collectives)?;
-        self.comm()?.broadcast(BufMut::new(buf), root)
-    }
-    /// Every member's `send`, concatenated in group order.
-    pub fn all_gather_tensor<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
-        self.flush(Lane::Collectives)?;
-        let mut out = send.repeat(self.size());
-        self.comm()?.all_gather(Buf::new(send), BufMut::new(&mut out))?;
-        Ok(out)
-    }
-    /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
-    pub fn reduce_scatter_tensor<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
-        self.flush(Lane::Collectives)?;
-        let n = self.size();
-        let mut out = send[..send.len() / n].to_vec();
-        self.comm()?.reduce_scatter(Buf::new(send), BufMut::new(&mut out), op)?;
-        Ok(out)
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.collective(Collective::of(CollKind::Broadcast).recv(BufMut::new(buf)).root(root))
     }
     /// Reduce `buf` into global rank `root`'s `buf`.
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        self.flush(Lane::Collectives)?;
-        self.comm()?.reduce(BufMut::new(buf), root, op)
+        self.collective(Collective::of(CollKind::Reduce).recv(BufMut::new(buf)).root(root).op(op))
     }
     /// Block until every member arrives.
     pub fn barrier(&self) -> Result<()> {
-        self.flush(Lane::Collectives)?;
-        self.comm()?.barrier()
-    }
-    /// Send `buf` to global rank `dst`.
-    pub fn send_tensor<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.flush(Lane::Send { peer: dst, tag })?;
-        self.comm()?.send(Buf::new(buf), dst, tag)
+        self.collective(Collective::of(CollKind::Barrier))
     }
     /// Receive into `buf` from global rank `src`.
-    pub fn recv_tensor<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.flush(Lane::Recv { peer: src, tag })?;
         self.comm()?.recv(BufMut::new(buf), src, tag)
     }
     /// Receive into `buf` the first message with `tag` from any other member; returns its global rank.
-    pub fn recv_any_tensor<T: Element>(&self, buf: &mut [T], tag: u64) -> Result<usize> {
+    pub fn recv_any<T: Element>(&self, buf: &mut [T], tag: u64) -> Result<usize> {
         self.flush(Lane::RecvAny { tag })?;
         self.comm()?.recv_any(BufMut::new(buf), tag)
+    }
+
+    // The `*_tensor` methods mean what the Python methods of the same names mean, and what torch's
+    // functional collectives (`all_gather_tensor`, `reduce_scatter_tensor`) mean: the input is only
+    // read and the result comes back as a new buffer (all_gather's and reduce_scatter's one
+    // contiguous result, torch's `*_into_tensor` layout).
+
+    /// A new buffer: `t` reduced across the group.
+    #[must_use = "the result is the returned buffer; `all_reduce` reduces in place"]
+    pub fn all_reduce_tensor<T: Element>(&self, t: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let mut out = t.to_vec();
+        self.all_reduce(&mut out, op)?;
+        Ok(out)
+    }
+    /// A new buffer: global rank `root`'s `t` (the others' `t` gives only the length).
+    #[must_use = "the result is the returned buffer; `broadcast` works in place"]
+    pub fn broadcast_tensor<T: Element>(&self, t: &[T], root: usize) -> Result<Vec<T>> {
+        let mut out = t.to_vec();
+        self.broadcast(&mut out, root)?;
+        Ok(out)
+    }
+    /// Every member's `send`, concatenated in group order.
+    #[must_use = "the result is the returned buffer"]
+    pub fn all_gather_tensor<T: Element>(&self, send: &[T]) -> Result<Vec<T>> {
+        let mut out = send.repeat(self.size());
+        self.collective(
+            Collective::of(CollKind::AllGather).send(Buf::new(send)).recv(BufMut::new(&mut out)),
+        )?;
+        Ok(out)
+    }
+    /// Reduce `send` across members and return this member's chunk (`send.len() / size()` elements).
+    #[must_use = "the result is the returned buffer"]
+    pub fn reduce_scatter_tensor<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let mut out = send[..send.len() / self.size()].to_vec();
+        let c = Collective::of(CollKind::ReduceScatter).send(Buf::new(send)).recv(BufMut::new(&mut out));
+        self.collective(c.op(op))?;
+        Ok(out)
+    }
+    /// Send `t` to global rank `dst`.
+    pub fn send_tensor<T: Element>(&self, t: &[T], dst: usize, tag: u64) -> Result<()> {
+        self.flush(Lane::Send { peer: dst, tag })?;
+        self.comm()?.send(Buf::new(t), dst, tag)
+    }
+    /// A new buffer of `len` elements received from global rank `src`.
+    #[must_use = "the result is the returned buffer; `recv` receives in place"]
+    pub fn recv_tensor<T: Element + Default>(&self, len: usize, src: usize, tag: u64) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); len];
+        self.recv(&mut out, src, tag)?;
+        Ok(out)
     }
 }
 

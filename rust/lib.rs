@@ -39,7 +39,7 @@
 //!     .map(|b| std::thread::spawn(move || {
 //!         let pg = ProcessGroup::new(Arc::new(b));
 //!         let mut x = vec![pg.rank() as f32 + 1.0; 3];
-//!         pg.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
+//!         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
 //!         x
 //!     }))
 //!     .collect();
@@ -53,6 +53,7 @@ mod algo;
 pub mod backend;
 pub mod bucket;
 mod call;
+pub mod collective;
 pub mod config;
 pub mod dtype;
 mod engine;
@@ -73,6 +74,7 @@ mod bindings;
 
 pub use backend::Backend;
 pub use bucket::GradientBucket;
+pub use collective::Collective;
 pub use dtype::{Buf, BufMut, DType, Element};
 pub use error::{Error, Result};
 pub use group::{ProcessGroup, World};

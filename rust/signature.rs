@@ -7,95 +7,74 @@ use crate::dtype::DType;
 use crate::error::Error;
 use crate::reduce::{ReduceOp, Scale};
 
-/// Which collective a rank called.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum CollKind {
+/// Declares [`CollKind`] from one row per collective: its variant, wire code, the name users call it
+/// by and whether it has a layout.
+macro_rules! coll_kinds {
+    ($($(#[$doc:meta])* $kind:ident = $code:literal, $name:literal, layout: $layout:literal;)*) => {
+        /// Which collective a rank called.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum CollKind {
+            $($(#[$doc])* $kind = $code,)*
+        }
+
+        impl CollKind {
+            /// Every collective.
+            pub const ALL: [CollKind; [$($code),*].len()] = [$(CollKind::$kind),*];
+
+            /// The name users call it by.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(CollKind::$kind => $name,)*
+                }
+            }
+
+            /// Whether each member publishes a layout (its counts or split sizes) beside its signature,
+            /// which the members compare before any data moves (`algo::layout`).
+            pub const fn has_layout(self) -> bool {
+                match self {
+                    $(CollKind::$kind => $layout,)*
+                }
+            }
+        }
+    };
+}
+
+coll_kinds! {
     /// all_reduce
-    AllReduce = 1,
+    AllReduce = 1, "all_reduce", layout: false;
     /// broadcast
-    Broadcast = 2,
+    Broadcast = 2, "broadcast", layout: false;
     /// all_gather
-    AllGather = 3,
+    AllGather = 3, "all_gather", layout: false;
     /// reduce_scatter
-    ReduceScatter = 4,
+    ReduceScatter = 4, "reduce_scatter", layout: false;
     /// gather
-    Gather = 5,
+    Gather = 5, "gather", layout: false;
     /// scatter
-    Scatter = 6,
+    Scatter = 6, "scatter", layout: false;
     /// reduce
-    Reduce = 7,
+    Reduce = 7, "reduce", layout: false;
     /// barrier
-    Barrier = 8,
+    Barrier = 8, "barrier", layout: false;
     /// all_to_all (equal parts)
-    AllToAll = 9,
+    AllToAll = 9, "all_to_all", layout: false;
     /// all_to_all_single (per-member split sizes)
-    AllToAllSingle = 10,
+    AllToAllSingle = 10, "all_to_all_single", layout: true;
     /// all_gather_v (per-member counts)
-    AllGatherV = 11,
+    AllGatherV = 11, "all_gather_v", layout: true;
     /// gather_v
-    GatherV = 12,
+    GatherV = 12, "gather_v", layout: true;
     /// scatter_v
-    ScatterV = 13,
+    ScatterV = 13, "scatter_v", layout: true;
     /// reduce_scatter_v
-    ReduceScatterV = 14,
+    ReduceScatterV = 14, "reduce_scatter_v", layout: true;
 }
 
 impl CollKind {
-    /// Every collective.
-    pub const ALL: [CollKind; 14] = [
-        CollKind::AllReduce,
-        CollKind::Broadcast,
-        CollKind::AllGather,
-        CollKind::ReduceScatter,
-        CollKind::Gather,
-        CollKind::Scatter,
-        CollKind::Reduce,
-        CollKind::Barrier,
-        CollKind::AllToAll,
-        CollKind::AllToAllSingle,
-        CollKind::AllGatherV,
-        CollKind::GatherV,
-        CollKind::ScatterV,
-        CollKind::ReduceScatterV,
-    ];
-
     /// The kind with this code (`kind as u8`), if any.
     pub fn from_code(code: u8) -> Option<CollKind> {
         Self::ALL.into_iter().find(|k| *k as u8 == code)
-    }
-
-    /// The name users call it by.
-    pub const fn name(self) -> &'static str {
-        match self {
-            CollKind::AllReduce => "all_reduce",
-            CollKind::Broadcast => "broadcast",
-            CollKind::AllGather => "all_gather",
-            CollKind::ReduceScatter => "reduce_scatter",
-            CollKind::Gather => "gather",
-            CollKind::Scatter => "scatter",
-            CollKind::Reduce => "reduce",
-            CollKind::Barrier => "barrier",
-            CollKind::AllToAll => "all_to_all",
-            CollKind::AllToAllSingle => "all_to_all_single",
-            CollKind::AllGatherV => "all_gather_v",
-            CollKind::GatherV => "gather_v",
-            CollKind::ScatterV => "scatter_v",
-            CollKind::ReduceScatterV => "reduce_scatter_v",
-        }
-    }
-
-    /// Whether each member publishes a layout (its counts or split sizes) beside its signature, which
-    /// the members compare before any data moves (`algo::layout`).
-    pub const fn has_layout(self) -> bool {
-        matches!(
-            self,
-            CollKind::AllToAllSingle
-                | CollKind::AllGatherV
-                | CollKind::GatherV
-                | CollKind::ScatterV
-                | CollKind::ReduceScatterV
-        )
     }
 }
 

@@ -19,7 +19,7 @@ fn all_reduce_matches_the_rank_order_reference_on_private_and_segment_buffers() 
             for len in lens {
                 for op in float_ops() {
                     let mut x = input(pg.rank(), len);
-                    pg.all_reduce_tensor(&mut x, op).unwrap();
+                    pg.all_reduce(&mut x, op).unwrap();
                     let m = in_segment(&**pg.backend(), &input(pg.rank(), len));
                     // SAFETY: `m` holds len floats and only this call uses it.
                     let seg = unsafe { BufMut::from_raw(axonml_distributed::DType::F32, m.as_ptr(), len) };
@@ -51,7 +51,7 @@ fn a_message_of_the_wrong_length_fails_the_receiver_and_a_waiting_sender() {
                 pg.send_tensor(&vec![1.0f32; len], 1, 0).err()
             } else {
                 let mut x = vec![0.0f32; len + 1];
-                let r = pg.recv_tensor(&mut x, 0, 0).err();
+                let r = pg.recv(&mut x, 0, 0).err();
                 assert!(x.iter().all(|&v| v == 0.0), "nothing was copied");
                 r
             }
@@ -75,9 +75,9 @@ fn a_large_message_of_another_tag_is_buffered_by_the_receiver() {
             true
         } else {
             let mut d = [0i32; 1];
-            pg.recv_tensor(&mut d, 0, 11).unwrap();
+            pg.recv(&mut d, 0, 11).unwrap();
             let mut large = vec![0i32; big.len()];
-            pg.recv_tensor(&mut large, 0, 10).unwrap();
+            pg.recv(&mut large, 0, 10).unwrap();
             d == [6] && large == big
         }
     });
@@ -94,7 +94,7 @@ fn a_subgroup_dropped_by_every_member_frees_its_slot_and_staging() {
                 let g = world.new_group(&[0, 1], None).unwrap();
                 // Past the one-shot size, so the staged path uses the group's blocks.
                 let mut x = vec![(pg.rank() + i) as f32; 70_000];
-                g.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
+                g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
                 x[69_999]
             })
             .collect::<Vec<f32>>()

@@ -14,8 +14,10 @@ use crate::backend::Backend;
 use crate::reduce::Scale;
 use crate::transport::thread::ThreadBackend;
 
-/// One rank's handle on a world (or a subgroup's communicator). Collectives block, with the GIL
-/// released, until every member arrives.
+/// One rank's handle on a world (or a subgroup's communicator). Its calls block, with the GIL released,
+/// until every member arrives. Python reaches every collective through `ProcessGroup` (a group over
+/// this world: `ProcessGroup(backend)`); the handle keeps the calls Python code makes on it directly,
+/// all_reduce of a bucket's flat buffer and barrier, and the point-to-point ones.
 #[pyclass(name = "Backend", module = "axonml_distributed", frozen)]
 pub(crate) struct PyBackend {
     pub(crate) inner: Arc<dyn Backend>,
@@ -48,94 +50,9 @@ impl PyBackend {
     fn all_reduce(&self, py: Python<'_>, buf: &Obj, op: Option<&Obj>) -> PyResult<()> {
         self.run(py, c::all_reduce(buf, op, None, Scale::NONE))
     }
-    /// Copy global rank `src`'s `buf` into every member's `buf`.
-    fn broadcast(&self, py: Python<'_>, buf: &Obj, src: usize) -> PyResult<()> {
-        self.run(py, c::broadcast(buf, src))
-    }
-    /// Concatenate every member's `send` into `recv`.
-    fn all_gather(&self, py: Python<'_>, send: &Obj, recv: &Obj) -> PyResult<()> {
-        self.run(py, c::all_gather(send, recv))
-    }
-    /// Reduce `send` and keep this member's chunk in `recv`.
-    #[pyo3(signature = (send, recv, op=None))]
-    fn reduce_scatter(&self, py: Python<'_>, send: &Obj, recv: &Obj, op: Option<&Obj>) -> PyResult<()> {
-        self.run(py, c::reduce_scatter(send, recv, op))
-    }
-    /// Concatenate every member's `send` into `dst`'s `recv` (None elsewhere).
-    #[pyo3(signature = (send, recv, dst))]
-    fn gather(&self, py: Python<'_>, send: &Obj, recv: Option<&Obj>, dst: usize) -> PyResult<()> {
-        self.run(py, c::gather(send, recv, dst))
-    }
-    /// Split `src`'s `send` (None elsewhere) into every member's `recv`.
-    #[pyo3(signature = (send, recv, src))]
-    fn scatter(&self, py: Python<'_>, send: Option<&Obj>, recv: &Obj, src: usize) -> PyResult<()> {
-        self.run(py, c::scatter(send, recv, src))
-    }
-    /// Reduce `buf` into `dst`'s `buf`.
-    #[pyo3(signature = (buf, dst, op=None))]
-    fn reduce(&self, py: Python<'_>, buf: &Obj, dst: usize, op: Option<&Obj>) -> PyResult<()> {
-        self.run(py, c::reduce(buf, dst, op, None, Scale::NONE))
-    }
     /// Block until every member arrives.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, Ok(c::barrier()))
-    }
-    /// Part j of `send` to the j-th member; part i of `recv` from the i-th.
-    fn all_to_all(&self, py: Python<'_>, send: &Obj, recv: &Obj) -> PyResult<()> {
-        self.run(py, c::all_to_all(send, recv))
-    }
-    /// all_to_all with split sizes (rows along the first axis; None: equal), as torch's.
-    #[pyo3(signature = (send, recv, output_split_sizes=None, input_split_sizes=None))]
-    fn all_to_all_single(
-        &self,
-        py: Python<'_>,
-        send: &Obj,
-        recv: &Obj,
-        output_split_sizes: Option<Vec<usize>>,
-        input_split_sizes: Option<Vec<usize>>,
-    ) -> PyResult<()> {
-        let n = self.inner.members().len();
-        self.run(py, c::all_to_all_single(send, recv, output_split_sizes, input_split_sizes, n))
-    }
-    /// `counts[i]` elements from the i-th member, concatenated into `recv`.
-    fn all_gather_v(&self, py: Python<'_>, send: &Obj, recv: &Obj, counts: Vec<usize>) -> PyResult<()> {
-        self.run(py, c::all_gather_v(send, recv, counts))
-    }
-    /// `counts[i]` elements from the i-th member into `dst`'s `recv` (None elsewhere).
-    #[pyo3(signature = (send, recv, counts, dst))]
-    fn gather_v(
-        &self,
-        py: Python<'_>,
-        send: &Obj,
-        recv: Option<&Obj>,
-        counts: Vec<usize>,
-        dst: usize,
-    ) -> PyResult<()> {
-        self.run(py, c::gather_v(send, recv, counts, dst))
-    }
-    /// `counts[i]` elements of `src`'s `send` (None elsewhere) to the i-th member.
-    #[pyo3(signature = (send, recv, counts, src))]
-    fn scatter_v(
-        &self,
-        py: Python<'_>,
-        send: Option<&Obj>,
-        recv: &Obj,
-        counts: Vec<usize>,
-        src: usize,
-    ) -> PyResult<()> {
-        self.run(py, c::scatter_v(send, recv, counts, src))
-    }
-    /// Reduce `send`; the i-th piece (`counts[i]` elements) lands in the i-th member's `recv`.
-    #[pyo3(signature = (send, recv, counts, op=None))]
-    fn reduce_scatter_v(
-        &self,
-        py: Python<'_>,
-        send: &Obj,
-        recv: &Obj,
-        counts: Vec<usize>,
-        op: Option<&Obj>,
-    ) -> PyResult<()> {
-        self.run(py, c::reduce_scatter_v(send, recv, counts, op))
     }
     /// Send `buf` to global rank `dst`.
     #[pyo3(signature = (buf, dst, tag=0))]

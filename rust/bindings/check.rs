@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use super::collectives::{self as c, Obj, Prepared, Source};
 use crate::backend::Backend;
 use crate::call::{self, Call};
+use crate::collective::Collective;
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::Result;
 use crate::reduce::Scale;
@@ -79,7 +80,9 @@ impl Backend for Checker<'_> {
     fn members(&self) -> &[usize] {
         &self.g.members
     }
-    call::checked_collectives!(keep);
+    fn collective(&self, mut c: Collective<'_>) -> Result<()> {
+        self.keep(call::check(&mut c, &self.g.members, self.g.rank))
+    }
     fn send(&self, buf: Buf<'_>, dst: usize, _tag: u64) -> Result<()> {
         call::peer(&self.g.members, self.g.rank, dst, call::SEND_TO)?;
         self.keep_message(buf.dtype(), buf.len())
@@ -120,7 +123,7 @@ impl PyCallCheck {
     fn check_layout(&self, call: PyResult<Prepared<'_>>) -> PyResult<(Checked, Vec<u64>)> {
         let Prepared { job, .. } = call?;
         let checker = Checker { g: &self.group, found: OnceLock::new(), layout: OnceLock::new() };
-        job(&checker)?;
+        job.run(&checker)?;
         let found = checker.found.into_inner().unwrap_or((-1, 0, -1, -1));
         Ok((found, checker.layout.into_inner().unwrap_or_default()))
     }

@@ -1,16 +1,20 @@
-//! Each collective's Python arguments, prepared once for `Backend` and `ProcessGroup` alike: the op
-//! parsed, the arrays validated and borrowed while attached, and the job that runs the call on them
-//! (detached, or queued on its lane).
+//! Each collective's Python arguments, prepared once for `Backend`, `ProcessGroup` and `CallCheck`
+//! alike: the op parsed, the arrays validated and borrowed while attached, and the call's description
+//! (`Collective`, over the arrays' addresses) that runs on them, detached or queued on its lane.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::array::{readable, writable, Array};
+use super::array::{readable, writable, Array, RawArray};
 use super::op::parse_op;
-use super::work::Job;
+use crate::backend::Backend;
+use crate::collective::Collective;
+use crate::error::Result;
 use crate::reduce::{ReduceOp, Scale};
+use crate::signature::CollKind;
 use crate::work::Lane;
 
 /// A call ready to run: its lane, the borrowed arrays (kept until the job has finished), the job.
@@ -26,49 +30,103 @@ pub(crate) type Source = Arc<OnceLock<usize>>;
 /// A Python argument.
 pub(crate) type Obj<'py> = Bound<'py, PyAny>;
 
-// SAFETY (every `unsafe { raw.buf*() }` below): the RawArray comes from an `Array` of the same
-// `Prepared`, whose guard (run now) or object reference (queued) is kept until the job has finished,
-// and the call is its only user.
+/// What a prepared call runs, its arrays as addresses: a collective's description, or a message.
+pub(crate) enum Job {
+    Collective(RawCollective),
+    Send { buf: RawArray, dst: usize, tag: u64 },
+    Recv { buf: RawArray, src: usize, tag: u64 },
+    RecvAny { buf: RawArray, tag: u64, source: Source },
+}
+
+/// A [`Collective`] whose buffers are the addresses of borrowed arrays, so it can wait on a lane.
+pub(crate) struct RawCollective {
+    kind: CollKind,
+    send: Option<RawArray>,
+    recv: Option<RawArray>,
+    op: ReduceOp,
+    scale: Scale,
+    root: usize,
+    counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    timeout: Option<Duration>,
+}
+
+impl RawCollective {
+    fn of(kind: CollKind) -> Self {
+        let c = Collective::of(kind);
+        let (op, scale, root, timeout) = (c.op, c.scale, c.root, c.timeout);
+        RawCollective {
+            kind,
+            send: None,
+            recv: None,
+            op,
+            scale,
+            root,
+            counts: vec![],
+            recv_counts: vec![],
+            timeout,
+        }
+    }
+}
+
+// SAFETY (`Job::run`): the RawArrays come from the `Array`s of the same `Prepared`, whose guards (run
+// now) or object references (queued) are kept until the job has finished, and the call is their only
+// user.
+impl Job {
+    /// Run the call on `c`.
+    pub(crate) fn run(self, c: &dyn Backend) -> Result<()> {
+        match self {
+            Job::Collective(r) => c.collective(Collective {
+                kind: r.kind,
+                send: r.send.map(|s| unsafe { s.buf() }),
+                recv: r.recv.map(|r| unsafe { r.buf_mut() }),
+                op: r.op,
+                scale: r.scale,
+                root: r.root,
+                counts: &r.counts,
+                recv_counts: &r.recv_counts,
+                timeout: r.timeout,
+            }),
+            Job::Send { buf, dst, tag } => c.send(unsafe { buf.buf() }, dst, tag),
+            Job::Recv { buf, src, tag } => c.recv(unsafe { buf.buf_mut() }, src, tag),
+            Job::RecvAny { buf, tag, source } => {
+                let src = c.recv_any(unsafe { buf.buf_mut() }, tag)?;
+                let _ = source.set(src);
+                Ok(())
+            }
+        }
+    }
+}
+
 impl<'py> Prepared<'py> {
-    fn collective(arrays: Vec<Array<'py>>, job: Job) -> Self {
-        Prepared { lane: Lane::Collectives, arrays, job }
+    /// The collective `raw` on `send` (only read) and `recv` (written), when given.
+    fn collective(mut raw: RawCollective, send: Option<Array<'py>>, recv: Option<Array<'py>>) -> Self {
+        raw.send = send.as_ref().map(|a| a.raw);
+        raw.recv = recv.as_ref().map(|a| a.raw);
+        let arrays = send.into_iter().chain(recv).collect();
+        Prepared { lane: Lane::Collectives, arrays, job: Job::Collective(raw) }
     }
     /// Out of place when `send` is given.
     pub fn all_reduce(send: Option<Array<'py>>, recv: Array<'py>, op: ReduceOp, scale: Scale) -> Self {
-        let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
-        let job: Job = Box::new(move |c| {
-            c.all_reduce_into(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, op, scale)
-        });
-        Self::collective(send.into_iter().chain([recv]).collect(), job)
+        let raw = RawCollective { op, scale, ..RawCollective::of(CollKind::AllReduce) };
+        Self::collective(raw, send, Some(recv))
     }
     pub fn broadcast(buf: Array<'py>, root: usize) -> Self {
-        let raw = buf.raw;
-        Self::collective(vec![buf], Box::new(move |c| c.broadcast(unsafe { raw.buf_mut() }, root)))
+        Self::collective(RawCollective { root, ..RawCollective::of(CollKind::Broadcast) }, None, Some(buf))
     }
     pub fn all_gather(send: Array<'py>, recv: Array<'py>) -> Self {
-        let (s, r) = (send.raw, recv.raw);
-        Self::collective(
-            vec![send, recv],
-            Box::new(move |c| c.all_gather(unsafe { s.buf() }, unsafe { r.buf_mut() })),
-        )
+        Self::collective(RawCollective::of(CollKind::AllGather), Some(send), Some(recv))
     }
     pub fn reduce_scatter(send: Array<'py>, recv: Array<'py>, op: ReduceOp) -> Self {
-        let (s, r) = (send.raw, recv.raw);
-        let job: Job = Box::new(move |c| c.reduce_scatter(unsafe { s.buf() }, unsafe { r.buf_mut() }, op));
-        Self::collective(vec![send, recv], job)
+        let raw = RawCollective { op, ..RawCollective::of(CollKind::ReduceScatter) };
+        Self::collective(raw, Some(send), Some(recv))
     }
     pub fn recv(buf: Array<'py>, src: usize, tag: u64) -> Self {
-        let raw = buf.raw;
-        let job: Job = Box::new(move |c| c.recv(unsafe { raw.buf_mut() }, src, tag));
+        let job = Job::Recv { buf: buf.raw, src, tag };
         Prepared { lane: Lane::Recv { peer: src, tag }, arrays: vec![buf], job }
     }
     pub fn recv_any(buf: Array<'py>, tag: u64, source: Source) -> Self {
-        let raw = buf.raw;
-        let job: Job = Box::new(move |c| {
-            let src = c.recv_any(unsafe { raw.buf_mut() }, tag)?;
-            let _ = source.set(src);
-            Ok(())
-        });
+        let job = Job::RecvAny { buf: buf.raw, tag, source };
         Prepared { lane: Lane::RecvAny { tag }, arrays: vec![buf], job }
     }
 }
@@ -125,18 +183,22 @@ pub(crate) fn reduce_scatter<'py>(
 pub(crate) fn gather<'py>(send: &Obj<'py>, recv: Option<&Obj<'py>>, dst: usize) -> PyResult<Prepared<'py>> {
     let send = readable(send, "send")?;
     let recv = recv.map(|r| writable(r, "recv")).transpose()?;
-    let (s, r) = (send.raw, recv.as_ref().map(|r| r.raw));
-    let job: Job = Box::new(move |c| c.gather(unsafe { s.buf() }, r.map(|r| unsafe { r.buf_mut() }), dst));
-    Ok(Prepared::collective(std::iter::once(send).chain(recv).collect(), job))
+    Ok(Prepared::collective(
+        RawCollective { root: dst, ..RawCollective::of(CollKind::Gather) },
+        Some(send),
+        recv,
+    ))
 }
 
 /// `scatter(send, recv, src)`: `send` only on `src`.
 pub(crate) fn scatter<'py>(send: Option<&Obj<'py>>, recv: &Obj<'py>, src: usize) -> PyResult<Prepared<'py>> {
     let send = send.map(|s| readable(s, "send")).transpose()?;
     let recv = writable(recv, "recv")?;
-    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
-    let job: Job = Box::new(move |c| c.scatter(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, src));
-    Ok(Prepared::collective(send.into_iter().chain(std::iter::once(recv)).collect(), job))
+    Ok(Prepared::collective(
+        RawCollective { root: src, ..RawCollective::of(CollKind::Scatter) },
+        send,
+        Some(recv),
+    ))
 }
 
 /// `reduce(buf, dst, op, out=None, prescale_factor, postscale_factor)`.
@@ -149,28 +211,25 @@ pub(crate) fn reduce<'py>(
 ) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
     let (send, recv) = input_and_output(buf, out)?;
-    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
-    let job: Job = Box::new(move |c| {
-        c.reduce_into(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, dst, op, scale)
-    });
-    Ok(Prepared::collective(send.into_iter().chain([recv]).collect(), job))
+    let raw = RawCollective { root: dst, op, scale, ..RawCollective::of(CollKind::Reduce) };
+    Ok(Prepared::collective(raw, send, Some(recv)))
 }
 
 /// `barrier()`.
 pub(crate) fn barrier<'py>() -> Prepared<'py> {
-    Prepared::collective(vec![], Box::new(|c| c.barrier()))
+    Prepared::collective(RawCollective::of(CollKind::Barrier), None, None)
 }
 
 /// `monitored_barrier(timeout)`.
-pub(crate) fn monitored_barrier<'py>(timeout: std::time::Duration) -> Prepared<'py> {
-    Prepared::collective(vec![], Box::new(move |c| c.monitored_barrier(timeout)))
+pub(crate) fn monitored_barrier<'py>(timeout: Duration) -> Prepared<'py> {
+    let raw = RawCollective { timeout: Some(timeout), ..RawCollective::of(CollKind::Barrier) };
+    Prepared::collective(raw, None, None)
 }
 
 /// `send(buf, dst, tag)`.
 pub(crate) fn send<'py>(buf: &Obj<'py>, dst: usize, tag: u64) -> PyResult<Prepared<'py>> {
     let buf = readable(buf, "buf")?;
-    let raw = buf.raw;
-    let job: Job = Box::new(move |c| c.send(unsafe { raw.buf() }, dst, tag));
+    let job = Job::Send { buf: buf.raw, dst, tag };
     Ok(Prepared { lane: Lane::Send { peer: dst, tag }, arrays: vec![buf], job })
 }
 
@@ -187,9 +246,7 @@ pub(crate) fn recv_any<'py>(buf: &Obj<'py>, tag: u64, source: Source) -> PyResul
 /// `all_to_all(send, recv)`.
 pub(crate) fn all_to_all<'py>(send: &Obj<'py>, recv: &Obj<'py>) -> PyResult<Prepared<'py>> {
     let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
-    let (s, r) = (send.raw, recv.raw);
-    let job: Job = Box::new(move |c| c.all_to_all(unsafe { s.buf() }, unsafe { r.buf_mut() }));
-    Ok(Prepared::collective(vec![send, recv], job))
+    Ok(Prepared::collective(RawCollective::of(CollKind::AllToAll), Some(send), Some(recv)))
 }
 
 /// torch's split sizes of `a` (rows along its first axis; None: `n` equal parts) in elements.
@@ -224,10 +281,8 @@ pub(crate) fn all_to_all_single<'py>(
     let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
     let ins = split_elements(&send, input_split_sizes, n, "send")?;
     let outs = split_elements(&recv, output_split_sizes, n, "recv")?;
-    let (s, r) = (send.raw, recv.raw);
-    let job: Job =
-        Box::new(move |c| c.all_to_all_single(unsafe { s.buf() }, unsafe { r.buf_mut() }, &ins, &outs));
-    Ok(Prepared::collective(vec![send, recv], job))
+    let raw = RawCollective { counts: ins, recv_counts: outs, ..RawCollective::of(CollKind::AllToAllSingle) };
+    Ok(Prepared::collective(raw, Some(send), Some(recv)))
 }
 
 /// `all_gather_v(send, recv, counts)`.
@@ -237,9 +292,11 @@ pub(crate) fn all_gather_v<'py>(
     counts: Vec<usize>,
 ) -> PyResult<Prepared<'py>> {
     let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
-    let (s, r) = (send.raw, recv.raw);
-    let job: Job = Box::new(move |c| c.all_gather_v(unsafe { s.buf() }, unsafe { r.buf_mut() }, &counts));
-    Ok(Prepared::collective(vec![send, recv], job))
+    Ok(Prepared::collective(
+        RawCollective { counts, ..RawCollective::of(CollKind::AllGatherV) },
+        Some(send),
+        Some(recv),
+    ))
 }
 
 /// `gather_v(send, recv, counts, dst)`: `recv` only on `dst`.
@@ -251,10 +308,8 @@ pub(crate) fn gather_v<'py>(
 ) -> PyResult<Prepared<'py>> {
     let send = readable(send, "send")?;
     let recv = recv.map(|r| writable(r, "recv")).transpose()?;
-    let (s, r) = (send.raw, recv.as_ref().map(|r| r.raw));
-    let job: Job =
-        Box::new(move |c| c.gather_v(unsafe { s.buf() }, r.map(|r| unsafe { r.buf_mut() }), &counts, dst));
-    Ok(Prepared::collective(std::iter::once(send).chain(recv).collect(), job))
+    let raw = RawCollective { counts, root: dst, ..RawCollective::of(CollKind::GatherV) };
+    Ok(Prepared::collective(raw, Some(send), recv))
 }
 
 /// `scatter_v(send, recv, counts, src)`: `send` only on `src`.
@@ -266,10 +321,8 @@ pub(crate) fn scatter_v<'py>(
 ) -> PyResult<Prepared<'py>> {
     let send = send.map(|s| readable(s, "send")).transpose()?;
     let recv = writable(recv, "recv")?;
-    let (s, r) = (send.as_ref().map(|s| s.raw), recv.raw);
-    let job: Job =
-        Box::new(move |c| c.scatter_v(s.map(|s| unsafe { s.buf() }), unsafe { r.buf_mut() }, &counts, src));
-    Ok(Prepared::collective(send.into_iter().chain(std::iter::once(recv)).collect(), job))
+    let raw = RawCollective { counts, root: src, ..RawCollective::of(CollKind::ScatterV) };
+    Ok(Prepared::collective(raw, send, Some(recv)))
 }
 
 /// `reduce_scatter_v(send, recv, counts, op)`.
@@ -281,8 +334,6 @@ pub(crate) fn reduce_scatter_v<'py>(
 ) -> PyResult<Prepared<'py>> {
     let op = parse_op(op)?;
     let (send, recv) = (readable(send, "send")?, writable(recv, "recv")?);
-    let (s, r) = (send.raw, recv.raw);
-    let job: Job =
-        Box::new(move |c| c.reduce_scatter_v(unsafe { s.buf() }, unsafe { r.buf_mut() }, &counts, op));
-    Ok(Prepared::collective(vec![send, recv], job))
+    let raw = RawCollective { counts, op, ..RawCollective::of(CollKind::ReduceScatterV) };
+    Ok(Prepared::collective(raw, Some(send), Some(recv)))
 }

@@ -11,9 +11,6 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::work::{Lane, Work};
 
-/// One collective or point-to-point call on a communicator, ready to run.
-pub(crate) type Job = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send>;
-
 /// A Ctrl-C while this rank waits for its own queued work ends the wait, and aborts the world: the
 /// queued call goes on in the background and its peers must not wait for the rest of this rank.
 fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
@@ -34,7 +31,7 @@ pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepar
     let c = comm.clone();
     let r = py.detach(move || {
         interrupted_abort(&*c, c.lanes().flush(lane))?;
-        job(&*c)
+        job.run(&*c)
     });
     if r.is_err() && comm.buffers_may_be_in_use() {
         std::mem::forget(arrays);
@@ -52,7 +49,7 @@ pub(crate) fn queued(
     let Prepared { lane, arrays, job } = call;
     let keep: Vec<Py<PyAny>> = arrays.into_iter().map(|a| a.obj.unbind()).collect();
     let run = move || {
-        let r = job(&*comm);
+        let r = job.run(&*comm);
         if r.is_err() && comm.buffers_may_be_in_use() {
             std::mem::forget(keep);
         } else {

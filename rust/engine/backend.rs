@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::{Cause, Engine, Store};
 use crate::backend::{Backend, SharedMem};
 use crate::call;
+use crate::collective::Collective;
 use crate::config::LEAVE_GRACE;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
@@ -22,10 +23,6 @@ pub(crate) trait AsEngine: Send + Sync + Sized + 'static {
     fn engine(&self) -> &Engine<Self::Store>;
     /// Wrap an engine (a new subgroup's handle).
     fn wrap(engine: Engine<Self::Store>) -> Self;
-    /// Run one checked collective (the target of [`call::checked_collectives`]).
-    fn execute(&self, call: Result<call::Call>) -> Result<()> {
-        self.engine().execute(call)
-    }
 }
 
 /// Make `$name`, a public tuple struct around an `Engine<$store>`, an [`AsEngine`] (so a
@@ -68,7 +65,10 @@ impl<T: AsEngine> Backend for T {
         self.engine().undrained.load(SeqCst)
     }
 
-    call::checked_collectives!(execute);
+    fn collective(&self, mut c: Collective<'_>) -> Result<()> {
+        let s = &self.engine().store;
+        self.engine().execute(call::check(&mut c, s.members(), s.rank()))
+    }
 
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
         let op = call::send_op(&buf, dst, tag);

@@ -136,7 +136,7 @@ pub fn rooted_and_gathering_collectives_deliver_the_right_parts(w: &impl Worlds,
         let got = w.run(n, LONG, move |pg| {
             let me = pg.rank();
             let mut b = input(me, len);
-            pg.broadcast_tensor(&mut b, 1).unwrap();
+            pg.broadcast(&mut b, 1).unwrap();
             let gathered = pg.all_gather_tensor(&input(me, len)).unwrap();
             let scattered = pg.reduce_scatter_tensor(&input(me, 3 * len), ReduceOp::Max).unwrap();
             let mut red = input(me, len);
@@ -180,11 +180,11 @@ pub fn subgroups_are_independent_and_concurrent(w: &impl Worlds) {
         let odds = world.new_group(&[3, 1], None).unwrap();
         let mine = if pg.rank() % 2 == 0 { &evens } else { &odds };
         let mut x = vec![pg.rank() as i64 + 1; 90_000];
-        mine.all_reduce_tensor(&mut x, ReduceOp::Sum).unwrap();
+        mine.all_reduce(&mut x, ReduceOp::Sum).unwrap();
         let again = world.new_group(&[0, 2], None).unwrap();
         let mut y = vec![1i32; 10];
         if pg.rank() % 2 == 0 {
-            again.all_reduce_tensor(&mut y, ReduceOp::Sum).unwrap();
+            again.all_reduce(&mut y, ReduceOp::Sum).unwrap();
         }
         // A non-member's call fails and aborts the world, so only try it once everyone is done.
         pg.barrier().unwrap();
@@ -207,15 +207,15 @@ pub fn send_recv_match_by_source_and_tag_in_order(w: &impl Worlds) {
             let big: Vec<i32> = (0..100_003).collect();
             pg.send_tensor(&big, 1, 1).unwrap();
             let mut back = vec![0i32; 5];
-            pg.recv_tensor(&mut back, 1, 2).unwrap();
+            pg.recv(&mut back, 1, 2).unwrap();
             back
         } else {
             let (mut a, mut b, mut c) = ([0i32; 2], [0i32; 2], [0i32; 2]);
-            pg.recv_tensor(&mut a, 0, 7).unwrap();
-            pg.recv_tensor(&mut b, 0, 7).unwrap();
-            pg.recv_tensor(&mut c, 0, 8).unwrap();
+            pg.recv(&mut a, 0, 7).unwrap();
+            pg.recv(&mut b, 0, 7).unwrap();
+            pg.recv(&mut c, 0, 8).unwrap();
             let mut big = vec![0i32; 100_003];
-            pg.recv_tensor(&mut big, 0, 1).unwrap();
+            pg.recv(&mut big, 0, 1).unwrap();
             assert!(big.iter().enumerate().all(|(i, &v)| v == i as i32));
             pg.send_tensor(&[5i32; 5], 0, 2).unwrap();
             [a, b, c].concat()
@@ -234,7 +234,7 @@ pub fn both_ranks_may_send_small_messages_before_receiving(w: &impl Worlds) {
         for len in [0usize, 4, 16 * 1024] {
             pg.send_tensor(&vec![pg.rank() as i32 + 1; len], other, 3).unwrap();
             let mut got = vec![0i32; len];
-            pg.recv_tensor(&mut got, other, 3).unwrap();
+            pg.recv(&mut got, other, 3).unwrap();
             out.push(got);
         }
         out
@@ -259,12 +259,12 @@ pub fn receives_match_tags_out_of_order_in_send_order_per_tag(w: &impl Worlds) {
             vec![]
         } else {
             let (mut a, mut b, mut c) = ([0i32; 1], [0i32; 2], [0i32; 2]);
-            pg.recv_tensor(&mut a, 0, 8).unwrap();
+            pg.recv(&mut a, 0, 8).unwrap();
             let mut large = vec![0i32; big.len()];
-            pg.recv_tensor(&mut large, 0, 10).unwrap();
+            pg.recv(&mut large, 0, 10).unwrap();
             assert!(large == big, "the large message arrived intact");
-            pg.recv_tensor(&mut b, 0, 7).unwrap();
-            pg.recv_tensor(&mut c, 0, 7).unwrap();
+            pg.recv(&mut b, 0, 7).unwrap();
+            pg.recv(&mut c, 0, 7).unwrap();
             [&a[..], &b, &c].concat()
         }
     });
@@ -275,7 +275,7 @@ pub fn mismatched_calls_fail_on_every_rank_before_touching_buffers(w: &impl Worl
     let got = w.run(3, LONG, move |pg| {
         let mut x = vec![pg.rank() as f32; len];
         let op = if pg.rank() == 2 { ReduceOp::Max } else { ReduceOp::Sum };
-        (pg.all_reduce_tensor(&mut x, op), x)
+        (pg.all_reduce(&mut x, op), x)
     });
     for (r, (res, x)) in got.into_iter().enumerate() {
         match res {
@@ -408,15 +408,9 @@ pub fn a_group_over_every_rank_does_not_share_the_world_sequence(w: &impl Worlds
         let all = ProcessGroup::with_ranks(pg.backend().clone(), &[0, 1], None).unwrap();
         let (mut x, mut y) = (vec![1.0f32; 4], vec![10.0f32; 4]);
         if pg.rank() == 0 {
-            (
-                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
-                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
-            )
+            (pg.all_reduce(&mut x, ReduceOp::Sum).is_ok(), all.all_reduce(&mut y, ReduceOp::Sum).is_ok())
         } else {
-            (
-                all.all_reduce_tensor(&mut y, ReduceOp::Sum).is_ok(),
-                pg.all_reduce_tensor(&mut x, ReduceOp::Sum).is_ok(),
-            )
+            (all.all_reduce(&mut y, ReduceOp::Sum).is_ok(), pg.all_reduce(&mut x, ReduceOp::Sum).is_ok())
         }
     });
     assert_eq!(got, vec![(false, false), (false, false)], "crossed calls on two groups must fail, not match");
