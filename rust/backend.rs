@@ -226,3 +226,13 @@ impl SharedMem {
         self.len == 0
     }
 }
+
+/// A Ctrl-C while this rank waits for `what` (its queued work, its gradient buckets) ends the wait and
+/// aborts the world: what was queued goes on in the background, and the peers must not wait for the rest
+/// of this rank.
+pub(crate) fn abort_if_interrupted(comm: &dyn Backend, r: Result<()>, what: &str) -> Result<()> {
+    if let Err(crate::error::Error::Interrupted { .. }) = &r {
+        comm.abort(&format!("rank {} was interrupted (Ctrl-C) while waiting for {what}", comm.rank()));
+    }
+    r
+}

@@ -7,21 +7,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::collectives::{Prepared, Source};
-use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::backend::{abort_if_interrupted, Backend};
+use crate::error::Result;
 use crate::work::{Lane, Work};
 
-/// A Ctrl-C while this rank waits for its own queued work ends the wait, and aborts the world: the
-/// queued call goes on in the background and its peers must not wait for the rest of this rank.
-fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
-    if let Err(Error::Interrupted { .. }) = &r {
-        comm.abort(&format!(
-            "rank {} was interrupted (Ctrl-C) while waiting for its queued work",
-            comm.rank()
-        ));
-    }
-    r
-}
+/// What a Ctrl-C interrupts here (see [`abort_if_interrupted`]).
+const QUEUED: &str = "its queued work";
 
 /// Run `call` on `comm` now, with the GIL released, after the work queued on its lane. When it fails
 /// while a peer may still touch the arrays (a stopped process), the arrays are kept alive (leaked,
@@ -30,7 +21,7 @@ pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepar
     let Prepared { lane, arrays, job } = call;
     let c = comm.clone();
     let r = py.detach(move || {
-        interrupted_abort(&*c, c.lanes().flush(lane))?;
+        abort_if_interrupted(&*c, c.lanes().flush(lane), QUEUED)?;
         job.run(&*c)
     });
     if r.is_err() && comm.buffers_may_be_in_use() {
@@ -77,7 +68,7 @@ impl PyWork {
     /// sender's global rank for `recv_any`).
     fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let (w, comm) = (self.work.clone(), self.comm.clone());
-        py.detach(|| interrupted_abort(&*comm, w.wait()))?;
+        py.detach(|| abort_if_interrupted(&*comm, w.wait(), QUEUED))?;
         if let Some(src) = self.source.as_ref().and_then(|s| s.get()) {
             return Ok(Some(src.into_pyobject(py)?.into_any().unbind()));
         }

@@ -3,10 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::backend::Backend;
+use crate::backend::{abort_if_interrupted, Backend};
 use crate::bucket::GradientBucket;
 use crate::dtype::BufMut;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 use crate::sync::lock;
@@ -14,6 +14,9 @@ use crate::work::Lane;
 
 /// A bucket shared with the work that reduces it (and with the views handed out over it).
 pub type SharedBucket = Arc<Mutex<GradientBucket>>;
+
+/// What a Ctrl-C interrupts here (see [`abort_if_interrupted`]).
+const BUCKETS: &str = "its gradient buckets";
 
 /// Waits for a bucket's background reduction; returns its result.
 pub type Pending = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -38,16 +41,16 @@ impl Averaging for ProcessGroup {
         let comm = self.comm()?.clone();
         let (b, waiter) = (bucket.clone(), comm.clone());
         let work = self.submit(Lane::Collectives, move || reduce(&*comm, &b))?;
-        Ok(Box::new(move || interrupted_abort(&*waiter, work.wait())))
+        Ok(Box::new(move || abort_if_interrupted(&*waiter, work.wait(), BUCKETS)))
     }
     fn run(&self, bucket: &SharedBucket) -> Result<()> {
         let comm = self.comm()?;
-        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        abort_if_interrupted(&**comm, self.flush(Lane::Collectives), BUCKETS)?;
         reduce(&**comm, bucket)
     }
     fn max_flags(&self, flags: &mut [u8]) -> Result<()> {
         let comm = self.comm()?;
-        interrupted_abort(&**comm, self.flush(Lane::Collectives))?;
+        abort_if_interrupted(&**comm, self.flush(Lane::Collectives), BUCKETS)?;
         comm.all_reduce(BufMut::new(flags), ReduceOp::Max)
     }
     fn backend(&self) -> Option<&dyn Backend> {
@@ -61,18 +64,6 @@ fn reduce(comm: &dyn Backend, bucket: &SharedBucket) -> Result<()> {
     let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
     if r.is_err() && comm.buffers_may_be_in_use() {
         std::mem::forget(bucket.clone());
-    }
-    r
-}
-
-/// A Ctrl-C while this rank waits for its buckets aborts the world: the queued reductions go on, and the
-/// peers must not wait for the rest of this rank.
-fn interrupted_abort(comm: &dyn Backend, r: Result<()>) -> Result<()> {
-    if let Err(Error::Interrupted { .. }) = &r {
-        comm.abort(&format!(
-            "rank {} was interrupted (Ctrl-C) while waiting for its gradient buckets",
-            comm.rank()
-        ));
     }
     r
 }
