@@ -9,7 +9,9 @@
 //!   [`backend`] trait [`Backend`];
 //! * data movement: `algo` (one-shot, direct owner-computes and copies, staged pipeline);
 //! * worlds: [`transport`], with [`transport::thread`] ([`ThreadBackend`]) and [`transport::shm`]
-//!   (segment, rendezvous, liveness), and `transport::wait`, the one way to wait;
+//!   (segment, joining, liveness), and `transport::wait`, the one way to wait;
+//! * meeting: [`rendezvous`] (how the ranks of a job meet through a key-value store and prove they
+//!   belong to it: one protocol on every store);
 //! * core types: [`config`] (every tunable and environment knob), `call` (argument checks),
 //!   [`signature`], [`dtype`], [`reduce`] (the kernels), [`bucket`], [`error`].
 //!
@@ -48,6 +50,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod group;
 pub mod reduce;
+pub mod rendezvous;
 pub mod signature;
 mod sync;
 pub mod synchronizer;

@@ -9,6 +9,7 @@ mod collectives;
 mod exceptions;
 mod group;
 mod op;
+mod rendezvous;
 mod segment;
 mod tables;
 mod work;
@@ -66,7 +67,9 @@ mod _core {
     #[pymodule_export]
     use super::op::PyReduceOp;
     #[pymodule_export]
-    use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
+    use super::rendezvous::check_job_secret;
+    #[pymodule_export]
+    use super::segment::{PyShmBackend, SegmentMemory};
     #[pymodule_export]
     use super::tables::{
         check_op, checked_timeout, describe_layout_mismatch, describe_mismatch, segment_name, validate_ranks,
@@ -84,6 +87,7 @@ mod _core {
         crate::transport::wait::set_interrupt_hook(super::python_interrupted);
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
+        m.add("JOB_SECRET_MIN_BYTES", crate::rendezvous::JobSecret::MIN_BYTES)?;
         // The thread world's earlier name, which scripts use.
         m.add("MockBackend", m.getattr("ThreadBackend")?)?;
         super::op::add_members(m.py())?;

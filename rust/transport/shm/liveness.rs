@@ -35,17 +35,6 @@ impl Liveness {
         }
     }
 
-    /// Open a pidfd for every rank but `me`. A peer that is already gone is reported as dead.
-    pub(crate) fn open(pids: &[u32], me: usize) -> Result<Liveness> {
-        let mut liveness = Liveness::new(pids.len());
-        for (r, &pid) in pids.iter().enumerate() {
-            if r != me {
-                liveness.watch(r, pid, "init")?;
-            }
-        }
-        Ok(liveness)
-    }
-
     /// Whether `rank`'s process is watched.
     pub(crate) fn watches(&self, rank: usize) -> bool {
         self.fds.get(rank).is_some_and(Option::is_some)
@@ -150,7 +139,8 @@ mod tests {
 
     /// A world of this process (rank 0) and `child` (rank 1), once the child has exited.
     fn watch_until_dead(child: &Child) -> Liveness {
-        let liveness = Liveness::open(&[std::process::id(), child.id()], 0).unwrap();
+        let mut liveness = Liveness::new(2);
+        liveness.watch(1, child.id(), "init").unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while liveness.first_dead(&[1]).is_none() {
             assert!(Instant::now() < deadline, "the child never exited");
