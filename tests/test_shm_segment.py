@@ -85,7 +85,7 @@ def test_a_precreated_segment_name_is_refused(how, tmp_path):
 
 def _fake_rank0(store: DictStore, name: str, nonce: bytes, key: bytes, answers: list) -> None:
     """Speak rank 0's side of the rendezvous in `store` (with the job secret `key`), handing out `name`,
-    and record whether the rank's proof verified against an independent HMAC."""
+    and record whether the rank's proof verified against an independent HMAC, and what the rank reports."""
     unsigned = hello(0, 2, proof=b"", host=this_host())  # its flag says a proof follows
     rank0 = unsigned + mac(key, b"axonml rendezvous rank 0", unsigned)
     store.set("axonml/rank0", rank0)
@@ -96,6 +96,9 @@ def _fake_rank0(store: DictStore, name: str, nonce: bytes, key: bytes, answers: 
     verdict = b"AXONVD03" + rank0[-64:-32] + b"\x01" + struct.pack("<H", len(body)) + body
     tag = mac(key, b"axonml rendezvous verdict", rank0, knock, verdict)
     store.set("axonml/verdict", verdict + struct.pack("<H", 1) + tag)
+    # The rank tells rank 0 why it cannot attach.
+    store.wait(["axonml/failed"], datetime.timedelta(seconds=10))
+    answers.append(store.get("axonml/failed").decode())
 
 
 @pytest.mark.timeout(30)
@@ -122,7 +125,8 @@ def test_a_foreign_or_bad_segment_is_refused_on_attach(problem):
         assert e.value.errno == want, e.value
         assert problem != "mode" or isinstance(e.value, PermissionError)
         t.join()
-        assert answers == [True], "the rank's proof verifies against an independent HMAC"
+        assert answers[0] is True, "the rank's proof verifies against an independent HMAC"
+        assert answers[1].startswith("rank 1 could not use what rank 0 handed out") and expect in answers[1]
     finally:
         os.close(fd)
         os.unlink(path)

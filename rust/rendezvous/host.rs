@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::memory::MemoryStore;
 use super::tcp::{frame, parse_request, read_frame, Request, FAILED, NONE, OK};
 use super::KeyValueStore;
-use crate::config::{HANDSHAKE, MAX_PENDING};
+use crate::config::{MAX_PENDING, RENDEZVOUS_WRITE};
 use crate::error::{Error, Result};
 
 /// The store rank 0 serves while it is held; dropping it closes the port and every connection.
@@ -135,7 +135,7 @@ fn serve(shared: &Shared, mut s: TcpStream) {
     if socket_owner(peer, local) != Some(shared.uid) {
         return;
     }
-    if s.set_nonblocking(false).is_err() || s.set_write_timeout(Some(HANDSHAKE)).is_err() {
+    if s.set_nonblocking(false).is_err() || s.set_write_timeout(Some(RENDEZVOUS_WRITE)).is_err() {
         return;
     }
     let _ = s.set_nodelay(true);

@@ -3,7 +3,8 @@
 //! hello, knocks, and believes only a verdict that proves itself.
 //!
 //! Keys, under the meeting's prefix: `rank0` (rank 0's hello), `knocks` (a counter: each rank takes a
-//! slot with `add`, so no one can overwrite another's knock), `knock/<slot>`, `verdict`.
+//! slot with `add`, so no one can overwrite another's knock), `knock/<slot>`, `verdict`, and `failed`
+//! (why a rank could not use the verdict's body).
 
 use std::time::{Duration, Instant};
 
@@ -82,10 +83,27 @@ impl<'a> Meeting<'a> {
         for slot in 1..=usize::try_from(knocks).unwrap_or(0).min(MAX_KNOCKS) {
             self.store.delete(&self.key(&format!("knock/{slot}")))?;
         }
-        for key in ["knocks", "rank0", "verdict"] {
+        for key in ["knocks", "rank0", "verdict", "failed"] {
             self.store.delete(&self.key(key))?;
         }
         Ok(())
+    }
+
+    /// A rank that cannot use what rank 0 handed out tells rank 0 why (best effort: it fails anyway).
+    pub fn report(&self, problem: &Error) {
+        let why = format!("rank {} could not use what rank 0 handed out: {problem}", self.rank);
+        let _ = self.store.set(&self.key("failed"), why.as_bytes());
+    }
+
+    /// After the meeting: fails with what a rank [`report`](Meeting::report)ed, if one did. A store
+    /// that cannot be asked reports nothing (rank 0 closes its own once every rank is in).
+    pub fn reported(&self) -> Result<()> {
+        match self.store.get(&self.key("failed")).ok().flatten() {
+            None => Ok(()),
+            Some(why) => {
+                Err(Error::invalid(String::from_utf8_lossy(&why[..why.len().min(1024)]).into_owned()))
+            }
+        }
     }
 
     fn key(&self, name: &str) -> String {
@@ -464,6 +482,21 @@ mod tests {
             let got = meet_all(&store, &vec![(Some(key(1)), 3); 3], Duration::from_secs(20));
             assert!(got.iter().all(|r| r.as_deref().ok() == Some(&b"body"[..])), "{got:?}");
         });
+    }
+
+    #[test]
+    fn a_rank_reports_what_it_could_not_use_and_the_others_hear_it() {
+        let store = MemoryStore::new();
+        let (zero, one) = (
+            Meeting::new(&store, 0, 2, None, Duration::ZERO),
+            Meeting::new(&store, 1, 2, None, Duration::ZERO),
+        );
+        assert!(zero.reported().is_ok());
+        one.report(&Error::invalid("bad segment"));
+        let e = zero.reported().unwrap_err().to_string();
+        assert_eq!(e, "rank 1 could not use what rank 0 handed out: bad segment");
+        zero.clear().unwrap();
+        assert!(zero.reported().is_ok());
     }
 
     /// A store that holds nothing and never sees a key arrive.

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::KeyValueStore;
-use crate::config::{ATTEMPT, RENDEZVOUS_SLICE};
+use crate::config::{RENDEZVOUS_SLICE, RENDEZVOUS_WRITE};
 use crate::error::{Error, Result};
 
 /// Longest frame body.
@@ -167,7 +167,8 @@ impl TcpStore {
             let slice = left.min(Duration::from_secs(1));
             if let Some(s) = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, slice).ok()) {
                 let _ = s.set_nodelay(true);
-                s.set_write_timeout(Some(ATTEMPT)).map_err(|e| Error::os("rendezvous: socket", e))?;
+                s.set_write_timeout(Some(RENDEZVOUS_WRITE))
+                    .map_err(|e| Error::os("rendezvous: socket", e))?;
                 return Ok(TcpStore { conn: Mutex::new(s), name, rank, world, timeout, deadline });
             }
             std::thread::sleep(left.min(Duration::from_millis(20)));

@@ -46,7 +46,14 @@ pub(crate) fn through(store: &dyn KeyValueStore, opts: &ShmOptions) -> Result<Jo
         .ok()
         .filter(|t| t.len() <= MAX_TOKEN)
         .ok_or_else(|| Error::invalid("rendezvous: rank 0's verdict is not a shared-memory token"))?;
-    let joined = attach(token, opts.rank, opts.world_size, opts.timeout.saturating_sub(started.elapsed()))?;
+    let left = opts.timeout.saturating_sub(started.elapsed());
+    // Rank 0 hears at once why a rank could not attach, instead of at its timeout.
+    let joined = attach(token, opts.rank, opts.world_size, left, || meeting.reported()).inspect_err(|e| {
+        // Only what this rank found wrong: every rank sees a timeout or a death itself.
+        if matches!(e, Error::Os { .. } | Error::InvalidArgument(_)) {
+            meeting.report(e)
+        }
+    })?;
     drop(created);
     if opts.rank == 0 {
         // Every rank has attached, so every rank has read the verdict.
@@ -57,7 +64,7 @@ pub(crate) fn through(store: &dyn KeyValueStore, opts: &ShmOptions) -> Result<Jo
 
 /// A segment rank 0 created for a job whose ranks have not all joined yet. Dropping it removes the
 /// name (the ranks that attached keep their mappings), so a failed start leaves nothing behind.
-pub struct SegmentToken {
+pub(crate) struct SegmentToken {
     name: String,
     nonce: [u8; 16],
     world: usize,
@@ -92,7 +99,7 @@ impl SegmentToken {
     }
 
     /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
-    pub fn token(&self) -> String {
+    pub(crate) fn token(&self) -> String {
         token(&self.name, self.nonce, self.world)
     }
 }
@@ -165,7 +172,13 @@ pub(crate) fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
 
 /// Attach the segment named by `token` as `rank` of `world` and wait (until `timeout`, Ctrl-C, or a
 /// registered rank's death) until every rank has attached; then the name is removed.
-fn attach(token: &str, rank: usize, world: usize, timeout: Duration) -> Result<Joined> {
+fn attach(
+    token: &str,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    mut reported: impl FnMut() -> Result<()>,
+) -> Result<Joined> {
     check_member(rank, world)?;
     let (name, nonce) = parse(token, world)?;
     let (mapping, layout) = segment::attach(&name, world, nonce)?;
@@ -182,7 +195,11 @@ fn attach(token: &str, rank: usize, world: usize, timeout: Duration) -> Result<J
     // Every rank is watched from when its pid shows: one that attached and then exited is reported at
     // once, with its exit status, instead of after the timeout.
     let mut liveness = Liveness::new(world);
-    let waited = w.until(all, || Ok(()), || watch_registered(&mut liveness, &mapping, world, rank, op));
+    let slow = || {
+        watch_registered(&mut liveness, &mapping, world, rank, op)?;
+        reported()
+    };
+    let waited = w.until(all, || Ok(()), slow);
     match waited {
         Ok(()) => {}
         Err(Stop::Failed(e)) => return Err(e),
@@ -266,8 +283,9 @@ mod tests {
         let t = SegmentToken::create(&opts(0, 3)).unwrap();
         let token = &t.token();
         std::thread::scope(|s| {
-            let hs: Vec<_> =
-                (0..3).map(|r| s.spawn(move || attach(token, r, 3, Duration::from_secs(20)))).collect();
+            let hs: Vec<_> = (0..3)
+                .map(|r| s.spawn(move || attach(token, r, 3, Duration::from_secs(20), || Ok(()))))
+                .collect();
             for h in hs {
                 assert!(h.join().unwrap().is_ok());
             }
@@ -279,7 +297,7 @@ mod tests {
     fn a_missing_rank_times_out_naming_it_and_drop_removes_the_name() {
         let t = SegmentToken::create(&opts(0, 2)).unwrap();
         let path = format!("/dev/shm{}", t.name);
-        let e = attach(&t.token(), 0, 2, Duration::from_millis(200)).err().unwrap();
+        let e = attach(&t.token(), 0, 2, Duration::from_millis(200), || Ok(())).err().unwrap();
         assert!(matches!(&e, Error::Timeout { missing, .. } if missing == &vec![1]), "{e}");
         assert!(std::path::Path::new(&path).exists());
         drop(t);

@@ -1,5 +1,5 @@
 //! Is a peer process still alive, and if not, how did it end? One pidfd per peer, opened while the
-//! peer is known to be alive (right after the handshake, or as it registers in the segment), so a
+//! peer is known to be alive (as it registers in the segment), so a
 //! recycled pid can never pass for a live peer (and a zombie, which still answers `kill(pid, 0)`,
 //! reads as dead: its pidfd is readable once it has exited). The same pidfd tells its exit status
 //! once its parent has reaped it (`PIDFD_GET_INFO`, Linux 6.15), whoever the parent is: `axonml-run`,

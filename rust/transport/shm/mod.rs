@@ -54,7 +54,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::rendezvous::JobSecret;
-pub use join::SegmentToken;
 /// What the launcher and the stale-segment cleanup (Python) must know of a segment's header.
 #[cfg(feature = "python")]
 pub(crate) use layout::Header as SegmentHeader;
