@@ -229,7 +229,8 @@ impl KeyValueStore for TcpStore {
             if all || left.is_zero() {
                 return Ok(all);
             }
-            std::thread::sleep(left.min(Duration::from_millis(5)));
+            // Polling: rank 0 answers each poll from memory, and only until the last rank has started.
+            std::thread::sleep(left.min(Duration::from_millis(10)));
         }
     }
 
