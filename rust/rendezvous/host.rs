@@ -1,10 +1,12 @@
 //! Rank 0's side of the TCP store: it listens on MASTER_ADDR:MASTER_PORT (so two jobs with different
 //! ports never meet, and a port already in use is a clear error) and serves its [`MemoryStore`] to the
-//! connections the kernel says are of rank 0's own user (/proc/net/tcp and tcp6 list each socket's
-//! owner); any other is closed unanswered. Connections are served concurrently, each by a thread
-//! (at most `config::MAX_PENDING`; more are closed at once), so a port scanner or a silent socket
-//! costs the job nothing; a malformed request closes its connection. The job secret is not checked
-//! here: the meeting checks it, the same way on every store (`meet`).
+//! connections that pass its door: those the kernel says are of rank 0's own user (/proc/net/tcp and
+//! tcp6 list each socket's owner), and, with a job secret, those whose first frame is a pass made with
+//! it (`tcp::door_opens`: from any user or network namespace). Any other is closed unanswered.
+//! Connections are served concurrently, each by a thread (at most `config::MAX_PENDING`; more are
+//! closed at once), so a port scanner or a silent socket costs the job nothing; a malformed request
+//! closes its connection. The door only keeps strangers out of the store: whether a rank belongs to
+//! the job is the meeting's question, asked the same way on every store (`meet`).
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -13,7 +15,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::memory::MemoryStore;
-use super::tcp::{frame, parse_request, read_frame, Request, FAILED, NONE, OK};
+use super::secret::JobSecret;
+use super::tcp::{door_opens, frame, parse_request, read_frame, Request, FAILED, NONE, OK, PASS};
 use super::KeyValueStore;
 use crate::config::{MAX_PENDING, RENDEZVOUS_WRITE};
 use crate::error::{Error, Result};
@@ -30,14 +33,16 @@ struct Shared {
     store: Arc<MemoryStore>,
     open: Arc<AtomicBool>,
     uid: u32,
+    secret: Option<JobSecret>,
     pending: AtomicUsize,
     /// How long a connection may stay silent: the job's rendezvous timeout.
     idle: Duration,
 }
 
 impl StoreHost {
-    /// Listen on `addr:port` and serve a fresh store; a connection silent for `idle` is closed.
-    pub fn start(addr: &str, port: u16, idle: Duration) -> Result<StoreHost> {
+    /// Listen on `addr:port` and serve a fresh store to the connections that pass the door (see the
+    /// module docs; `secret` opens it too); a connection silent for `idle` is closed.
+    pub fn start(addr: &str, port: u16, idle: Duration, secret: Option<&JobSecret>) -> Result<StoreHost> {
         let listener = TcpListener::bind((addr, port)).map_err(|e| {
             Error::os(
                 format!("rank 0 cannot listen on {addr}:{port} (is another job using this MASTER_PORT?)"),
@@ -51,6 +56,7 @@ impl StoreHost {
             store: store.clone(),
             open: open.clone(),
             uid: rustix::process::geteuid().as_raw(),
+            secret: secret.cloned(),
             pending: AtomicUsize::new(0),
             idle,
         });
@@ -131,17 +137,30 @@ fn accept(listener: &TcpListener, shared: &Arc<Shared>) {
 
 /// Serve one connection until it closes, misbehaves, stays silent too long, or the host closes.
 fn serve(shared: &Shared, mut s: TcpStream) {
-    let (Ok(peer), Ok(local)) = (s.peer_addr(), s.local_addr()) else { return };
-    if socket_owner(peer, local) != Some(shared.uid) {
-        return;
-    }
     if s.set_nonblocking(false).is_err() || s.set_write_timeout(Some(RENDEZVOUS_WRITE)).is_err() {
         return;
     }
     let _ = s.set_nodelay(true);
     let closing = || !shared.open.load(SeqCst);
+    // A pass made with the job secret opens the door (it may come first, once); else the kernel must
+    // say the socket is of rank 0's user.
+    let mut admitted = false;
+    let mut first = true;
     loop {
         let Ok((op, body)) = read_frame(&mut s, Instant::now() + shared.idle, &closing) else { return };
+        if op == PASS && first {
+            first = false;
+            admitted = shared.secret.as_ref().is_some_and(|key| door_opens(key, &body));
+            continue;
+        }
+        first = false;
+        if !admitted {
+            let (Ok(peer), Ok(local)) = (s.peer_addr(), s.local_addr()) else { return };
+            admitted = socket_owner(peer, local) == Some(shared.uid);
+            if !admitted {
+                return;
+            }
+        }
         let Some(request) = parse_request(op, &body) else { return };
         let (status, reply) = match answer(&shared.store, request) {
             Ok(r) => r,
@@ -205,6 +224,8 @@ pub(crate) fn socket_owner(local: SocketAddr, remote: SocketAddr) -> Option<u32>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rendezvous::secret::{self, TAG};
+    use crate::rendezvous::tcp::DOOR;
     use crate::rendezvous::TcpStore;
 
     #[test]
@@ -225,8 +246,8 @@ mod tests {
     #[test]
     fn a_client_sees_what_the_host_holds() {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let host = StoreHost::start("127.0.0.1", port, Duration::from_secs(20)).unwrap();
-        let c = TcpStore::connect("127.0.0.1", port, 1, 2, Duration::from_secs(20)).unwrap();
+        let host = StoreHost::start("127.0.0.1", port, Duration::from_secs(20), None).unwrap();
+        let c = TcpStore::connect("127.0.0.1", port, 1, 2, Duration::from_secs(20), None).unwrap();
         c.set("k", b"v").unwrap();
         assert_eq!(host.store().get("k").unwrap().as_deref(), Some(&b"v"[..]));
         assert_eq!(c.get("k").unwrap().as_deref(), Some(&b"v"[..]));
@@ -242,5 +263,23 @@ mod tests {
         assert!(c.set("k", b"again").is_ok());
         drop(host);
         assert!(matches!(c.get("k"), Err(Error::PeerDied { peer: 0, .. })));
+    }
+
+    #[test]
+    fn a_pass_made_with_the_secret_opens_the_door() {
+        let (key, other) = (JobSecret::new(vec![1; 32]).unwrap(), JobSecret::new(vec![2; 32]).unwrap());
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let host = StoreHost::start("127.0.0.1", port, Duration::from_secs(20), Some(&key)).unwrap();
+        host.store().set("k", b"v").unwrap();
+        let t = Duration::from_secs(20);
+        let ours = TcpStore::connect("127.0.0.1", port, 1, 2, t, Some(&key)).unwrap();
+        assert_eq!(ours.get("k").unwrap().as_deref(), Some(&b"v"[..]));
+        // This process's user passes the door anyway: the meeting refuses a wrong secret (`meet`).
+        let mine = TcpStore::connect("127.0.0.1", port, 1, 2, t, Some(&other)).unwrap();
+        assert_eq!(mine.get("k").unwrap().as_deref(), Some(&b"v"[..]));
+        let (nonce, tag) = ([7; TAG], secret::tag(&key, DOOR, &[&[7; TAG]]));
+        assert!(door_opens(&key, &[&nonce[..], &tag].concat()));
+        assert!(!door_opens(&other, &[&nonce[..], &tag].concat()));
+        assert!(!door_opens(&key, &[&nonce[..], &tag[..31]].concat()));
     }
 }

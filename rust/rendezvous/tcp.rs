@@ -10,6 +10,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::secret::{self, JobSecret, TAG};
 use super::KeyValueStore;
 use crate::config::{RENDEZVOUS_SLICE, RENDEZVOUS_WRITE};
 use crate::error::{Error, Result};
@@ -79,6 +80,23 @@ pub(crate) fn frame_head(head: [u8; 3]) -> (u8, usize) {
     (head[0], usize::from(u16::from_le_bytes([head[1], head[2]])))
 }
 
+pub(crate) const DOOR: &[u8] = b"axonml rendezvous store door";
+/// The status of a door pass's frame (no request has it).
+pub(crate) const PASS: u8 = 6;
+
+/// What a connection with a job secret says first, in a frame of its own: a fresh nonce and its tag
+/// under the secret. It opens the store's door to ranks of other users or network namespaces; whether
+/// a rank belongs to the job is still the meeting's question.
+fn door_pass(key: &JobSecret) -> Result<Vec<u8>> {
+    let nonce = secret::random::<TAG>()?;
+    Ok(frame(PASS, &[&nonce[..], &secret::tag(key, DOOR, &[&nonce])].concat()))
+}
+
+/// Whether `body` is a door pass under `key` (constant time).
+pub(crate) fn door_opens(key: &JobSecret, body: &[u8]) -> bool {
+    body.len() == 2 * TAG && secret::verifies(key, DOOR, &[&body[..TAG]], &body[TAG..])
+}
+
 /// Why reading a frame ended early.
 pub(crate) enum Cut {
     /// The other side closed or failed.
@@ -146,9 +164,17 @@ pub struct TcpStore {
 
 impl TcpStore {
     /// Connect to the store rank 0 hosts at `addr:port`, trying again until `timeout` (rank 0 may not
-    /// listen yet) or Ctrl-C; later calls wait for a reply until the same deadline. `rank` and `world`
-    /// name this rank in a timeout.
-    pub fn connect(addr: &str, port: u16, rank: usize, world: usize, timeout: Duration) -> Result<TcpStore> {
+    /// listen yet) or Ctrl-C; later calls wait for a reply until the same deadline. With the job's
+    /// `secret` the connection passes the store's door by it (see `host`). `rank` and `world` name this
+    /// rank in a timeout.
+    pub fn connect(
+        addr: &str,
+        port: u16,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
         let name = format!("the TCP store of rank 0 at {addr}:{port}");
         let addrs: Vec<_> = (addr, port)
@@ -165,10 +191,14 @@ impl TcpStore {
                 return Err(Error::timeout(rank, op, timeout, vec![0], (0..world).collect()));
             }
             let slice = left.min(Duration::from_secs(1));
-            if let Some(s) = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, slice).ok()) {
+            if let Some(mut s) = addrs.iter().find_map(|a| TcpStream::connect_timeout(a, slice).ok()) {
                 let _ = s.set_nodelay(true);
                 s.set_write_timeout(Some(RENDEZVOUS_WRITE))
                     .map_err(|e| Error::os("rendezvous: socket", e))?;
+                if let Some(key) = secret {
+                    // A refused pass shows as a closed connection at the first call.
+                    let _ = s.write_all(&door_pass(key)?);
+                }
                 return Ok(TcpStore { conn: Mutex::new(s), name, rank, world, timeout, deadline });
             }
             std::thread::sleep(left.min(Duration::from_millis(20)));
@@ -182,7 +212,8 @@ impl TcpStore {
             op: "rendezvous".into(),
             detail: Some(format!(
                 "{} closed the connection: rank 0 gave up (see its error) or died, or does not admit this \
-                 process's user",
+                 process (a process of another user or network namespace must pass its door with the job's \
+                 AXONML_JOB_SECRET)",
                 self.name
             )),
         };

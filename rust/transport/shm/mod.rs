@@ -151,11 +151,12 @@ fn join_over_tcp(opts: &ShmOptions) -> crate::Result<Joined> {
     if opts.world_size == 1 {
         join::through(&MemoryStore::new(), opts)
     } else if opts.rank == 0 {
-        let host = StoreHost::start(addr, port, opts.timeout)?;
+        let host = StoreHost::start(addr, port, opts.timeout, opts.secret.as_ref())?;
         join::through(&host.store(), opts)
     } else {
         let started = std::time::Instant::now();
-        let store = TcpStore::connect(addr, port, opts.rank, opts.world_size, opts.timeout)?;
+        let store =
+            TcpStore::connect(addr, port, opts.rank, opts.world_size, opts.timeout, opts.secret.as_ref())?;
         let left = ShmOptions { timeout: opts.timeout.saturating_sub(started.elapsed()), ..opts.clone() };
         join::through(&store, &left)
     }
