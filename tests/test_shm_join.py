@@ -31,6 +31,7 @@ from shm_run import (
     connect,
     free_port,
     hello,
+    mac,
     ok,
     recv_exact,
     request,
@@ -196,6 +197,30 @@ def test_strangers_at_the_rendezvous_learn_nothing_and_do_not_fail_the_job():
     assert heard == dict.fromkeys(heard, b""), heard
 
 
+def _as_nobody(port: int, send: bytes) -> bytes:
+    """What a process of another user (uid 65534) hears after sending `send` to rank 0's store."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child only talks to the socket and leaves
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, b"+" + _probe(port, send))
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - told to the parent
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 4096):
+        out += chunk
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0, out
+    return out
+
+
 @pytest.mark.timeout(60)
 def test_without_a_secret_same_user_processes_join_and_other_users_are_refused():
     port = free_port()
@@ -203,27 +228,8 @@ def test_without_a_secret_same_user_processes_join_and_other_users_are_refused()
 
     def other_user() -> None:
         _wait_listening(port)
-        if os.geteuid() != 0:
-            return
-        # A process of another user (uid 65534) sends a perfect hello claiming rank 1.
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child only talks to the socket and leaves
-            code = 1
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                os.write(w, b"+" + _probe(port, request(2, "axonml/rank0")))
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        out = b""
-        while chunk := os.read(r, 4096):
-            out += chunk
-        os.close(r)
-        stranger["heard"] = out
-        stranger["rc"] = os.waitpid(pid, 0)[1].to_bytes(2, "little")
+        if os.geteuid() == 0:
+            stranger["heard"] = _as_nobody(port, request(2, "axonml/rank0"))
 
     t = threading.Thread(target=other_user)
     t.start()
@@ -232,7 +238,35 @@ def test_without_a_secret_same_user_processes_join_and_other_users_are_refused()
     finally:
         t.join()
     if os.geteuid() == 0:
-        assert stranger == {"heard": b"+", "rc": b"\0\0"}, stranger
+        assert stranger == {"heard": b"+"}, stranger
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs another user")
+def test_with_a_secret_another_user_passes_the_store_door_only_with_a_pass_made_with_it():
+    """A rank of another user or network namespace (no socket owner to check) reaches rank 0's store
+    with the job secret (a pass checked against an independent HMAC); without it, it hears nothing."""
+    port, key = free_port(), secrets.token_bytes(32)
+    heard: dict[str, bytes] = {}
+
+    def other_user() -> None:
+        _wait_listening(port)
+        get = request(2, "axonml/rank0")
+        for name, k in [("pass", key), ("wrong pass", os.urandom(32))]:
+            nonce = os.urandom(32)
+            body = nonce + mac(k, b"axonml rendezvous store door", nonce)
+            heard[name] = _as_nobody(port, struct.pack("<BH", 6, len(body)) + body + get)
+
+    t = threading.Thread(target=other_user)
+    t.start()
+    try:
+        with pytest.raises(CollectiveTimeoutError):
+            ShmBackend.connect(0, 2, "127.0.0.1", port, timeout=6, secret=key)
+    finally:
+        t.join()
+    # The reply: status 1, length, rank 0's hello.
+    assert heard["pass"][:2] == b"+\x01" and heard["pass"][4:12] == b"AXONHI03", heard
+    assert heard["wrong pass"] == b"+", heard
 
 
 def _two_ranks(join: Any, keys: list[bytes | None]) -> dict[int, BaseException]:
