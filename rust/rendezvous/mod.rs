@@ -1,16 +1,19 @@
-//! How the ranks of a job meet: one protocol ([`meet`]) against a key-value store
+//! How the ranks of a job meet: one protocol (`meet`) against a key-value store
 //! ([`KeyValueStore`]: set, get, wait, add, delete, as gloo's and torch's stores), whichever store the
 //! job has: torch's (the Python bindings adapt it), or the small TCP store rank 0 hosts on
-//! MASTER_ADDR:MASTER_PORT ([`TcpStore`]; rank 0 itself uses its [`MemoryStore`] directly).
+//! MASTER_ADDR:MASTER_PORT while the job starts ([`StoreHost`], which rank 0 uses in memory; the
+//! others reach it as a [`TcpStore`]).
 //!
 //! The job secret (AXONML_JOB_SECRET) is checked by the protocol, in one way on every store
-//! ([`secret`]): rank 0 publishes a hello with a fresh nonce and its proof; each rank checks it, then
+//! (`secret`): rank 0 publishes a hello with a fresh nonce and its proof; each rank checks it, then
 //! knocks with a hello of its own whose proof covers rank 0's nonce; rank 0 admits a rank only on a
 //! proof that verifies, and its verdict carries, for each rank, a tag over both hellos, so a rank
 //! believes only a rank 0 that knows the secret and a recorded exchange never verifies again. A store
 //! is not trusted: every value read from one is bounded and parsed strictly (`hello`), every wait has
-//! the job's deadline, waits run in slices that see Ctrl-C, and what a stranger writes is noted and
-//! ignored, never fatal to the job.
+//! the job's deadline, waits run in slices that see Ctrl-C, and a timeout names the key it waited
+//! for. A stranger's knock is noted and ignored; whatever else a stranger writes into the store can at
+//! worst stop a rank, never admit one nor, with a secret, hand it a segment rank 0 did not make.
+//! (Rank 0's own store also keeps strangers out of itself: `host`.)
 //!
 //! The protocol knows nothing of shared memory: rank 0's verdict carries an opaque body (the shm
 //! world's segment token), and a caller may run several meetings in one store under other prefixes
