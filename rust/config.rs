@@ -126,13 +126,10 @@ pub(crate) const EXIT_STATUS_GRACE: Duration = Duration::from_secs(1);
 /// Bytes per send/recv cell of the shm world (two per ordered pair of ranks), up to 8 ranks.
 pub(crate) const SHM_CELL: usize = 64 << 10;
 
-/// How long rank 0 gives one rendezvous connection to prove itself.
-pub(crate) const HANDSHAKE: Duration = Duration::from_secs(2);
-/// Rendezvous connections rank 0 serves at once; more are closed at once (a rank among them tries
-/// again).
+/// Connections rank 0's rendezvous store serves at once; more are closed at once.
 pub(crate) const MAX_PENDING: usize = 64;
-/// How long a rank waits for rank 0's answer on one connection before it tries again.
-pub(crate) const ATTEMPT: Duration = Duration::from_secs(5);
+/// How long a write to a rendezvous socket may block: a peer that stops reading is given up on.
+pub(crate) const RENDEZVOUS_WRITE: Duration = Duration::from_secs(5);
 /// Rendezvous reads wait in slices this long, so Ctrl-C is seen.
 pub(crate) const RENDEZVOUS_SLICE: Duration = Duration::from_millis(100);
 

@@ -13,6 +13,7 @@ use std::mem::size_of;
 use crate::algo::layout::{words, Fault, Plan};
 use crate::engine::wire;
 use crate::error::Error;
+use crate::rendezvous::parsers as r;
 use crate::signature::{CollKind, Signature};
 use crate::transport::shm::parsers::{self as p, Header, Layout, Params};
 
@@ -32,35 +33,38 @@ fn word(data: &mut &[u8]) -> u64 {
     u64::from_le_bytes(take(data))
 }
 
-/// A rank's hello, as rank 0 reads it (the first `auth::HELLO` bytes).
+/// A rank's hello, as the ranks read it from the store.
 pub fn hello(data: &[u8]) {
-    let Some(raw) = data.first_chunk::<{ p::HELLO }>() else { return };
-    if let Some(h) = p::Hello::decode(raw) {
-        assert_eq!(&h.encode(), raw, "a hello decodes only from what encode writes: {h:?}");
+    if let Some(h) = r::Hello::decode(data) {
+        assert!(h.host.len() <= r::MAX_HOST, "{h:?}");
+        assert_eq!(h.encode(), data, "a hello decodes only from what encode writes: {h:?}");
     }
 }
 
-/// A stream of rendezvous frames, each read as `handshake::read_frame` reads one, until the bytes run
-/// out.
+/// A stream of the TCP store's frames, each read as `tcp::read_frame` reads one and parsed as a
+/// request, until the bytes run out.
 pub fn frames(data: &[u8]) {
     let mut rest = data;
     while let Some((head, after)) = rest.split_first_chunk::<3>() {
-        let (status, len) = p::frame_head(*head);
-        assert!(len <= p::MAX_BODY, "a frame announces {len} bytes");
+        let (status, len) = r::frame_head(*head);
+        assert!(len <= r::MAX_BODY, "a frame announces {len} bytes");
         let Some(body) = after.get(..len) else { return };
-        assert_eq!(p::frame(status, body), rest[..3 + len], "frames round trip");
+        assert_eq!(r::frame(status, body), rest[..3 + len], "frames round trip");
+        if let Some(req) = r::parse_request(status, body) {
+            assert_eq!(
+                r::request(&req),
+                (status, body.to_vec()),
+                "a request parses only from what request writes"
+            );
+        }
         rest = &after[len..];
     }
 }
 
-/// Rank 0's answer to an admitted rank (the segment's name and nonce).
-pub fn answer(data: &[u8]) {
-    match p::parse_answer(data) {
-        Ok((name, nonce)) => {
-            assert!(p::plausible_name(&name), "{name:?}");
-            assert_eq!(p::answer(&name, nonce), data, "an answer parses only from what answer writes");
-        }
-        Err(e) => assert!(matches!(e, Error::InvalidArgument(_)), "{e}"),
+/// Rank 0's verdict, as the ranks read it from the store.
+pub fn verdict(data: &[u8]) {
+    if let Some(v) = r::Verdict::decode(data) {
+        assert_eq!(v.encode(), data, "a verdict decodes only from what encode writes: {v:?}");
     }
 }
 

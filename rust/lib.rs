@@ -9,7 +9,7 @@
 //! synchronizer        bucketed gradient averaging over a group
 //! group    bucket     ProcessGroup, World, subgroups; gradient buckets
 //! transport           the worlds, each implementing engine::Store: thread (ThreadBackend) and shm
-//!                     (segment, rendezvous, liveness, and the pages' wire format of where buffers are)
+//!                     (segment, join, liveness, and the pages' wire format of where buffers are)
 //! engine              the meeting protocol, once: publish, wait for arrivals, compare signatures,
 //!                     move data, done, drain; Engine<S: Store> implements Backend
 //! backend  algo       the Backend trait every world offers (with work: Work handles, the lanes that
@@ -19,6 +19,8 @@
 //! signature           a call's fingerprint and the mismatch and progress reports built from it
 //! reduce              operators, their dtype rules, Horovod's scaling, the kernels
 //! dtype               element types and type-erased buffer views
+//! rendezvous          how a job's ranks meet through a key-value store and prove they belong to it
+//!                     (one protocol on every store; the job secret, checked once)
 //! sync                locking that survives poisoning; wait, the one way a rank waits for its peers
 //! config  error       every tunable and environment knob; the one error type (knowing nothing above)
 //! ```
@@ -63,6 +65,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod group;
 pub mod reduce;
+pub mod rendezvous;
 pub mod signature;
 mod sync;
 pub mod synchronizer;

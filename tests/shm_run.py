@@ -1,11 +1,13 @@
 """Running a world of processes over shared memory, for the shm tests: workers are started with the
 multiprocessing "spawn" method, as a user would, with nothing but the rendezvous arguments, and report
-back through a queue. Also a stranger's view of the rendezvous protocol (its hello and HMAC), to speak it
-from outside.
+back through a queue. Also a key-value store in this process with torch's Store methods (`DictStore`),
+and a stranger's view of the rendezvous (rank 0's TCP store's wire, the hellos and their HMAC), to speak
+it from outside.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import multiprocessing as mp
@@ -13,6 +15,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -129,13 +132,71 @@ def ok(results: dict[int, tuple]) -> list[Any]:
 
 
 def mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    """The rendezvous' HMAC-SHA256 over length-prefixed parts (rust/transport/shm/auth.rs)."""
+    """The rendezvous' HMAC-SHA256 over length-prefixed parts (rust/rendezvous/secret.rs)."""
     msg = label + b"".join(len(p).to_bytes(8, "little") + p for p in parts)
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
-def hello(rank: int, world: int, with_secret: bool) -> bytes:
-    return struct.pack("<8sIII", b"AXONRDV2", int(with_secret), rank, world) + os.urandom(32)
+def hello(rank: int, world: int, proof: bytes | None = None, host: str = "h") -> bytes:
+    """A hello as the ranks write it into the store (rust/rendezvous/hello.rs), with `proof` if given."""
+    head = struct.pack("<8sIIBB", b"AXONHI03", rank, world, proof is not None, len(host.encode()))
+    return head + host.encode() + os.urandom(32) + (proof or b"")
+
+
+def this_host() -> str:
+    """This host as the rendezvous names it (rust/rendezvous/meet.rs): its name and boot id."""
+    with open("/proc/sys/kernel/hostname") as f, open("/proc/sys/kernel/random/boot_id") as g:
+        return f"{f.read().strip()} (boot {g.read().strip()})"
+
+
+def request(op: int, key: str, operand: bytes = b"") -> bytes:
+    """A request to rank 0's TCP store (rust/rendezvous/tcp.rs): 1 set, 2 get, 3 add, 4 delete, 5 check."""
+    body = struct.pack("<H", len(key)) + key.encode() + operand
+    return struct.pack("<BH", op, len(body)) + body
+
+
+class DictStore:
+    """A key-value store in this process with torch.distributed.Store's methods, for joining a world
+    through `ShmBackend.join` without torch. `on_set(key, value)` sees every value set, before the
+    waiting ranks do."""
+
+    def __init__(self, on_set: Callable[[str, bytes], None] | None = None) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+        self._on_set = on_set
+
+    def set(self, key: str, value: bytes) -> None:
+        if self._on_set:
+            self._on_set(key, value)
+        with self._changed:
+            self._data[key] = bytes(value)
+            self._changed.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._changed:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._changed:
+            return all(k in self._data for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: all(k in self._data for k in keys), timeout.total_seconds()
+            ):
+                raise TimeoutError(f"keys {keys} not set after {timeout}")
+
+    def add(self, key: str, value: int) -> int:
+        with self._changed:
+            total = int(self._data.get(key, b"0")) + value
+            self._data[key] = str(total).encode()
+            self._changed.notify_all()
+            return total
+
+    def delete_key(self, key: str) -> bool:
+        with self._changed:
+            return self._data.pop(key, None) is not None
 
 
 def recv_exact(conn: socket.socket, k: int) -> bytes:

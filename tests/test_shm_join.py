@@ -1,32 +1,40 @@
 """Joining the shared-memory world: the rendezvous admits only ranks that prove they belong to the job
 (strangers learn nothing and do not fail it), a job started by the launcher or by hand, a port in use, a
-member started with another world size, Ctrl-C during the rendezvous.
+member started with another world size or secret, a store that never answers, Ctrl-C during the
+rendezvous.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from axonml_distributed import (
     CollectiveTimeoutError,
+    DistributedError,
 )
 from axonml_distributed._core import ShmBackend
 from shm_run import (
+    DictStore,
     connect,
     free_port,
     hello,
+    mac,
     ok,
     recv_exact,
+    request,
     run_world,
     segments_unchanged,
 )
@@ -121,20 +129,28 @@ def _wait_listening(port: int) -> None:
     raise AssertionError("rank 0 never listened")
 
 
-def _probe(port: int, send: bytes, proof: bool = False) -> bytes:
-    """Connect as a stranger, send `send` (and, after a challenge, a made-up proof), return all it hears."""
+def _probe(port: int, send: bytes) -> bytes:
+    """Connect as a stranger, send `send`, return all it hears."""
     heard = b""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
         c.sendall(send)
-        if proof:
-            heard += recv_exact(c, 32)
-            c.sendall(os.urandom(32))
         try:
             while chunk := c.recv(4096):
                 heard += chunk
         except OSError:  # a timeout or a reset: either way nothing more was said
             pass
     return heard
+
+
+def _knock(port: int, knock: bytes) -> None:
+    """Speak rank 0's store as a process of this user that does not know the job's secret: take a knock
+    slot and fill it with `knock`."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(request(3, "axonml/knocks", (1).to_bytes(8, "little", signed=True)))
+        head = recv_exact(c, 3)
+        slot = int.from_bytes(recv_exact(c, struct.unpack("<H", head[1:])[0]), "little", signed=True)
+        c.sendall(request(1, f"axonml/knock/{slot}", knock))
+        recv_exact(c, 3)
 
 
 @pytest.mark.timeout(60)
@@ -148,15 +164,17 @@ def test_strangers_at_the_rendezvous_learn_nothing_and_do_not_fail_the_job():
         # More silent sockets than the job's timeout allows when they are served one by one.
         silent.extend(socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12))
         probes = {
-            "garbage": (b"GET / HTTP/1.0\r\n\r\n" + os.urandom(100), False),
-            "hello without the secret": (hello(1, 2, False), False),
-            "hello with a wrong proof": (hello(1, 2, True), True),
-            "hello for another world size": (hello(1, 3, False), False),
+            "garbage": b"GET / HTTP/1.0\r\n\r\n" + os.urandom(100),
+            "an unknown request": request(9, "axonml/rank0"),
+            "a request with trailing bytes": request(2, "axonml/rank0", b"x"),
         }
         threads = [
-            threading.Thread(target=lambda k=k, v=v: heard.__setitem__(k, _probe(port, *v)))
+            threading.Thread(target=lambda k=k, v=v: heard.__setitem__(k, _probe(port, v)))
             for k, v in probes.items()
         ]
+        # Knocks without the secret, with a made-up proof, or for another world size: noted, ignored.
+        knocks = [hello(1, 2), hello(1, 2, os.urandom(32)), hello(1, 3, os.urandom(32))]
+        threads += [threading.Thread(target=_knock, args=(port, k)) for k in knocks]
         for t in threads:
             t.start()
         for t in threads:
@@ -176,9 +194,31 @@ def test_strangers_at_the_rendezvous_learn_nothing_and_do_not_fail_the_job():
         except TimeoutError:
             pass
         s.close()
-    # A stranger with a secret-capable hello gets rank 0's random challenge, nothing else.
-    assert len(heard.pop("hello with a wrong proof")) == 32
     assert heard == dict.fromkeys(heard, b""), heard
+
+
+def _as_nobody(port: int, send: bytes) -> bytes:
+    """What a process of another user (uid 65534) hears after sending `send` to rank 0's store."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child only talks to the socket and leaves
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, b"+" + _probe(port, send))
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - told to the parent
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 4096):
+        out += chunk
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0, out
+    return out
 
 
 @pytest.mark.timeout(60)
@@ -188,27 +228,8 @@ def test_without_a_secret_same_user_processes_join_and_other_users_are_refused()
 
     def other_user() -> None:
         _wait_listening(port)
-        if os.geteuid() != 0:
-            return
-        # A process of another user (uid 65534) sends a perfect hello claiming rank 1.
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child only talks to the socket and leaves
-            code = 1
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                os.write(w, b"+" + _probe(port, hello(1, 2, False)))
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        out = b""
-        while chunk := os.read(r, 4096):
-            out += chunk
-        os.close(r)
-        stranger["heard"] = out
-        stranger["rc"] = os.waitpid(pid, 0)[1].to_bytes(2, "little")
+        if os.geteuid() == 0:
+            stranger["heard"] = _as_nobody(port, request(2, "axonml/rank0"))
 
     t = threading.Thread(target=other_user)
     t.start()
@@ -217,30 +238,142 @@ def test_without_a_secret_same_user_processes_join_and_other_users_are_refused()
     finally:
         t.join()
     if os.geteuid() == 0:
-        assert stranger == {"heard": b"+", "rc": b"\0\0"}, stranger
+        assert stranger == {"heard": b"+"}, stranger
 
 
-@pytest.mark.timeout(30)
-def test_a_rank_with_another_secret_is_not_admitted_and_both_time_out_naming_each_other():
-    port = free_port()
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs another user")
+def test_with_a_secret_another_user_passes_the_store_door_only_with_a_pass_made_with_it():
+    """A rank of another user or network namespace (no socket owner to check) reaches rank 0's store
+    with the job secret (a pass checked against an independent HMAC); without it, it hears nothing."""
+    port, key = free_port(), secrets.token_bytes(32)
+    heard: dict[str, bytes] = {}
+
+    def other_user() -> None:
+        _wait_listening(port)
+        get = request(2, "axonml/rank0")
+        for name, k in [("pass", key), ("wrong pass", os.urandom(32))]:
+            nonce = os.urandom(32)
+            body = nonce + mac(k, b"axonml rendezvous store door", nonce)
+            heard[name] = _as_nobody(port, struct.pack("<BH", 6, len(body)) + body + get)
+
+    t = threading.Thread(target=other_user)
+    t.start()
+    try:
+        with pytest.raises(CollectiveTimeoutError):
+            ShmBackend.connect(0, 2, "127.0.0.1", port, timeout=6, secret=key)
+    finally:
+        t.join()
+    # The reply: status 1, length, rank 0's hello.
+    assert heard["pass"][:2] == b"+\x01" and heard["pass"][4:12] == b"AXONHI03", heard
+    assert heard["wrong pass"] == b"+", heard
+
+
+def _two_ranks(join: Any, keys: list[bytes | None]) -> dict[int, BaseException]:
+    """`join(rank, key)` on two threads, rank r with keys[r]: what each raised."""
     errors: dict[int, BaseException] = {}
 
-    def rank(r: int, key: bytes) -> None:
+    def rank(r: int) -> None:
         try:
-            ShmBackend.connect(r, 2, "127.0.0.1", port, timeout=3, secret=key)
-        except BaseException as e:  # noqa: BLE001 - asserted below
+            join(r, keys[r])
+        except BaseException as e:  # noqa: BLE001 - asserted by the callers
             errors[r] = e
 
-    ts = [threading.Thread(target=rank, args=(r, secrets.token_bytes(32))) for r in (0, 1)]
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+    return errors
+
+
+# What a rank with another job secret than rank 0's hears, through any store.
+REFUSED = (
+    "rank 1: rank 0 does not prove that it knows this rank's AXONML_JOB_SECRET: the ranks were started "
+    "with different job secrets (or with and without one), or the store is shared with another job"
+)
+# What rank 0 says of it when its timeout comes.
+NOTED = "a process claiming rank 1 does not prove that it knows rank 0's AXONML_JOB_SECRET"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("other", ["another", "none"])
+@pytest.mark.parametrize("path", ["launcher", "store"])
+def test_a_rank_with_another_secret_is_refused_and_rank_0_times_out_naming_it(path, other):
+    """The same refusal on both paths: rank 0's TCP store (the launcher's) and the job's own store."""
+    port, store = free_port(), DictStore()
+    if path == "launcher":
+
+        def join(r: int, key: bytes | None) -> None:
+            ShmBackend.connect(r, 2, "127.0.0.1", port, timeout=3, secret=key)
+    else:
+
+        def join(r: int, key: bytes | None) -> None:
+            ShmBackend.join(store, r, 2, timeout=3, secret=key)
+
+    errors = _two_ranks(
+        join, [secrets.token_bytes(32), secrets.token_bytes(32) if other == "another" else None]
+    )
+    assert type(errors[1]) is DistributedError and str(errors[1]) == REFUSED, errors
     assert isinstance(errors[0], CollectiveTimeoutError) and "[1]" in str(errors[0]), errors
-    assert isinstance(errors[1], CollectiveTimeoutError) and "[0]" in str(errors[1]), errors
-    assert "AXONML_JOB_SECRET" in str(errors[1])
-    with pytest.raises(ValueError, match="at least 16"):
-        ShmBackend.connect(0, 1, "127.0.0.1", port, timeout=3, secret=b"short")
+    assert NOTED in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_a_short_secret_is_refused_the_same_way_on_both_paths_before_anything_is_touched():
+    message = "AXONML_JOB_SECRET has 5 bytes (10 hex digits); it must have at least 16 (32 hex digits)"
+    store = DictStore()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ShmBackend.connect(0, 1, "127.0.0.1", free_port(), timeout=3, secret=b"short")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ShmBackend.join(store, 0, 1, timeout=3, secret=b"short")
+    assert store.add("n", 0) == 0 and not store.check(["axonml/rank0"])
+
+
+class _Silent:
+    """A store that holds nothing and never sees a key arrive."""
+
+    def set(self, key: str, value: bytes) -> None:
+        pass
+
+    def get(self, key: str) -> bytes:
+        raise KeyError(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return False
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        time.sleep(timeout.total_seconds())
+        raise TimeoutError(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return 0
+
+    def delete_key(self, key: str) -> bool:
+        return False
+
+
+@pytest.mark.timeout(30)
+def test_a_store_that_never_answers_times_out_naming_what_each_rank_waited_for():
+    errors = _two_ranks(lambda r, key: ShmBackend.join(_Silent(), r, 2, timeout=1, secret=key), [None, None])
+    assert isinstance(errors[1], CollectiveTimeoutError), errors
+    assert "the job's store (_Silent) (waiting for rank 0's hello, key \"axonml/rank0\")" in str(errors[1])
+    assert "rank(s) [0]" in str(errors[1])
+    assert isinstance(errors[0], CollectiveTimeoutError), errors
+    assert "the job's store (_Silent) (waiting for the other ranks' knocks)" in str(errors[0])
+    assert "rank(s) [1]" in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_0_that_accepts_and_never_answers_times_out_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        with pytest.raises(
+            CollectiveTimeoutError,
+            match=r"waiting for a reply from the TCP store of rank 0 at 127\.0\.0\.1:.*rank\(s\) \[0\]",
+        ):
+            ShmBackend.connect(1, 2, "127.0.0.1", s.getsockname()[1], timeout=1)
 
 
 @pytest.mark.timeout(30)

@@ -5,6 +5,7 @@ name the launcher removes, and the stale-segment cleanup removes only our dead j
 
 from __future__ import annotations
 
+import datetime
 import errno
 import hmac
 import os
@@ -26,13 +27,17 @@ from axonml_distributed._core import ShmBackend
 from shm_run import (
     PREFIX,
     SHM,
+    DictStore,
     connect,
     free_port,
+    hello,
     mac,
     ok,
     recv_exact,
+    request,
     run_world,
     segments_unchanged,
+    this_host,
 )
 
 no_leak = pytest.fixture(autouse=True)(segments_unchanged)
@@ -78,26 +83,22 @@ def test_a_precreated_segment_name_is_refused(how, tmp_path):
         os.unlink(path)
 
 
-def _fake_rank0(port_box: list, name: str, nonce: bytes, key: bytes, answers: list) -> None:
-    """Speak rank 0's side of the rendezvous (with the job secret `key`), handing out `name`, and record
-    whether the rank's proof verified and the rank's verdict on the segment."""
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        port_box.append(srv.getsockname()[1])
-        conn, _ = srv.accept()
-        with conn:
-            hello = recv_exact(conn, 52)
-            assert hello[:8] == b"AXONRDV2" and struct.unpack("<III", hello[8:20]) == (1, 1, 2)
-            challenge = os.urandom(32)
-            conn.sendall(challenge)
-            tag = recv_exact(conn, 32)
-            answers.append(hmac.compare_digest(tag, mac(key, b"axonml rendezvous client", hello, challenge)))
-            body = name.encode() + nonce
-            body += mac(key, b"axonml rendezvous server", hello, challenge, tag, b"\x01", body)
-            conn.sendall(bytes([1]) + struct.pack("<H", len(body)) + body)
-            head = recv_exact(conn, 3)
-            answers.append((head[:1], recv_exact(conn, struct.unpack("<H", head[1:3])[0]).decode()))
+def _fake_rank0(store: DictStore, name: str, nonce: bytes, key: bytes, answers: list) -> None:
+    """Speak rank 0's side of the rendezvous in `store` (with the job secret `key`), handing out `name`,
+    and record whether the rank's proof verified against an independent HMAC, and what the rank reports."""
+    unsigned = hello(0, 2, proof=b"", host=this_host())  # its flag says a proof follows
+    rank0 = unsigned + mac(key, b"axonml rendezvous rank 0", unsigned)
+    store.set("axonml/rank0", rank0)
+    store.wait(["axonml/knock/1"], datetime.timedelta(seconds=10))
+    knock = store.get("axonml/knock/1")
+    answers.append(hmac.compare_digest(knock[-32:], mac(key, b"axonml rendezvous knock", knock[:-32], rank0)))
+    body = f"{name} {nonce.hex()} 2".encode()
+    verdict = b"AXONVD03" + rank0[-64:-32] + b"\x01" + struct.pack("<H", len(body)) + body
+    tag = mac(key, b"axonml rendezvous verdict", rank0, knock, verdict)
+    store.set("axonml/verdict", verdict + struct.pack("<H", 1) + tag)
+    # The rank tells rank 0 why it cannot attach.
+    store.wait(["axonml/failed"], datetime.timedelta(seconds=10))
+    answers.append(store.get("axonml/failed").decode())
 
 
 @pytest.mark.timeout(30)
@@ -113,22 +114,19 @@ def test_a_foreign_or_bad_segment_is_refused_on_attach(problem):
             os.fchmod(fd, 0o644)
         if problem == "truncated":
             os.ftruncate(fd, 16)
-        box: list = []
-        answers: list = []
-        t = threading.Thread(target=_fake_rank0, args=(box, name, b"n" * 16, key, answers))
+        store, answers = DictStore(), []
+        t = threading.Thread(target=_fake_rank0, args=(store, name, b"n" * 16, key, answers))
         t.start()
-        while not box:
-            time.sleep(0.01)
         expect = {"mode": "mode 644", "magic": "magic", "truncated": "bytes long"}[problem]
         with pytest.raises(OSError, match=expect) as e:
-            ShmBackend.connect(1, 2, "127.0.0.1", box[0], timeout=5, secret=key)
+            ShmBackend.join(store, 1, 2, timeout=5, secret=key)
         # A real errno, not 0: PermissionError for a mode others can use, EBADMSG for bad contents.
         want = {"mode": errno.EACCES, "magic": errno.EBADMSG, "truncated": errno.EBADMSG}[problem]
         assert e.value.errno == want, e.value
         assert problem != "mode" or isinstance(e.value, PermissionError)
         t.join()
         assert answers[0] is True, "the rank's proof verifies against an independent HMAC"
-        assert answers[1][0] == b"\x02", answers
+        assert answers[1].startswith("rank 1 could not use what rank 0 handed out") and expect in answers[1]
     finally:
         os.close(fd)
         os.unlink(path)
@@ -147,6 +145,25 @@ def test_a_single_rank_world_works_and_leaves_nothing():
     assert ReduceOp.SUM is not None
 
 
+def _knock_as_rank1(port: int) -> None:
+    """Rank 1 of a job without a secret, through rank 0's TCP store: it knocks, then stays silent."""
+    deadline = time.time() + 20
+    while True:
+        try:
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            break
+        except OSError:
+            assert time.time() < deadline, "rank 0 never listened"
+            time.sleep(0.02)
+    with c:
+        c.sendall(request(3, "axonml/knocks", (1).to_bytes(8, "little", signed=True)))
+        head = recv_exact(c, 3)
+        slot = int.from_bytes(recv_exact(c, struct.unpack("<H", head[1:])[0]), "little", signed=True)
+        c.sendall(request(1, f"axonml/knock/{slot}", hello(1, 2, host=this_host())))
+        recv_exact(c, 3)
+        time.sleep(15)
+
+
 @pytest.mark.timeout(30)
 def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
     from axonml_distributed.shm import segment_name
@@ -156,8 +173,12 @@ def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
         "from axonml_distributed._core import ShmBackend\n"
         f"ShmBackend.connect(0, 2, '127.0.0.1', {free_port()}, timeout=20, job_id='{job}')\n"
     )
+    port = int(code.split("'127.0.0.1', ")[1].split(",")[0])
     proc = subprocess.Popen([sys.executable, "-c", code])
     path = SHM + segment_name(job)
+    # Rank 1 knocks (the job has no secret), so rank 0 creates the segment; it never attaches.
+    knocker = threading.Thread(target=_knock_as_rank1, args=(port,), daemon=True)
+    knocker.start()
 
     def header() -> tuple:
         try:
@@ -167,7 +188,7 @@ def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
             return ()
 
     try:
-        # Rank 0 creates the job's segment, then writes its header, while it waits for rank 1.
+        # Rank 0 creates the job's segment, then writes its header, while it waits for rank 1 to attach.
         deadline = time.time() + 10
         while not header()[:1] == (b"AXONSHM1",) and time.time() < deadline:
             time.sleep(0.01)

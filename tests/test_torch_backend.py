@@ -476,6 +476,40 @@ def test_a_short_job_secret_is_refused_before_the_store_is_touched(monkeypatch: 
     assert store.num_keys() == 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["HashStore", "TCPStore"])
+def test_a_wrong_secret_is_refused_through_torchs_store_as_through_ours(kind: str) -> None:
+    """torch's Store, through the core's adapter: the refusal axonml-run's own store gives
+    (test_shm_join), and rank 0 names the rank at its timeout."""
+    import torch.distributed as dist
+
+    from axonml_distributed import CollectiveTimeoutError, DistributedError
+    from axonml_distributed._core import ShmBackend
+    from test_shm_join import NOTED, REFUSED
+
+    store = (
+        dist.HashStore()
+        if kind == "HashStore"
+        else dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    )
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int) -> None:
+        try:
+            ShmBackend.join(store, r, 2, timeout=3, secret=secrets.token_bytes(32))
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors[r] = e
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert type(errors[1]) is DistributedError and str(errors[1]) == REFUSED, errors
+    assert isinstance(errors[0], CollectiveTimeoutError) and NOTED in str(errors[0]), errors
+    assert f"the job's store ({kind})" in str(errors[0])
+
+
 def test_registration_without_and_with_our_import() -> None:
     """Importing the package alone registers nothing and does not load torch; importing torch registers
     the name (torch's autoload, torch 2.5 and later) without loading our torch layer; with autoload off,

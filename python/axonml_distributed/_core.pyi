@@ -14,6 +14,8 @@ from axonml_distributed.exceptions import PeerFailureError as PeerFailureError
 
 __version__: str
 INLINE_BYTES: int
+# The shortest job secret the rendezvous takes, in bytes.
+JOB_SECRET_MIN_BYTES: int
 
 _Array = npt.NDArray[Any]
 
@@ -22,6 +24,16 @@ class _Tensor(Protocol):
 
     def detach(self) -> Any: ...
     def is_contiguous(self) -> bool: ...
+
+class _Store(Protocol):
+    """A key-value store with torch.distributed.Store's methods (TCPStore, FileStore, HashStore, ...)."""
+
+    def set(self, key: str, value: bytes, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def check(self, keys: list[str], /) -> bool: ...
+    def wait(self, keys: list[str], timeout: timedelta, /) -> None: ...
+    def add(self, key: str, value: int, /) -> int: ...
+    def delete_key(self, key: str, /) -> bool: ...
 
 # What collectives take: a numpy array or a CPU torch tensor. The `*_tensor` calls return the caller's type.
 _Buf = _Array | _Tensor
@@ -145,6 +157,9 @@ class CallCheck:
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
+def check_job_secret(secret: bytes) -> None:
+    """Refuse a job secret the rendezvous would refuse (shorter than JOB_SECRET_MIN_BYTES): ValueError."""
+
 def checked_timeout(seconds: float | timedelta | None = None) -> float:
     """`seconds` (a number or a timedelta) checked as every native timeout is (positive, at most about
     31 years; None: 300), in seconds."""
@@ -189,18 +204,16 @@ class ShmBackend:
         arena_bytes: int | None = None,
         secret: bytes | None = None,
     ) -> Backend: ...
-
-@final
-class ShmSegment:
-    """A segment rank 0 created for a job that meets through its own key-value store (the torch
-    backend): `token` goes into the store, every rank calls `ShmSegment.join(token, ...)`."""
-
-    def __new__(cls, world_size: int, arena_bytes: int | None = None) -> ShmSegment: ...
-    @property
-    def token(self) -> str: ...
-    def close(self) -> None: ...
     @staticmethod
-    def join(token: str, rank: int, world_size: int, timeout: float | None = None) -> Backend: ...
+    def join(
+        store: _Store,
+        rank: int,
+        world_size: int,
+        timeout: float | None = None,
+        job_id: str | None = None,
+        arena_bytes: int | None = None,
+        secret: bytes | None = None,
+    ) -> Backend: ...
 
 @final
 class SegmentMemory:
@@ -399,6 +412,7 @@ __all__ = [
     "GradientSynchronizer",
     "DTYPE_CODES",
     "INLINE_BYTES",
+    "JOB_SECRET_MIN_BYTES",
     "KIND_CODES",
     "OP_CODES",
     "SEGMENT_DIR",
@@ -418,10 +432,10 @@ __all__ = [
     "SegmentMemory",
     "ThreadBackend",
     "ShmBackend",
-    "ShmSegment",
     "Work",
     "World",
     "check_op",
+    "check_job_secret",
     "checked_timeout",
     "layout_mismatch_error",
     "mismatch_error",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import re
 
-from axonml_distributed._core import SEGMENT_DIR
+# Shortest job secret: the core's (JobSecret::MIN_BYTES in rust/rendezvous/secret.rs), which checks it.
+from axonml_distributed._core import JOB_SECRET_MIN_BYTES as JOB_SECRET_MIN_BYTES
+from axonml_distributed._core import SEGMENT_DIR, check_job_secret
 
 # torchrun's variables: the launcher sets them, `init_process_group("shm")` reads the first four.
 RANK = "RANK"
@@ -30,10 +32,6 @@ SHM_ARENA_MB = "AXONML_SHM_ARENA_MB"
 
 # All ranks run on this host.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-# Shortest job secret, as the core's rendezvous requires (JobSecret::MIN_BYTES in
-# rust/transport/shm/auth.rs; tests/test_settings.py checks that the two agree). The torch backend's
-# rendezvous checks it here until it too authenticates in the core.
-JOB_SECRET_MIN_BYTES = 16
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
 _DIGITS = re.compile(r"[0-9]+")
 _MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
@@ -70,18 +68,15 @@ def job_id() -> str | None:
 
 def job_secret() -> bytes | None:
     """AXONML_JOB_SECRET: the job's secret, hex digits (surrounding whitespace ignored) decoded to at
-    least `JOB_SECRET_MIN_BYTES` bytes; None when unset. Only processes that know it join the job."""
+    least `JOB_SECRET_MIN_BYTES` bytes (the core checks the length, as its rendezvous does); None when
+    unset. Only processes that know it join the job."""
     text = (_value(JOB_SECRET) or "").strip()
     if not text:
         return None
     if not _HEX.fullmatch(text):
         raise ValueError(f"{JOB_SECRET} must be hex digits, two per byte (e.g. from {_MAKE_SECRET})")
     secret = bytes.fromhex(text)
-    if len(secret) < JOB_SECRET_MIN_BYTES:
-        raise ValueError(
-            f"{JOB_SECRET} has {len(secret)} bytes ({len(text)} hex digits); it must have at least "
-            f"{JOB_SECRET_MIN_BYTES} ({2 * JOB_SECRET_MIN_BYTES} hex digits), e.g. from {_MAKE_SECRET}"
-        )
+    check_job_secret(secret)
     return secret
 
 

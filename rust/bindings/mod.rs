@@ -10,6 +10,7 @@ mod exceptions;
 mod group;
 mod op;
 mod python_group;
+mod rendezvous;
 mod segment;
 mod synchronizer;
 mod tables;
@@ -62,7 +63,9 @@ mod _core {
     #[pymodule_export]
     use super::op::PyReduceOp;
     #[pymodule_export]
-    use super::segment::{PyShmBackend, PyShmSegment, SegmentMemory};
+    use super::rendezvous::check_job_secret;
+    #[pymodule_export]
+    use super::segment::{PyShmBackend, SegmentMemory};
     #[pymodule_export]
     use super::synchronizer::{set_default_group_source, PyGradSyncStrategy, PyGradientSynchronizer};
     #[pymodule_export]
@@ -83,6 +86,7 @@ mod _core {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("INLINE_BYTES", crate::config::INLINE)?;
         super::exceptions::add_to(m)?;
+        m.add("JOB_SECRET_MIN_BYTES", crate::rendezvous::JobSecret::MIN_BYTES)?;
         super::op::add_members(m.py())?;
         super::tables::add_to(m)
     }

@@ -1,10 +1,8 @@
-//! The shared-memory world for Python: `ShmBackend.connect(...)`, `ShmSegment` (joining through a
-//! key-value store the job already has: the torch backend's rendezvous, see
-//! `transport::shm::store_join`), and numpy arrays over segment memory for `ProcessGroup.empty`.
+//! The shared-memory world for Python: `ShmBackend.connect(...)` (through rank 0's TCP store),
+//! `ShmBackend.join(store, ...)` (through a key-value store the job already has: the torch backend's
+//! rendezvous), and numpy arrays over segment memory for `ProcessGroup.empty`.
 
 use std::sync::Arc;
-
-use std::sync::Mutex;
 
 use numpy::PyArrayDescr;
 use pyo3::exceptions::PyValueError;
@@ -13,9 +11,10 @@ use pyo3::prelude::*;
 use super::args::timeout_from;
 use super::array::{dtype_of, view};
 use super::backend::PyBackend;
+use super::rendezvous::PyStore;
 use crate::backend::{Backend, SharedMem};
 use crate::dtype::DType;
-use crate::transport::shm::{JobSecret, SegmentToken, ShmBackend, ShmOptions, DEFAULT_ARENA};
+use crate::transport::shm::{JobSecret, ShmBackend, ShmOptions, DEFAULT_ARENA};
 
 /// Joins the multi-process world on this host, through a shared-memory segment.
 #[pyclass(name = "ShmBackend", module = "axonml_distributed", frozen)]
@@ -23,13 +22,13 @@ pub(crate) struct PyShmBackend;
 
 #[pymethods]
 impl PyShmBackend {
-    /// Join as `rank` of `world_size` processes: rank 0 listens on `master_addr:master_port` and
-    /// creates the segment, the others connect (retrying until `timeout`). `job_id` (the launcher's
-    /// AXONML_JOB_ID) names the segment so the launcher can remove it after a crash; `arena_bytes`
-    /// is the room per rank for `ProcessGroup.empty` arrays (rank 0's value counts). `secret` (the
-    /// launcher's AXONML_JOB_SECRET, at least 16 bytes) is what every rank must prove it knows to join;
-    /// without it rank 0 admits any process of its own user. Blocks, with the GIL released, until every
-    /// rank has joined.
+    /// Join as `rank` of `world_size` processes: rank 0 hosts the rendezvous store on
+    /// `master_addr:master_port` and creates the segment, the others connect (retrying until
+    /// `timeout`). `job_id` (the launcher's AXONML_JOB_ID) names the segment so the launcher can remove
+    /// it after a crash; `arena_bytes` is the room per rank for `ProcessGroup.empty` arrays (rank 0's
+    /// value counts). `secret` (AXONML_JOB_SECRET, at least 16 bytes) is what every rank must prove it
+    /// knows to join; without it rank 0's store admits any process of its own user. Blocks, with the
+    /// GIL released, until every rank has joined.
     #[staticmethod]
     #[pyo3(signature = (rank, world_size, master_addr, master_port, timeout=None, job_id=None, arena_bytes=None, secret=None))]
     #[allow(clippy::too_many_arguments)]
@@ -44,67 +43,58 @@ impl PyShmBackend {
         arena_bytes: Option<usize>,
         secret: Option<Vec<u8>>,
     ) -> PyResult<PyBackend> {
-        let secret = secret.map(JobSecret::new).transpose()?;
-        let opts = ShmOptions {
-            rank,
-            world_size,
-            master_addr,
-            master_port,
-            timeout: timeout_from(timeout)?,
-            job_id,
-            arena_bytes: arena_bytes.unwrap_or(DEFAULT_ARENA),
-            chunk_bytes: crate::config::shm_chunk_from_env(),
-            secret,
-        };
+        let opts = options(rank, world_size, master_addr, master_port, timeout, job_id, arena_bytes, secret)?;
         let b = py.detach(move || ShmBackend::connect(opts))?;
         Ok(PyBackend { inner: Arc::new(b) })
     }
-}
 
-/// A segment rank 0 created, until every rank has joined it. `token` is what the others need;
-/// `close()` (or garbage collection) removes its name, which the join does anyway once everyone is in.
-#[pyclass(name = "ShmSegment", module = "axonml_distributed", frozen)]
-pub(crate) struct PyShmSegment {
-    token: String,
-    segment: Mutex<Option<SegmentToken>>,
-}
-
-#[pymethods]
-impl PyShmSegment {
-    /// Create a segment for `world_size` ranks with `arena_bytes` of segment arrays per rank.
-    #[new]
-    #[pyo3(signature = (world_size, arena_bytes=None))]
-    fn new(py: Python<'_>, world_size: usize, arena_bytes: Option<usize>) -> PyResult<Self> {
-        let seg = py.detach(|| SegmentToken::create(world_size, arena_bytes.unwrap_or(DEFAULT_ARENA)))?;
-        Ok(PyShmSegment { token: seg.token(), segment: Mutex::new(Some(seg)) })
-    }
-    /// The segment's name, session nonce and world size, for the store.
-    #[getter]
-    fn token(&self) -> String {
-        self.token.clone()
-    }
-    /// Remove the segment's name now (ranks that attached keep it).
-    fn close(&self) {
-        drop(self.segment.lock().unwrap_or_else(|e| e.into_inner()).take());
-    }
-    /// Join as `rank` of `world_size` with rank 0's `token`; blocks, with the GIL released, until every
-    /// rank has joined (or `timeout` seconds, default 300, pass, or a rank that joined dies).
+    /// Join as `rank` of `world_size` processes through `store`, the job's own key-value store (an
+    /// object with torch's `Store` methods: set, get, check, wait, add, delete_key); the other arguments
+    /// as `connect`'s. Blocks, with the GIL released but for the store's calls, until every rank has
+    /// joined.
     #[staticmethod]
-    #[pyo3(signature = (token, rank, world_size, timeout=None))]
+    #[pyo3(signature = (store, rank, world_size, timeout=None, job_id=None, arena_bytes=None, secret=None))]
+    #[allow(clippy::too_many_arguments)]
     fn join(
         py: Python<'_>,
-        token: String,
+        store: &Bound<'_, PyAny>,
         rank: usize,
         world_size: usize,
         timeout: Option<f64>,
+        job_id: Option<String>,
+        arena_bytes: Option<usize>,
+        secret: Option<Vec<u8>>,
     ) -> PyResult<PyBackend> {
-        if token.len() > 512 {
-            return Err(PyValueError::new_err("the shared-memory token is too long to be one"));
-        }
-        let timeout = timeout_from(timeout)?;
-        let b = py.detach(move || ShmBackend::join_token(&token, rank, world_size, timeout))?;
+        // Every argument is checked before the store is touched.
+        let opts = options(rank, world_size, String::new(), 0, timeout, job_id, arena_bytes, secret)?;
+        let store = PyStore::new(store)?;
+        let b = py.detach(move || ShmBackend::join(&store, opts))?;
         Ok(PyBackend { inner: Arc::new(b) })
     }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn options(
+    rank: usize,
+    world_size: usize,
+    master_addr: String,
+    master_port: u16,
+    timeout: Option<f64>,
+    job_id: Option<String>,
+    arena_bytes: Option<usize>,
+    secret: Option<Vec<u8>>,
+) -> PyResult<ShmOptions> {
+    Ok(ShmOptions {
+        rank,
+        world_size,
+        master_addr,
+        master_port,
+        timeout: timeout_from(timeout)?,
+        job_id,
+        arena_bytes: arena_bytes.unwrap_or(DEFAULT_ARENA),
+        chunk_bytes: crate::config::shm_chunk_from_env(),
+        secret: secret.map(JobSecret::new).transpose()?,
+    })
 }
 
 /// Keeps a segment allocation (and the segment's mapping) alive: the base object of arrays from

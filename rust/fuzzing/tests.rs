@@ -9,7 +9,8 @@ use proptest::sample::select;
 use super::*;
 use crate::dtype::DType;
 use crate::reduce::{ReduceOp, Scale};
-use crate::transport::shm::parsers::{Head, Hello};
+use crate::rendezvous::parsers::{Hello, Request, Verdict};
+use crate::transport::shm::parsers::Head;
 use crate::transport::shm::PREFIX;
 
 /// Values that break careless size arithmetic.
@@ -82,14 +83,32 @@ fn inputs(valid: impl Strategy<Value = Vec<u8>>, origin: usize) -> impl Strategy
 }
 
 fn hellos() -> impl Strategy<Value = Hello> {
-    let number = prop_oneof![0..80usize, any::<u32>().prop_map(|x| x as usize)];
-    (any::<bool>(), number.clone(), number, any::<[u8; 32]>())
-        .prop_map(|(secret, rank, world, challenge)| Hello { secret, rank, world, challenge })
+    let number = prop_oneof![0..80u32, any::<u32>()];
+    let proof = prop_oneof![Just(None), any::<[u8; 32]>().prop_map(Some)];
+    (number.clone(), number, "[a-zé0-9 ()-]{0,80}", any::<[u8; 32]>(), proof)
+        .prop_map(|(rank, world, host, nonce, proof)| Hello { rank, world, host, nonce, proof })
+}
+
+fn verdicts() -> impl Strategy<Value = Verdict> {
+    (any::<[u8; 32]>(), any::<bool>(), vec(any::<u8>(), 0..300), vec(any::<[u8; 32]>(), 0..9))
+        .prop_map(|(nonce, admitted, body, tags)| Verdict { nonce, admitted, body, tags })
+}
+
+fn requests() -> impl Strategy<Value = Request> {
+    let key = "[a-z/0-9]{0,40}";
+    prop_oneof![
+        (key, vec(any::<u8>(), 0..300)).prop_map(|(k, v)| Request::Set(k, v)),
+        key.prop_map(Request::Get),
+        (key, any::<i64>()).prop_map(|(k, d)| Request::Add(k, d)),
+        key.prop_map(Request::Delete),
+        key.prop_map(Request::Check),
+    ]
 }
 
 fn frame_streams() -> impl Strategy<Value = Vec<u8>> {
-    vec((any::<u8>(), vec(any::<u8>(), 0..300)), 0..4)
-        .prop_map(|fs| fs.iter().flat_map(|(status, body)| p::frame(*status, body)).collect())
+    let frames =
+        prop_oneof![(any::<u8>(), vec(any::<u8>(), 0..300)), requests().prop_map(|q| r::request(&q)),];
+    vec(frames, 0..4).prop_map(|fs| fs.iter().flat_map(|(status, body)| r::frame(*status, body)).collect())
 }
 
 /// Segment names as `segment::name_for` makes them.
@@ -157,7 +176,7 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn hellos_are_refused_or_exact(data in inputs(hellos().prop_map(|h| h.encode().to_vec()), 8)) {
+    fn hellos_are_refused_or_exact(data in inputs(hellos().prop_map(|h| h.encode()), 8)) {
         hello(&data);
     }
 
@@ -167,10 +186,8 @@ proptest! {
     }
 
     #[test]
-    fn answers_are_refused_or_exact(
-        data in inputs((names(), any::<[u8; 16]>()).prop_map(|(n, nonce)| p::answer(&n, nonce)), 0)
-    ) {
-        answer(&data);
+    fn verdicts_are_refused_or_exact(data in inputs(verdicts().prop_map(|v| v.encode()), 8)) {
+        verdict(&data);
     }
 
     #[test]
@@ -203,18 +220,20 @@ proptest! {
     /// What the encoders write is accepted back as what they encoded.
     #[test]
     fn encodings_round_trip(
-        h in hellos(), name in names(), nonce in any::<[u8; 16]>(), world in 1..=p::MAX_RANKS,
-        head in heads(), sig in signatures(), status in any::<u8>(), body in vec(any::<u8>(), 0..300),
+        h in hellos(), v in verdicts(), q in requests(), name in names(), nonce in any::<[u8; 16]>(),
+        world in 1..=p::MAX_RANKS, head in heads(), sig in signatures(), status in any::<u8>(),
+        body in vec(any::<u8>(), 0..300),
     ) {
-        let h = Hello { rank: h.rank & 0xffff_ffff, world: h.world & 0xffff_ffff, ..h };
         prop_assert_eq!(Hello::decode(&h.encode()), Some(h));
-        prop_assert_eq!(p::parse_answer(&p::answer(&name, nonce)).ok(), Some((name.clone(), nonce)));
+        prop_assert_eq!(Verdict::decode(&v.encode()), Some(v));
+        let (op, req) = r::request(&q);
+        prop_assert_eq!(r::parse_request(op, &req), Some(q));
         prop_assert_eq!(p::parse_token(&p::token(&name, nonce, world), world).ok(), Some((name, nonce)));
         let bytes = (head.count as u128 * head.dtype.size() as u128).try_into().ok();
         prop_assert_eq!(p::Head::read(head.words(), head.number), bytes.map(|b| (head, b)));
         prop_assert_eq!(wire::decode(wire::encode(&sig)), Some(sig));
-        let f = p::frame(status, &body);
-        prop_assert_eq!(p::frame_head(f[..3].try_into().unwrap()), (status, body.len()));
+        let f = r::frame(status, &body);
+        prop_assert_eq!(r::frame_head(f[..3].try_into().unwrap()), (status, body.len()));
         prop_assert_eq!(&f[3..], &body[..]);
     }
 }
@@ -244,9 +263,9 @@ fn agreeing_layouts_make_plans() {
 /// and a longer body is cut there rather than wrapping the length.
 #[test]
 fn frame_bodies_are_bounded() {
-    assert_eq!(p::frame_head([1, 0xff, 0xff]), (1, p::MAX_BODY));
-    let long = vec![7u8; p::MAX_BODY + 10];
-    let f = p::frame(2, &long);
-    assert_eq!((f.len(), p::frame_head(f[..3].try_into().unwrap())), (3 + p::MAX_BODY, (2, p::MAX_BODY)));
+    assert_eq!(r::frame_head([1, 0xff, 0xff]), (1, r::MAX_BODY));
+    let long = vec![7u8; r::MAX_BODY + 10];
+    let f = r::frame(2, &long);
+    assert_eq!((f.len(), r::frame_head(f[..3].try_into().unwrap())), (3 + r::MAX_BODY, (2, r::MAX_BODY)));
     frames(&f);
 }

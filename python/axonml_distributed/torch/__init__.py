@@ -8,13 +8,14 @@ turned off). Importing ``axonml_distributed`` alone registers nothing and never 
 of this host with any init method (``env://`` under torchrun or axonml-run, ``tcp://``, ``file://``),
 and torch's DDP, object collectives and the rest of ``torch.distributed`` run on our core.
 
-Rendezvous goes through the Store torch hands the backend, never through a socket of ours: every rank
-publishes its host identity; rank 0 refuses a job spread over several hosts, creates the segment and
-puts its token (name, session nonce, world size) in the store; every rank joins with it. The Store is
-the trust boundary: torch's TCPStore is unauthenticated, so whoever reaches it learns the segment's
-name, but the segment is a 0600 file of this user (checked on attach) and the nonce ties it to this
-job. Under axonml-run the token also carries an HMAC with the job secret (AXONML_JOB_SECRET), which
-every rank checks: a token another job or user wrote into the store is refused.
+Rendezvous goes through the Store torch hands the backend, never through a socket of ours, by the
+core's one rendezvous protocol (the one axonml-run's jobs run over rank 0's own store): the ranks meet
+in the store, rank 0 refuses a job spread over several hosts, creates the segment and hands out its
+token (name, session nonce, world size); every rank joins with it. The Store is the trust boundary:
+torch's TCPStore is unauthenticated, so whoever reaches it learns the segment's name, but the segment is
+a 0600 file of this user (checked on attach) and the nonce ties it to this job. With a job secret
+(AXONML_JOB_SECRET, which axonml-run sets) every rank proves to rank 0 that it knows it and rank 0 proves
+it back, as in the shm world: a rank of another job or with another secret is refused.
 
 Tensors: CPU tensors of float32, float64, float16, bfloat16, int8, uint8, int32, int64 and bool are
 handed to the core in place (zero copy). Non-contiguous tensors work (gloo refuses them): they go

@@ -1,5 +1,5 @@
 //! Is a peer process still alive, and if not, how did it end? One pidfd per peer, opened while the
-//! peer is known to be alive (right after the handshake, or as it registers in the segment), so a
+//! peer is known to be alive (as it registers in the segment), so a
 //! recycled pid can never pass for a live peer (and a zombie, which still answers `kill(pid, 0)`,
 //! reads as dead: its pidfd is readable once it has exited). The same pidfd tells its exit status
 //! once its parent has reaped it (`PIDFD_GET_INFO`, Linux 6.15), whoever the parent is: `axonml-run`,
@@ -33,17 +33,6 @@ impl Liveness {
             pids: vec![0; world],
             statuses: (0..world).map(|_| OnceLock::new()).collect(),
         }
-    }
-
-    /// Open a pidfd for every rank but `me`. A peer that is already gone is reported as dead.
-    pub(crate) fn open(pids: &[u32], me: usize) -> Result<Liveness> {
-        let mut liveness = Liveness::new(pids.len());
-        for (r, &pid) in pids.iter().enumerate() {
-            if r != me {
-                liveness.watch(r, pid, "init")?;
-            }
-        }
-        Ok(liveness)
     }
 
     /// Whether `rank`'s process is watched.
@@ -150,7 +139,8 @@ mod tests {
 
     /// A world of this process (rank 0) and `child` (rank 1), once the child has exited.
     fn watch_until_dead(child: &Child) -> Liveness {
-        let liveness = Liveness::open(&[std::process::id(), child.id()], 0).unwrap();
+        let mut liveness = Liveness::new(2);
+        liveness.watch(1, child.id(), "init").unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while liveness.first_dead(&[1]).is_none() {
             assert!(Instant::now() < deadline, "the child never exited");

@@ -1,9 +1,9 @@
 //! The multi-process world on one host: ranks are processes sharing one /dev/shm segment.
 //!
-//! Ranks meet through `rendezvous` (rank 0 listens on MASTER_ADDR:MASTER_PORT, creates the segment,
-//! hands out its name and nonce to ranks that prove they belong to the job (`handshake`, `auth`), and
-//! unlinks it once everyone attached), or through the job's own key-value store (`store_join`), and
-//! then talk only through the segment (`layout` describes it, `segment` creates and checks it,
+//! Ranks meet through a key-value store (`crate::rendezvous`: the TCP store rank 0 hosts on
+//! MASTER_ADDR:MASTER_PORT, or the job's own, such as torch's), where rank 0 admits the ranks that
+//! prove they belong to the job and hands out the segment it created (`join`), which is unlinked once
+//! everyone attached; then they talk only through the segment (`layout` describes it, `segment` creates and checks it,
 //! `shared` is one process's view of it). The engine (`crate::engine`) runs the meeting protocol on
 //! the control blocks in the segment, with shared futexes (`store`):
 //! * buffers are published as segment offsets; an all_reduce of at most `small` bytes goes one-shot
@@ -30,45 +30,40 @@
 
 mod abort;
 mod arena;
-mod auth;
 mod comms;
-mod handshake;
+mod join;
 mod layout;
 mod liveness;
 mod p2p;
-mod rendezvous;
 pub(crate) mod segment;
 mod shared;
 mod store;
-mod store_join;
 #[cfg(test)]
 mod tests;
 
 /// The parsers of what peers, stores and files say, for the fuzz entry points (`crate::fuzzing`).
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod parsers {
-    pub(crate) use super::auth::{Hello, HELLO};
-    pub(crate) use super::handshake::{answer, frame, frame_head, parse_answer, MAX_BODY};
+    pub(crate) use super::join::{parse as parse_token, token};
     pub(crate) use super::layout::{Header, Layout, Params, MAX_RANKS};
     pub(crate) use super::p2p::Head;
     pub(crate) use super::segment::{plausible_name, validate};
-    pub(crate) use super::store_join::{parse as parse_token, token};
 }
 
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use auth::JobSecret;
+pub use crate::rendezvous::JobSecret;
 /// What the launcher and the stale-segment cleanup (Python) must know of a segment's header.
 #[cfg(feature = "python")]
 pub(crate) use layout::Header as SegmentHeader;
 pub use layout::{MAGIC, MAX_RANKS, VERSION};
 pub use segment::{name_for as segment_name, DIR, PREFIX};
-pub use store_join::SegmentToken;
 
 use crate::config::MAX_TIMEOUT;
 use crate::engine::{backend_type, Engine};
-use rendezvous::Joined;
+use crate::rendezvous::{KeyValueStore, MemoryStore, StoreHost, TcpStore};
+use join::Joined;
 use shared::Shared;
 use store::ShmStore;
 
@@ -81,9 +76,10 @@ pub struct ShmOptions {
     pub rank: usize,
     /// Number of ranks.
     pub world_size: usize,
-    /// Where rank 0 listens for the rendezvous (an address of this host).
+    /// Where rank 0 hosts the rendezvous store (an address of this host); [`ShmBackend::connect`]
+    /// only.
     pub master_addr: String,
-    /// The rendezvous port: a job is identified by it while it starts.
+    /// The rendezvous store's port: a job is identified by it while it starts; `connect` only.
     pub master_port: u16,
     /// How long rendezvous and every later wait may last.
     pub timeout: Duration,
@@ -96,7 +92,8 @@ pub struct ShmOptions {
     /// not the default: a tuning knob.
     pub chunk_bytes: Option<usize>,
     /// The job's secret (AXONML_JOB_SECRET): rank 0 admits only ranks that prove they know it, and
-    /// they believe only a rank 0 that does. Without one, rank 0 admits processes of its own user.
+    /// they believe only a rank 0 that does (`crate::rendezvous`). Without one, whoever can write the
+    /// store may join (rank 0's own TCP store admits only processes of its user).
     pub secret: Option<JobSecret>,
 }
 
@@ -123,30 +120,45 @@ impl ShmOptions {
 pub struct ShmBackend(Engine<ShmStore>);
 
 impl ShmBackend {
-    /// Join the job described by `opts`: rendezvous, attach the segment, open peers' pidfds.
-    pub fn connect(mut opts: ShmOptions) -> crate::Result<ShmBackend> {
-        opts.timeout = opts.timeout.min(MAX_TIMEOUT);
-        let joined = rendezvous::join(&opts)?;
+    /// Join the job described by `opts`: rank 0 hosts the rendezvous store on
+    /// `master_addr:master_port`, the others connect to it; then as [`ShmBackend::join`].
+    pub fn connect(opts: ShmOptions) -> crate::Result<ShmBackend> {
+        let opts = ShmOptions { timeout: opts.timeout.min(MAX_TIMEOUT), ..opts };
+        let joined = join_over_tcp(&opts)?;
         Self::from_joined(joined, opts.rank, opts.timeout)
     }
 
-    /// Join as `rank` of `world_size` with a token rank 0 made (`SegmentToken::token`) and passed
-    /// through the job's own key-value store (see `store_join`). Blocks until every rank has joined.
-    pub fn join_token(
-        token: &str,
-        rank: usize,
-        world_size: usize,
-        timeout: Duration,
-    ) -> crate::Result<ShmBackend> {
-        let timeout = timeout.min(MAX_TIMEOUT);
-        let joined = store_join::join(token, rank, world_size, timeout)?;
-        Self::from_joined(joined, rank, timeout)
+    /// Join the job described by `opts` (but for its master address and port) through `store`, the
+    /// job's own key-value store: the ranks meet, rank 0 creates the segment, everyone attaches it.
+    /// Blocks until every rank has joined.
+    pub fn join(store: &dyn KeyValueStore, opts: ShmOptions) -> crate::Result<ShmBackend> {
+        let opts = ShmOptions { timeout: opts.timeout.min(MAX_TIMEOUT), ..opts };
+        let joined = join::through(store, &opts)?;
+        Self::from_joined(joined, opts.rank, opts.timeout)
     }
 
     /// The world's communicator over a joined segment.
     fn from_joined(joined: Joined, rank: usize, timeout: Duration) -> crate::Result<ShmBackend> {
         let world = Arc::new(Shared::new(joined, rank, timeout)?);
         Ok(ShmBackend(Engine::new(ShmStore::world(world))))
+    }
+}
+
+/// Join through the TCP store rank 0 hosts while the world starts (a world of one needs none).
+fn join_over_tcp(opts: &ShmOptions) -> crate::Result<Joined> {
+    layout::check_member(opts.rank, opts.world_size)?;
+    let (addr, port) = (opts.master_addr.as_str(), opts.master_port);
+    if opts.world_size == 1 {
+        join::through(&MemoryStore::new(), opts)
+    } else if opts.rank == 0 {
+        let host = StoreHost::start(addr, port, opts.timeout, opts.secret.as_ref())?;
+        join::through(&host.store(), opts)
+    } else {
+        let started = std::time::Instant::now();
+        let store =
+            TcpStore::connect(addr, port, opts.rank, opts.world_size, opts.timeout, opts.secret.as_ref())?;
+        let left = ShmOptions { timeout: opts.timeout.saturating_sub(started.elapsed()), ..opts.clone() };
+        join::through(&store, &left)
     }
 }
 

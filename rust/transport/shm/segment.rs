@@ -1,7 +1,6 @@
 //! The job's shared-memory segment as a file: created exclusively, reserved, mapped, attached and
 //! checked before anyone trusts it (its contents: `layout`).
 
-use std::io::Read;
 use std::mem::size_of;
 use std::ptr::NonNull;
 
@@ -120,15 +119,6 @@ fn map(fd: &rustix::fd::OwnedFd, len: usize, name: &str) -> Result<Mapping> {
     Ok(Mapping { base: NonNull::new(p.cast()).expect("mmap never returns null on success"), len })
 }
 
-/// `N` bytes from the kernel's random source (segment names, session nonces, challenges).
-pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
-    let mut b = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| Error::os("reading /dev/urandom", e))?;
-    Ok(b)
-}
-
 /// How every segment name starts (`/axonml-<uid>-<job id or random hex>`).
 pub const PREFIX: &str = "/axonml-";
 
@@ -153,7 +143,7 @@ pub(crate) fn plausible_name(name: &str) -> bool {
 /// A random segment name: it keeps a job's segment apart from other jobs of the same user (the
 /// file's mode keeps other users out).
 pub(crate) fn random_name() -> Result<String> {
-    let hex: String = random::<16>()?.iter().map(|x| format!("{x:02x}")).collect();
+    let hex: String = crate::rendezvous::secret::random::<16>()?.iter().map(|x| format!("{x:02x}")).collect();
     Ok(name_for(&hex))
 }
 

@@ -9,9 +9,9 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use super::arena::FreeList;
+use super::join::Joined;
 use super::layout::{ChanHead, CommHead, Header, Layout};
 use super::liveness::Liveness;
-use super::rendezvous::Joined;
 use super::segment::Mapping;
 use crate::algo::route::Policy;
 use crate::dtype::DType;

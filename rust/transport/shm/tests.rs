@@ -1,4 +1,4 @@
-//! Checks that need two ranks' views of one segment inside this process (each thread joins over TCP
+//! Checks that need two ranks' views of one segment inside this process (each thread joins through rank 0's TCP store
 //! and maps the segment on its own, as a process would): protections, and what a corrupt peer can
 //! make a rank do.
 
@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
-use super::{p2p, rendezvous, ShmOptions};
+use super::{join_over_tcp, p2p, ShmOptions};
 use crate::dtype::{BufMut, DType};
 use crate::error::Error;
 
@@ -19,7 +19,7 @@ fn pair(timeout: Duration) -> [Shared; 2] {
             let mut o = ShmOptions::new(r, 2, "127.0.0.1", port);
             o.timeout = timeout;
             o.arena_bytes = 1 << 20;
-            Shared::new(rendezvous::join(&o).unwrap(), r, timeout).unwrap()
+            Shared::new(join_over_tcp(&o).unwrap(), r, timeout).unwrap()
         })
     };
     let (a, b) = (join(0), join(1));
@@ -130,7 +130,7 @@ fn a_peer_publishing_a_misaligned_segment_offset_aborts_the_world_with_a_clear_e
     });
     // Rank 1 arrives at the same call, publishing a buffer 2 bytes into its arena.
     let o = opts(1);
-    let w = Shared::new(rendezvous::join(&o).unwrap(), 1, o.timeout).unwrap();
+    let w = Shared::new(join_over_tcp(&o).unwrap(), 1, o.timeout).unwrap();
     let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
     let off = w.arena(1).start as u64 + 2;
     let ctrl = w.ctrl(0, 1);
@@ -176,7 +176,7 @@ fn all_reduce_beside(count: usize, published: u64, timeout: Duration) -> (Error,
         (e, t.elapsed())
     });
     let o = opts(1);
-    let w = Shared::new(rendezvous::join(&o).unwrap(), 1, o.timeout).unwrap();
+    let w = Shared::new(join_over_tcp(&o).unwrap(), 1, o.timeout).unwrap();
     let sig = Signature::new(CollKind::AllReduce, 1, count).dtype(DType::F32).op(ReduceOp::Sum);
     let ctrl = w.ctrl(0, 1);
     ctrl.pages[1].store(&Published { sig: wire::encode(&sig), send: published, recv: published });

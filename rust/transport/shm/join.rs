@@ -1,23 +1,70 @@
-//! Joining the shared-memory world through someone else's key-value store, in two phases: rank 0
-//! creates the segment and hands out a [`token`](SegmentToken::token) (segment name, session nonce,
-//! world size) by whatever store the job already has (torch's TCPStore or FileStore); every rank
-//! (rank 0 too) then [`join`]s with it. No socket of ours is opened.
+//! How a rank joins the shared-memory world, through whatever key-value store the job has (see
+//! `crate::rendezvous`: rank 0's TCP store, or torch's): the ranks meet ([`Meeting`]); once every rank
+//! is admitted, rank 0 creates the segment and hands out its [`token`](SegmentToken::token) (segment
+//! name, session nonce, world size) as the meeting's verdict; every rank (rank 0 too) attaches it,
+//! records its pid, and waits until every rank has; then the name is removed (from then on no crash
+//! can leak it).
 //!
-//! The store is the trust boundary: whoever can read it learns the segment's name, but the segment is
-//! a 0600 file of this user that `segment::attach` owner-checks, and the nonce ties it to this job.
+//! Whoever can read the store learns the segment's name, but the segment is a 0600 file of this user
+//! that `segment::attach` owner-checks, and the nonce ties it to this job.
 
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use super::layout::{check_member, Layout, Params};
 use super::liveness::Liveness;
-use super::rendezvous::{pids, register, Joined};
 use super::segment::{self, Mapping};
+use super::ShmOptions;
 use crate::error::{Error, Result};
+use crate::rendezvous::{KeyValueStore, Meeting};
 use crate::sync::wait::{may_spin, Stop, Wait};
+
+/// Longest token a store may hand a rank (what [`token`] writes is far shorter).
+const MAX_TOKEN: usize = 512;
+
+/// What a rank has once it joined: the mapped segment, its layout, and pidfds of its peers.
+pub(crate) struct Joined {
+    pub mapping: Mapping,
+    pub layout: Layout,
+    pub liveness: Liveness,
+}
+
+/// Join the world `opts` describes through `store` (blocks until every rank has joined, the timeout
+/// passes, or Ctrl-C).
+pub(crate) fn through(store: &dyn KeyValueStore, opts: &ShmOptions) -> Result<Joined> {
+    check_member(opts.rank, opts.world_size)?;
+    let started = Instant::now();
+    let meeting = Meeting::new(store, opts.rank, opts.world_size, opts.secret.as_ref(), opts.timeout);
+    let mut created = None;
+    let body = meeting.run(|| {
+        let segment = SegmentToken::create(opts)?;
+        let token = segment.token();
+        created = Some(segment);
+        Ok(token.into_bytes())
+    })?;
+    let token = std::str::from_utf8(&body)
+        .ok()
+        .filter(|t| t.len() <= MAX_TOKEN)
+        .ok_or_else(|| Error::invalid("rendezvous: rank 0's verdict is not a shared-memory token"))?;
+    let left = opts.timeout.saturating_sub(started.elapsed());
+    // Rank 0 hears at once why a rank could not attach, instead of at its timeout.
+    let joined = attach(token, opts.rank, opts.world_size, left, || meeting.reported()).inspect_err(|e| {
+        // Only what this rank found wrong: every rank sees a timeout or a death itself.
+        if matches!(e, Error::Os { .. } | Error::InvalidArgument(_)) {
+            meeting.report(e)
+        }
+    })?;
+    drop(created);
+    if opts.rank == 0 {
+        // Every rank has attached, so every rank has read the verdict.
+        meeting.clear()?;
+    }
+    Ok(joined)
+}
 
 /// A segment rank 0 created for a job whose ranks have not all joined yet. Dropping it removes the
 /// name (the ranks that attached keep their mappings), so a failed start leaves nothing behind.
-pub struct SegmentToken {
+pub(crate) struct SegmentToken {
     name: String,
     nonce: [u8; 16],
     world: usize,
@@ -32,20 +79,59 @@ impl Drop for SegmentToken {
 }
 
 impl SegmentToken {
-    /// Create the segment for `world` ranks with `arena_bytes` of segment arrays per rank, under a
-    /// fresh random name.
-    pub fn create(world: usize, arena_bytes: usize) -> Result<SegmentToken> {
+    /// Create the segment of the world `opts` describes: named after its job id (so the launcher can
+    /// remove it after a crash during start-up), else under a fresh random name.
+    pub(crate) fn create(opts: &ShmOptions) -> Result<SegmentToken> {
+        let world = opts.world_size;
         check_member(0, world)?;
-        let layout = Layout::checked(Params::new(world, arena_bytes))?;
-        let nonce = segment::random::<16>()?;
-        let (name, mapping) = segment::create_random(&layout, nonce)?;
+        let mut params = Params::new(world, opts.arena_bytes);
+        // The others learn the round size from the header.
+        if let Some(bytes) = opts.chunk_bytes {
+            params.chunk = bytes;
+        }
+        let layout = Layout::checked(params)?;
+        let nonce = crate::rendezvous::secret::random::<16>()?;
+        let (name, mapping) = match segment_name(opts.job_id.as_deref())? {
+            Some(name) => (name.clone(), segment::create(&name, &layout, nonce)?),
+            None => segment::create_random(&layout, nonce)?,
+        };
         Ok(SegmentToken { name, nonce, world, _mapping: mapping })
     }
 
     /// What the other ranks need: `"<name> <nonce hex> <world size>"`.
-    pub fn token(&self) -> String {
+    pub(crate) fn token(&self) -> String {
         token(&self.name, self.nonce, self.world)
     }
+}
+
+fn segment_name(job: Option<&str>) -> Result<Option<String>> {
+    let Some(job) = job else {
+        return Ok(None);
+    };
+    if job.is_empty()
+        || job.len() > 64
+        || !job.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(Error::invalid(format!("job id {job:?} must be 1-64 letters, digits, '-' or '_'")));
+    }
+    Ok(Some(segment::name_for(job)))
+}
+
+fn me() -> u32 {
+    rustix::process::getpid().as_raw_nonzero().get() as u32
+}
+
+/// Record this rank in the header: where it holds the cross-memory probe word, its pid, then one more
+/// attached rank.
+pub(crate) fn register(m: &Mapping, rank: usize) {
+    let h = m.header();
+    h.probes[rank].store(crate::algo::process_vm::PROBE.as_ptr() as u64, SeqCst);
+    h.pids[rank].store(me(), SeqCst);
+    h.attached.fetch_add(1, SeqCst);
+}
+
+pub(crate) fn pids(m: &Mapping, world: usize) -> Vec<u32> {
+    m.header().pids[..world].iter().map(|p| p.load(SeqCst)).collect()
 }
 
 /// The token of segment `name` with `nonce` for `world` ranks.
@@ -86,24 +172,34 @@ pub(crate) fn parse(token: &str, world: usize) -> Result<(String, [u8; 16])> {
 
 /// Attach the segment named by `token` as `rank` of `world` and wait (until `timeout`, Ctrl-C, or a
 /// registered rank's death) until every rank has attached; then the name is removed.
-pub(crate) fn join(token: &str, rank: usize, world: usize, timeout: Duration) -> Result<Joined> {
+fn attach(
+    token: &str,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    mut reported: impl FnMut() -> Result<()>,
+) -> Result<Joined> {
     check_member(rank, world)?;
     let (name, nonce) = parse(token, world)?;
     let (mapping, layout) = segment::attach(&name, world, nonce)?;
     let h = mapping.header();
-    if h.pids[rank].load(std::sync::atomic::Ordering::SeqCst) != 0 {
+    if h.pids[rank].load(SeqCst) != 0 {
         return Err(Error::invalid(format!("two processes claim rank {rank}")));
     }
     register(&mapping, rank);
     h.event.notify(true);
-    let op = "init (shared-memory join through the store)";
+    let op = "init (attaching the shared-memory segment)";
     let w =
         Wait { event: &h.event, shared: true, spin: may_spin(world), deadline: Instant::now() + timeout, op };
-    let all = || h.attached.load(std::sync::atomic::Ordering::SeqCst) as usize >= world;
+    let all = || h.attached.load(SeqCst) as usize >= world;
     // Every rank is watched from when its pid shows: one that attached and then exited is reported at
     // once, with its exit status, instead of after the timeout.
     let mut liveness = Liveness::new(world);
-    let waited = w.until(all, || Ok(()), || watch_registered(&mut liveness, &mapping, world, rank, op));
+    let slow = || {
+        watch_registered(&mut liveness, &mapping, world, rank, op)?;
+        reported()
+    };
+    let waited = w.until(all, || Ok(()), slow);
     match waited {
         Ok(()) => {}
         Err(Stop::Failed(e)) => return Err(e),
@@ -137,10 +233,18 @@ fn watch_registered(liveness: &mut Liveness, m: &Mapping, world: usize, me: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rendezvous::MemoryStore;
+
+    fn opts(rank: usize, world: usize) -> ShmOptions {
+        let mut o = ShmOptions::new(rank, world, "127.0.0.1", 0);
+        o.arena_bytes = 0;
+        o.timeout = Duration::from_secs(20);
+        o
+    }
 
     #[test]
     fn tokens_round_trip_and_bad_ones_are_refused() {
-        let t = SegmentToken::create(2, 0).unwrap();
+        let t = SegmentToken::create(&opts(0, 2)).unwrap();
         let (name, nonce) = parse(&t.token(), 2).unwrap();
         assert_eq!((name.as_str(), nonce), (t.name.as_str(), t.nonce));
         assert!(parse(&t.token(), 3).unwrap_err().to_string().contains("world_size 3"));
@@ -176,11 +280,12 @@ mod tests {
 
     #[test]
     fn every_rank_joins_and_the_name_is_gone_afterwards() {
-        let t = SegmentToken::create(3, 0).unwrap();
+        let t = SegmentToken::create(&opts(0, 3)).unwrap();
         let token = &t.token();
         std::thread::scope(|s| {
-            let hs: Vec<_> =
-                (0..3).map(|r| s.spawn(move || join(token, r, 3, Duration::from_secs(20)))).collect();
+            let hs: Vec<_> = (0..3)
+                .map(|r| s.spawn(move || attach(token, r, 3, Duration::from_secs(20), || Ok(()))))
+                .collect();
             for h in hs {
                 assert!(h.join().unwrap().is_ok());
             }
@@ -190,12 +295,36 @@ mod tests {
 
     #[test]
     fn a_missing_rank_times_out_naming_it_and_drop_removes_the_name() {
-        let t = SegmentToken::create(2, 0).unwrap();
+        let t = SegmentToken::create(&opts(0, 2)).unwrap();
         let path = format!("/dev/shm{}", t.name);
-        let e = join(&t.token(), 0, 2, Duration::from_millis(200)).err().unwrap();
+        let e = attach(&t.token(), 0, 2, Duration::from_millis(200), || Ok(())).err().unwrap();
         assert!(matches!(&e, Error::Timeout { missing, .. } if missing == &vec![1]), "{e}");
         assert!(std::path::Path::new(&path).exists());
         drop(t);
         assert!(!std::path::Path::new(&path).exists());
+    }
+
+    #[test]
+    fn ranks_meet_through_a_store_and_leave_nothing_in_it() {
+        let store = MemoryStore::new();
+        let key = crate::rendezvous::JobSecret::new(vec![5; 32]).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let (store, key) = (&store, key.clone());
+                    s.spawn(move || {
+                        let mut o = opts(r, 3);
+                        o.secret = Some(key);
+                        through(store, &o).map(|j| j.layout.params.world)
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap().unwrap(), 3);
+            }
+        });
+        for k in ["axonml/rank0", "axonml/verdict", "axonml/knocks", "axonml/knock/1", "axonml/knock/2"] {
+            assert_eq!(store.get(k).unwrap(), None, "{k}");
+        }
     }
 }
