@@ -8,9 +8,10 @@ use crate::error::Error;
 use crate::reduce::{ReduceOp, Scale};
 
 /// Declares [`CollKind`] from one row per collective: its variant, wire code, the name users call it
-/// by and whether it has a layout.
+/// by, whether it has a layout, whether it reduces, and what a member's send and receive buffers hold.
 macro_rules! coll_kinds {
-    ($($(#[$doc:meta])* $kind:ident = $code:literal, $name:literal, layout: $layout:literal;)*) => {
+    ($($(#[$doc:meta])* $kind:ident = $code:literal, $name:literal, layout: $layout:literal,
+       reduces: $reduces:literal, buffers: ($send:ident, $recv:ident);)*) => {
         /// Which collective a rank called.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[repr(u8)]
@@ -36,39 +37,78 @@ macro_rules! coll_kinds {
                     $(CollKind::$kind => $layout,)*
                 }
             }
+
+            /// Whether it combines the members' data with a reduction operator.
+            pub const fn reduces(self) -> bool {
+                match self {
+                    $(CollKind::$kind => $reduces,)*
+                }
+            }
+
+            /// What a member's send and receive buffers hold.
+            pub const fn buffers(self) -> (Extent, Extent) {
+                match self {
+                    $(CollKind::$kind => (Extent::$send, Extent::$recv),)*
+                }
+            }
         }
     };
 }
 
+/// What one member's buffer of a collective holds, in parts: a part is [`Signature::count`] elements
+/// for the kinds of equal parts, a member's own count for the `_v` kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// Nothing (a barrier), or sizes the layout's split sizes give (all_to_all_single).
+    Nothing,
+    /// The member's own part.
+    Part,
+    /// Every member's part, in group order.
+    Group,
+    /// Every member's part on the root, nothing on the others.
+    RootGroup,
+}
+
+impl Extent {
+    /// Whether a member holds every member's part (on the root, for `RootGroup`).
+    pub const fn is_group(self) -> bool {
+        matches!(self, Extent::Group | Extent::RootGroup)
+    }
+    /// Whether the member whose group index is `j` holds this buffer, when `root` is the root's.
+    pub const fn on(self, j: usize, root: usize) -> bool {
+        !matches!(self, Extent::Nothing) && (j == root || !matches!(self, Extent::RootGroup))
+    }
+}
+
 coll_kinds! {
     /// all_reduce
-    AllReduce = 1, "all_reduce", layout: false;
+    AllReduce = 1, "all_reduce", layout: false, reduces: true, buffers: (Part, Part);
     /// broadcast
-    Broadcast = 2, "broadcast", layout: false;
+    Broadcast = 2, "broadcast", layout: false, reduces: false, buffers: (Part, Part);
     /// all_gather
-    AllGather = 3, "all_gather", layout: false;
+    AllGather = 3, "all_gather", layout: false, reduces: false, buffers: (Part, Group);
     /// reduce_scatter
-    ReduceScatter = 4, "reduce_scatter", layout: false;
+    ReduceScatter = 4, "reduce_scatter", layout: false, reduces: true, buffers: (Group, Part);
     /// gather
-    Gather = 5, "gather", layout: false;
+    Gather = 5, "gather", layout: false, reduces: false, buffers: (Part, RootGroup);
     /// scatter
-    Scatter = 6, "scatter", layout: false;
+    Scatter = 6, "scatter", layout: false, reduces: false, buffers: (RootGroup, Part);
     /// reduce
-    Reduce = 7, "reduce", layout: false;
+    Reduce = 7, "reduce", layout: false, reduces: true, buffers: (Part, Part);
     /// barrier
-    Barrier = 8, "barrier", layout: false;
+    Barrier = 8, "barrier", layout: false, reduces: false, buffers: (Nothing, Nothing);
     /// all_to_all (equal parts)
-    AllToAll = 9, "all_to_all", layout: false;
+    AllToAll = 9, "all_to_all", layout: false, reduces: false, buffers: (Group, Group);
     /// all_to_all_single (per-member split sizes)
-    AllToAllSingle = 10, "all_to_all_single", layout: true;
+    AllToAllSingle = 10, "all_to_all_single", layout: true, reduces: false, buffers: (Nothing, Nothing);
     /// all_gather_v (per-member counts)
-    AllGatherV = 11, "all_gather_v", layout: true;
+    AllGatherV = 11, "all_gather_v", layout: true, reduces: false, buffers: (Part, Group);
     /// gather_v
-    GatherV = 12, "gather_v", layout: true;
+    GatherV = 12, "gather_v", layout: true, reduces: false, buffers: (Part, RootGroup);
     /// scatter_v
-    ScatterV = 13, "scatter_v", layout: true;
+    ScatterV = 13, "scatter_v", layout: true, reduces: false, buffers: (RootGroup, Part);
     /// reduce_scatter_v
-    ReduceScatterV = 14, "reduce_scatter_v", layout: true;
+    ReduceScatterV = 14, "reduce_scatter_v", layout: true, reduces: true, buffers: (Group, Part);
 }
 
 impl CollKind {

@@ -204,6 +204,47 @@ def test_describe_mismatch_is_the_thread_worlds_message(case: str) -> None:
     assert _core.mismatch_error([last[0][1], last[0][1]], [0, 1]) is None
 
 
+def test_a_group_in_check_mode_returns_the_signature_fields_and_runs_nothing() -> None:
+    d, o = _core.DTYPE_CODES, _core.OP_CODES
+    check = ProcessGroup.call_check([0, 2], 2, 3)
+    x = np.arange(4, dtype=np.float32)
+    one = np.empty(1, np.float32)
+    assert check.all_reduce(x, "max") == (d["float32"], 4, -1, o["MAX"], None)
+    assert check.all_reduce(x, out=np.empty(4, np.float32), postscale_factor=0.5)[3] == o["SUM"]
+    assert check.broadcast(x, 2) == (d["float32"], 4, 1, -1, None)  # the root as a group index
+    assert check.broadcast(x) == (d["float32"], 4, 0, -1, None)  # default: the group's first rank
+    assert check.reduce_scatter(x, np.empty(2, np.float32)) == (d["float32"], 2, -1, o["SUM"], None)
+    assert check.gather_v(x[:1], None, [3, 1], 0) == (d["float32"], 4, 0, -1, [3, 1])
+    assert check.all_to_all_single(x, x.copy(), [1, 3], [3, 1]) == (d["float32"], 0, -1, -1, [3, 1, 1, 3])
+    assert check.reduce_scatter_v(x, one, [3, 1], "min") == (d["float32"], 4, -1, o["MIN"], [3, 1])
+    assert check.barrier() == check.monitored_barrier(1.0) == (-1, 0, -1, -1, None)
+    assert check.send(x, 0) == check.recv(x, 0) == check.recv_any(x) == (d["float32"], 4, -1, -1, None)
+    np.testing.assert_array_equal(x, np.arange(4))  # a broadcast from rank 0 would have written it
+    assert (check.rank(), check.ranks(), check.group_rank(2)) == (2, [0, 2], 1)
+    with pytest.raises(ValueError, match="check mode"):
+        check.new_group([2])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda pg: pg.all_reduce(np.zeros(3, np.int32), "avg"),
+        lambda pg: pg.all_reduce(np.zeros(3, np.float32), "median"),
+        lambda pg: pg.all_gather(np.zeros(2, np.float32), np.zeros(3, np.float32)),
+        lambda pg: pg.all_gather_v(np.zeros(2, np.float32), np.zeros(2, np.float32), [2, 0]),
+        lambda pg: pg.broadcast(np.zeros(2, np.float32), 1),
+        lambda pg: pg.send(np.zeros(2, np.float32), 0),
+        lambda pg: pg.recv_any(np.zeros(2, np.float32)),
+    ],
+)
+def test_a_group_in_check_mode_refuses_what_a_group_refuses_with_its_message(call: Any) -> None:
+    with pytest.raises((TypeError, ValueError)) as native:
+        call(ProcessGroup(ThreadBackend.single()))
+    with pytest.raises((TypeError, ValueError)) as checked:
+        call(ProcessGroup.call_check([0], 0, 1))
+    assert type(checked.value) is type(native.value) and str(checked.value) == str(native.value)
+
+
 def test_mismatch_error_names_a_member_that_entered_no_call() -> None:
     sig = (3, _core.KIND_CODES["barrier"], -1, 0, -1, -1, 1.0, 1.0)
     err = _core.mismatch_error([sig, None, sig], [0, 2, 5])

@@ -85,7 +85,7 @@ def layout_mismatch_error(
 ) -> CollectiveMismatchError | None:
     """The CollectiveMismatchError the native worlds raise (message and facts) when the members of a call with
     per-member sizes, whose (agreed) signature is `signature`, published `layouts` (each member's layout
-    words from `CallCheck`, in group order); None when they agree."""
+    words from `ProcessGroup.call_check`, in group order); None when they agree."""
 
 # The shared-memory segment, for the launcher and the stale-segment cleanup: names are
 # SEGMENT_PREFIX + "<uid>-<job>", files SEGMENT_DIR + name; the header (little endian) starts with these
@@ -95,64 +95,6 @@ SEGMENT_DIR: str
 SEGMENT_MAGIC: int
 SEGMENT_VERSION: int
 SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
-
-# (dtype, count, root, op) of a call the core's checks accepted: codes from the tables above, `root` a
-# group index, `count` the elements of each member's part; -1 for a field the call has not.
-_Checked = tuple[int, int, int, int]
-
-@final
-class CallCheck:
-    """The native groups' argument checks, for a backend written in Python: each method takes what the
-    `ProcessGroup` method of its name takes (roots as global ranks) and raises what that method would
-    for bad arguments, or returns the call's signature fields. Runs nothing."""
-
-    def __new__(cls, ranks: Sequence[int], rank: int, world_size: int) -> CallCheck: ...
-    def group_rank(self, rank: int) -> int: ...
-    def all_reduce(
-        self,
-        buf: _Buf,
-        op: _Op = None,
-        out: _Buf | None = None,
-        prescale_factor: float = 1.0,
-        postscale_factor: float = 1.0,
-    ) -> _Checked: ...
-    def broadcast(self, buf: _Buf, src: int) -> _Checked: ...
-    def all_gather(self, send: _Buf, recv: _Buf) -> _Checked: ...
-    def reduce_scatter(self, send: _Buf, recv: _Buf, op: _Op = None) -> _Checked: ...
-    def gather(self, send: _Buf, recv: _Buf | None, dst: int) -> _Checked: ...
-    def scatter(self, send: _Buf | None, recv: _Buf, src: int) -> _Checked: ...
-    def reduce(
-        self,
-        buf: _Buf,
-        dst: int,
-        op: _Op = None,
-        out: _Buf | None = None,
-        prescale_factor: float = 1.0,
-        postscale_factor: float = 1.0,
-    ) -> _Checked: ...
-    def send(self, buf: _Buf, dst: int) -> _Checked: ...
-    def recv(self, buf: _Buf, src: int) -> _Checked: ...
-    def recv_any(self, buf: _Buf) -> _Checked: ...
-    def all_to_all(self, send: _Buf, recv: _Buf) -> _Checked: ...
-    # The collectives with per-member sizes also return their layout words (counts or split sizes, in
-    # elements), which the members compare with `layout_mismatch_error`.
-    def all_to_all_single(
-        self,
-        send: _Buf,
-        recv: _Buf,
-        output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None,
-    ) -> tuple[_Checked, list[int]]: ...
-    def all_gather_v(self, send: _Buf, recv: _Buf, counts: Sequence[int]) -> tuple[_Checked, list[int]]: ...
-    def gather_v(
-        self, send: _Buf, recv: _Buf | None, counts: Sequence[int], dst: int
-    ) -> tuple[_Checked, list[int]]: ...
-    def scatter_v(
-        self, send: _Buf | None, recv: _Buf, counts: Sequence[int], src: int
-    ) -> tuple[_Checked, list[int]]: ...
-    def reduce_scatter_v(
-        self, send: _Buf, recv: _Buf, counts: Sequence[int], op: _Op = None
-    ) -> tuple[_Checked, list[int]]: ...
 
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
@@ -238,6 +180,12 @@ class ProcessGroup:
     def with_ranks(
         backend: Backend, ranks: Sequence[int], timeout: float | timedelta | None = None
     ) -> ProcessGroup: ...
+    # In check mode, for a backend written in Python (MPI): each method takes what it takes on any group
+    # and raises what it would for bad arguments, or returns, running nothing, the call's
+    # `(dtype, count, root, op, layout)` (codes from the tables above, `root` a group index, -1 for a
+    # field the call has not; `layout` the words of a collective with per-member sizes, else None).
+    @staticmethod
+    def call_check(ranks: Sequence[int], rank: int, world_size: int) -> ProcessGroup: ...
     def backend(self) -> Backend: ...
     def rank(self) -> int: ...
     def world_size(self) -> int: ...
@@ -422,7 +370,6 @@ __all__ = [
     "SEGMENT_VERSION",
     "__version__",
     "Backend",
-    "CallCheck",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistributedError",

@@ -8,7 +8,7 @@
 //! fails every member alike, before any buffer is touched. Layouts from peers are checked, never
 //! trusted: every sum and product is checked arithmetic.
 
-use crate::signature::{CollKind, Signature};
+use crate::signature::{CollKind, Extent, Signature};
 
 /// Words of one member's layout for `kind` in a group of `n`: split sizes (input, then output) for
 /// all_to_all_single, the counts for the `_v` collectives, none otherwise.
@@ -84,8 +84,9 @@ impl Plan {
             len: vec![0; n * n],
             src: vec![0; n * n],
             dst: vec![0; n * n],
-            reduce: sig.kind == CollKind::ReduceScatterV,
-            shared: matches!(sig.kind, CollKind::AllGatherV | CollKind::GatherV),
+            reduce: sig.kind.reduces(),
+            // A sender's whole input goes to each receiver (all_gather_v, gather_v).
+            shared: sig.kind.buffers().0 == Extent::Part,
             spans: vec![(0, 0); n],
         };
         match sig.kind {
@@ -169,23 +170,25 @@ impl Plan {
         let lens = layouts[0].iter().map(|&c| mul(c, e)).collect::<Result<Vec<_>, _>>()?;
         let total = sum(lens.iter().copied())?;
         let offs = prefix(lens.iter().copied());
+        // The buffers that hold every member's part take member j's piece at its offset, the others
+        // hold member j's part alone: a sender's part goes whole into every receiver's (gathering), or
+        // a sender's group buffer is cut into one piece per receiver (scattering).
+        let (send, recv) = sig.kind.buffers();
+        let span = |e: Extent, j: usize| match e {
+            _ if !e.on(j, root) => 0,
+            _ if e.is_group() => total,
+            _ => lens[j],
+        };
         for j in 0..n {
-            for i in 0..n {
+            for i in (0..n).filter(|&i| send.on(j, root) && recv.on(i, root)) {
                 let at = j * n + i;
-                match sig.kind {
-                    CollKind::AllGatherV => (self.len[at], self.dst[at]) = (lens[j], offs[j]),
-                    CollKind::GatherV if i == root => (self.len[at], self.dst[at]) = (lens[j], offs[j]),
-                    CollKind::ScatterV if j == root => (self.len[at], self.src[at]) = (lens[i], offs[i]),
-                    CollKind::ReduceScatterV => (self.len[at], self.src[at]) = (lens[i], offs[i]),
-                    _ => {}
+                if recv.is_group() {
+                    (self.len[at], self.dst[at]) = (lens[j], offs[j]);
+                } else {
+                    (self.len[at], self.src[at]) = (lens[i], offs[i]);
                 }
             }
-            self.spans[j] = match sig.kind {
-                CollKind::AllGatherV => (lens[j], total),
-                CollKind::GatherV => (lens[j], if j == root { total } else { 0 }),
-                CollKind::ScatterV => (if j == root { total } else { 0 }, lens[j]),
-                _ => (total, lens[j]),
-            };
+            self.spans[j] = (span(send, j), span(recv, j));
         }
         Ok(())
     }

@@ -33,7 +33,7 @@ pub(crate) mod stream;
 
 use crate::call::Call;
 use crate::reduce::ReduceOp;
-use crate::signature::{CollKind, Signature};
+use crate::signature::{CollKind, Extent, Signature};
 
 /// A member's buffers, as addresses in this process.
 #[derive(Clone, Copy, Debug)]
@@ -53,20 +53,18 @@ pub(crate) fn spans(sig: &Signature, n: usize, is_root: bool) -> (usize, usize) 
 
 /// As [`spans`], for a collective of `kind` whose part is `part` bytes.
 pub(crate) fn part_spans(kind: CollKind, part: usize, n: usize, is_root: bool) -> (usize, usize) {
-    match kind {
-        CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => (part, part),
-        CollKind::AllGather => (part, n * part),
-        CollKind::ReduceScatter => (n * part, part),
-        CollKind::Gather => (part, if is_root { n * part } else { 0 }),
-        CollKind::Scatter => (if is_root { n * part } else { 0 }, part),
-        CollKind::AllToAll => (n * part, n * part),
-        CollKind::Barrier
-        | CollKind::AllToAllSingle
-        | CollKind::AllGatherV
-        | CollKind::GatherV
-        | CollKind::ScatterV
-        | CollKind::ReduceScatterV => (0, 0),
+    if kind.has_layout() {
+        return (0, 0);
     }
+    let bytes = |e: Extent| match e {
+        Extent::Nothing => 0,
+        Extent::Part => part,
+        Extent::Group => n * part,
+        Extent::RootGroup if is_root => n * part,
+        Extent::RootGroup => 0,
+    };
+    let (send, recv) = kind.buffers();
+    (bytes(send), bytes(recv))
 }
 
 /// Member `index`'s share of `call` (reducing with `op`) on every member's buffers; `plan` for the

@@ -51,6 +51,10 @@ unsafe impl Send for RawArray {}
 unsafe impl Sync for RawArray {}
 
 impl RawArray {
+    /// Its elements.
+    pub fn len(self) -> usize {
+        self.len
+    }
     /// # Safety
     /// The array must be alive, and not accessed by anyone else while the view is used.
     pub unsafe fn buf_mut<'a>(self) -> BufMut<'a> {

@@ -1,5 +1,5 @@
-//! Each collective's Python arguments, prepared once for `Backend`, `ProcessGroup` and `CallCheck`
-//! alike: the op parsed, the arrays validated and borrowed while attached, and the call's description
+//! Each collective's Python arguments, prepared once for `Backend` and `ProcessGroup` (running or in check
+//! mode) alike: the op parsed, the arrays validated and borrowed while attached, and the call's description
 //! (`Collective`, over the arrays' addresses) that runs on them, detached or queued on its lane.
 
 use std::sync::{Arc, OnceLock};
@@ -67,6 +67,26 @@ impl RawCollective {
             timeout,
         }
     }
+
+    /// The description over the arrays.
+    ///
+    /// # Safety
+    /// The arrays must be alive, and used by nobody else, while the description is.
+    pub(crate) unsafe fn collective(&self) -> Collective<'_> {
+        Collective {
+            kind: self.kind,
+            // SAFETY: forwarded.
+            send: self.send.map(|s| unsafe { s.buf() }),
+            // SAFETY: forwarded.
+            recv: self.recv.map(|r| unsafe { r.buf_mut() }),
+            op: self.op,
+            scale: self.scale,
+            root: self.root,
+            counts: &self.counts,
+            recv_counts: &self.recv_counts,
+            timeout: self.timeout,
+        }
+    }
 }
 
 // SAFETY (`Job::run`): the RawArrays come from the `Array`s of the same `Prepared`, whose guards (run
@@ -76,17 +96,7 @@ impl Job {
     /// Run the call on `c`.
     pub(crate) fn run(self, c: &dyn Backend) -> Result<()> {
         match self {
-            Job::Collective(r) => c.collective(Collective {
-                kind: r.kind,
-                send: r.send.map(|s| unsafe { s.buf() }),
-                recv: r.recv.map(|r| unsafe { r.buf_mut() }),
-                op: r.op,
-                scale: r.scale,
-                root: r.root,
-                counts: &r.counts,
-                recv_counts: &r.recv_counts,
-                timeout: r.timeout,
-            }),
+            Job::Collective(r) => c.collective(unsafe { r.collective() }),
             Job::Send { buf, dst, tag } => c.send(unsafe { buf.buf() }, dst, tag),
             Job::Recv { buf, src, tag } => c.recv(unsafe { buf.buf_mut() }, src, tag),
             Job::RecvAny { buf, tag, source } => {

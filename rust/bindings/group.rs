@@ -3,7 +3,8 @@
 //! Every collective validates and borrows its arrays while attached, then either runs detached (the GIL
 //! released for the whole wait) or, with `async_op=True`, is queued on the group's worker thread and
 //! returns a `Work`. Queued jobs hold references to their arrays until they finish. Bad arguments abort
-//! the world, so the other ranks fail at once instead of waiting for this one until the timeout.
+//! the world, so the other ranks fail at once instead of waiting for this one until the timeout. A group
+//! in check mode (`ProcessGroup.call_check`, see `check`) returns what the checks found instead.
 
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use pyo3::types::PyDict;
 use super::args::timeout_arg;
 use super::array::{as_ndarray, is_tensor, like, readable, writable, zeros};
 use super::backend::PyBackend;
+use super::check::{checked, CheckWorld};
 use super::collectives::{self as c, Obj, Prepared, Source};
 use super::exceptions::abort_on_bad_arguments;
 use super::op::parse_op;
@@ -28,6 +30,14 @@ type Ret = PyResult<Py<PyAny>>;
 #[pyclass(name = "ProcessGroup", module = "axonml_distributed", frozen)]
 pub(crate) struct PyProcessGroup {
     pub(crate) inner: Arc<ProcessGroup>,
+    /// In check mode: calls return what the core's checks found instead of running.
+    checks: bool,
+}
+
+impl From<Arc<ProcessGroup>> for PyProcessGroup {
+    fn from(inner: Arc<ProcessGroup>) -> Self {
+        PyProcessGroup { inner, checks: false }
+    }
 }
 
 impl PyProcessGroup {
@@ -51,7 +61,7 @@ impl PyProcessGroup {
     }
 
     /// [`Self::run`] for a receive from any source, which returns (or its `Work.wait()` does) the
-    /// sender that `source` records.
+    /// sender that `source` records. In check mode, the call's [`checked`] fields.
     fn run_sourced<'py>(
         &self,
         py: Python<'py>,
@@ -61,6 +71,10 @@ impl PyProcessGroup {
         source: Option<Source>,
     ) -> Ret {
         let call = self.checked(call)?;
+        if self.checks {
+            let found = checked(call.job, self.inner.ranks(), self.inner.rank())?;
+            return Ok(found.into_pyobject(py)?.into_any().unbind());
+        }
         let comm = self.checked(self.inner.comm().map_err(PyErr::from))?.clone();
         if !async_op {
             run_blocking(py, &comm, call)?;
@@ -99,7 +113,7 @@ impl PyProcessGroup {
             }
             (Some(r), t) => ProcessGroup::with_ranks(b, &r, t)?,
         };
-        Ok(PyProcessGroup { inner: Arc::new(inner) })
+        Ok(Arc::new(inner).into())
     }
     /// Same as `ProcessGroup(backend, ranks, timeout)`.
     #[staticmethod]
@@ -114,7 +128,17 @@ impl PyProcessGroup {
     fn new_group(&self, ranks: Vec<usize>, timeout: Option<&Obj>) -> PyResult<Self> {
         let timeout = timeout.map(timeout_arg).transpose()?;
         let inner = ProcessGroup::with_ranks(self.inner.backend().clone(), &ranks, timeout)?;
-        Ok(PyProcessGroup { inner: Arc::new(inner) })
+        Ok(Arc::new(inner).into())
+    }
+    /// Global rank `rank`'s group of `ranks` (global) in a world of `world_size`, in check mode, for a
+    /// backend written in Python (MPI): each call takes what it takes on any group and raises what it
+    /// would for bad arguments, or returns, running nothing, the `(dtype, count, root, op, layout)` of
+    /// the call by the core's codes (`root` a group index, -1 for a field the call has not; `layout` the
+    /// words of a collective with per-member sizes, else None).
+    #[staticmethod]
+    fn call_check(ranks: Vec<usize>, rank: usize, world_size: usize) -> PyResult<Self> {
+        let world = CheckWorld::new(&ranks, rank, world_size)?;
+        Ok(PyProcessGroup { inner: Arc::new(ProcessGroup::new(Arc::new(world))), checks: true })
     }
     /// How long a wait on this group (a collective, a send or receive) lasts before it raises
     /// CollectiveTimeoutError, in seconds.

@@ -57,8 +57,6 @@ mod _core {
     #[pymodule_export]
     use super::buckets::{assign_buckets, BucketMemory, PyGradientBucket};
     #[pymodule_export]
-    use super::check::PyCallCheck;
-    #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]
     use super::op::PyReduceOp;

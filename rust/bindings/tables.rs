@@ -104,8 +104,8 @@ fn signature_of((seq, kind, dtype, count, root, op, pre, post): SigTuple) -> PyR
 }
 
 /// The CollectiveMismatchError the native worlds raise (with its facts) when the members of a call whose
-/// signature (every member's) is `signature` published `layouts` (in group order; see `CallCheck`), or
-/// None when they make one plan.
+/// signature (every member's) is `signature` published `layouts` (in group order; see
+/// `ProcessGroup.call_check`), or None when they make one plan.
 #[pyfunction]
 pub(crate) fn layout_mismatch_error(
     py: Python<'_>,

@@ -37,7 +37,7 @@ impl PyWorld {
     }
     /// The group of every rank.
     fn default_group(&self) -> PyProcessGroup {
-        PyProcessGroup { inner: self.inner.default_group().clone() }
+        self.inner.default_group().clone().into()
     }
     /// True on rank 0.
     fn is_main(&self) -> bool {
@@ -54,6 +54,6 @@ impl PyWorld {
     #[pyo3(signature = (ranks, timeout=None))]
     fn new_group(&self, ranks: Vec<usize>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<PyProcessGroup> {
         let timeout = timeout.map(timeout_arg).transpose()?;
-        Ok(PyProcessGroup { inner: Arc::new(self.inner.new_group(&ranks, timeout)?) })
+        Ok(Arc::new(self.inner.new_group(&ranks, timeout)?).into())
     }
 }

@@ -1,7 +1,7 @@
 """Arguments of the MPI group's operations: the MPI datatype and op that carry each dtype and reduce op
-(the arguments themselves are checked by the core, `CallCheck`, as on every backend), the float32
-staging that float16 and bfloat16 reductions need (MPI has no 16-bit float arithmetic), and Horovod's
-scaling factors, applied around the MPI call as the core applies them in its kernel.
+(the arguments themselves are checked by the core, `ProcessGroup.call_check`, as on every backend), the
+float32 staging that float16 and bfloat16 reductions need (MPI has no 16-bit float arithmetic), and
+Horovod's scaling factors, applied around the MPI call as the core applies them in its kernel.
 """
 
 from __future__ import annotations

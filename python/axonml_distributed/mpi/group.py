@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from axonml_distributed._core import KIND_CODES, CallCheck, checked_timeout, validate_ranks
+from axonml_distributed._core import KIND_CODES, ProcessGroup, checked_timeout, validate_ranks
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi import plans
@@ -97,8 +97,9 @@ class MpiProcessGroup:
         self._rank = rank
         self._timeout = timeout
         self._check = check
-        # The core's checks of this rank's calls: the native groups' own, with their messages.
-        self._calls = CallCheck(ranks, rank, self.world_size())
+        # The core's checks of this rank's calls: the native groups' own, with their messages. Its methods
+        # return the checked (dtype, count, root, op, layout), not a Work: typed Any.
+        self._calls: Any = ProcessGroup.call_check(ranks, rank, self.world_size())
         self._queue = None
         if comm is not None:
             self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None)
@@ -377,7 +378,7 @@ class MpiProcessGroup:
     def send(self, buf: Buf, dst: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         buf = numpy_view(buf)
         queue = self._member_queue("send")
-        code, _, _, _ = self._calls.send(checkable(buf), dst)
+        code, _, _, _, _ = self._calls.send(checkable(buf), dst)
         dt, peer = carrier(code), self._peer(dst, tag, "send")
 
         def describe() -> str:
@@ -478,11 +479,11 @@ class MpiProcessGroup:
         sender's global rank)."""
         queue = self._member_queue("recv")
         if src is None:
-            code, _, _, _ = self._calls.recv_any(checkable(buf))
+            code, _, _, _, _ = self._calls.recv_any(checkable(buf))
             dt, peer = carrier(code), MPI.ANY_SOURCE
             self._check_tag(tag, "recv")
         else:
-            code, _, _, _ = self._calls.recv(checkable(buf), src)
+            code, _, _, _, _ = self._calls.recv(checkable(buf), src)
             dt, peer = carrier(code), self._peer(src, tag, "recv")
         source = "any source" if src is None else src
 
@@ -594,7 +595,7 @@ class MpiProcessGroup:
         for float16 and bfloat16 (reduced in a float32 copy) and for invalid arguments, which the
         general path reports after taking part in the signature check."""
         try:
-            code, _, _, op_code = self._calls.all_reduce(checkable(buf), op)
+            code, _, _, op_code, _ = self._calls.all_reduce(checkable(buf), op)
             return None if code in WIDENED_CODES else (code, carrier(code), mpi_op(op_code, code))
         except (TypeError, ValueError):
             return None

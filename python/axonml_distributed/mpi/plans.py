@@ -1,7 +1,8 @@
 """Plans of the MPI group's collectives: each validates its arguments and describes the MPI call to issue,
 its post-processing and its signature, without issuing it (the group runs the signature check first).
 
-A plan's arguments are checked inside it, by the core (`CallCheck`, the native groups' own checks), so
+A plan's arguments are checked inside it, by the core (the group's `ProcessGroup.call_check`: the native
+groups' own checks), so
 a rank whose input is invalid still takes part in the signature check and its peers fail at once
 instead of timing out.
 """
@@ -48,7 +49,7 @@ class Call:
     op: int = -1
     pre: float = 1.0
     post: float = 1.0
-    # The collectives with per-member sizes: this member's layout words (the core's, see CallCheck),
+    # The collectives with per-member sizes: this member's layout words (the core's, see call_check),
     # compared across members after the signature check.
     layout: list[int] | None = None
 
@@ -75,8 +76,9 @@ def all_reduce(
     pre: float = 1.0,
     post: float = 1.0,
 ) -> Call:
-    code, count, _, op_code = g._calls.all_reduce(
-        checkable(buf), op, None if out is None else checkable(out), pre, post
+    into = None if out is None else checkable(out)
+    code, count, _, op_code, _ = g._calls.all_reduce(
+        checkable(buf), op, out=into, prescale_factor=pre, postscale_factor=post
     )
     rop = mpi_op(op_code, code)
     # out=: MPI reads buf and writes out (Allreduce(send, recv)), unless the input is prepared first.
@@ -92,7 +94,7 @@ def all_reduce(
 def broadcast(
     g: MpiProcessGroup, comm: MPI.Intracomm, buf: np.ndarray, src: int | None, result: Result
 ) -> Call:
-    code, count, root, _ = g._calls.broadcast(checkable(buf), g.ranks()[0] if src is None else src)
+    code, count, root, _, _ = g._calls.broadcast(checkable(buf), src)
     start = partial(comm.Ibcast, [buf, carrier(code)], root)
     return Call(start, buf.nbytes, None, result, code, count, root)
 
@@ -100,7 +102,7 @@ def broadcast(
 def all_gather(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, result: Result
 ) -> Call:
-    code, count, _, _ = g._calls.all_gather(checkable(send), checkable(recv))
+    code, count, _, _, _ = g._calls.all_gather(checkable(send), checkable(recv))
     dt = carrier(code)
     start = partial(comm.Iallgather, [send, dt], [recv, dt])
     return Call(start, recv.nbytes, None, result, code, count)
@@ -109,7 +111,7 @@ def all_gather(
 def reduce_scatter(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, op: OpArg, result: Result
 ) -> Call:
-    code, count, _, op_code = g._calls.reduce_scatter(checkable(send), checkable(recv), op)
+    code, count, _, op_code, _ = g._calls.reduce_scatter(checkable(send), checkable(recv), op)
     rop = mpi_op(op_code, code)
     data, dt, _, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
@@ -120,7 +122,7 @@ def reduce_scatter(
 def gather(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray | None, dst: int
 ) -> Call:
-    code, count, root, _ = g._calls.gather(checkable(send), checkable(recv), dst)
+    code, count, root, _, _ = g._calls.gather(checkable(send), checkable(recv), dst)
     dt = carrier(code)
     recv_spec = [recv, dt] if g.rank() == dst else None
     start = partial(comm.Igather, [send, dt], recv_spec, root)
@@ -130,7 +132,7 @@ def gather(
 def scatter(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray | None, recv: np.ndarray, src: int
 ) -> Call:
-    code, count, root, _ = g._calls.scatter(checkable(send), checkable(recv), src)
+    code, count, root, _, _ = g._calls.scatter(checkable(send), checkable(recv), src)
     dt = carrier(code)
     send_spec = [send, dt] if g.rank() == src else None
     start = partial(comm.Iscatter, send_spec, [recv, dt], root)
@@ -147,8 +149,9 @@ def reduce(
     pre: float = 1.0,
     post: float = 1.0,
 ) -> Call:
-    code, count, root, op_code = g._calls.reduce(
-        checkable(buf), dst, op, None if out is None else checkable(out), pre, post
+    into = None if out is None else checkable(out)
+    code, count, root, op_code, _ = g._calls.reduce(
+        checkable(buf), dst, op, out=into, prescale_factor=pre, postscale_factor=post
     )
     rop = mpi_op(op_code, code)
     is_root = g.rank() == dst
@@ -182,7 +185,7 @@ def _displacements(counts: list[int]) -> list[int]:
 
 
 def all_to_all(g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray) -> Call:
-    code, count, _, _ = g._calls.all_to_all(checkable(send), checkable(recv))
+    code, count, _, _, _ = g._calls.all_to_all(checkable(send), checkable(recv))
     dt = carrier(code)
     start = partial(comm.Ialltoall, [send, dt], [recv, dt])
     return Call(start, send.nbytes, dtype=code, count=count)
@@ -196,7 +199,7 @@ def all_to_all_single(
     output_split_sizes: list[int] | None,
     input_split_sizes: list[int] | None,
 ) -> Call:
-    (code, count, _, _), words = g._calls.all_to_all_single(
+    code, count, _, _, words = g._calls.all_to_all_single(
         checkable(send), checkable(recv), output_split_sizes, input_split_sizes
     )
     dt, n = carrier(code), g.size()
@@ -209,7 +212,7 @@ def all_to_all_single(
 def all_gather_v(
     g: MpiProcessGroup, comm: MPI.Intracomm, send: np.ndarray, recv: np.ndarray, counts: list[int]
 ) -> Call:
-    (code, count, _, _), words = g._calls.all_gather_v(checkable(send), checkable(recv), counts)
+    code, count, _, _, words = g._calls.all_gather_v(checkable(send), checkable(recv), counts)
     dt = carrier(code)
     start = partial(comm.Iallgatherv, [send, dt], [recv, (words, _displacements(words)), dt])
     return Call(start, recv.nbytes, dtype=code, count=count, layout=words)
@@ -223,7 +226,7 @@ def gather_v(
     counts: list[int],
     dst: int,
 ) -> Call:
-    (code, count, root, _), words = g._calls.gather_v(checkable(send), checkable(recv), counts, dst)
+    code, count, root, _, words = g._calls.gather_v(checkable(send), checkable(recv), counts, dst)
     dt = carrier(code)
     recv_spec = [recv, (words, _displacements(words)), dt] if g.rank() == dst else None
     start = partial(comm.Igatherv, [send, dt], recv_spec, root)
@@ -238,7 +241,7 @@ def scatter_v(
     counts: list[int],
     src: int,
 ) -> Call:
-    (code, count, root, _), words = g._calls.scatter_v(checkable(send), checkable(recv), counts, src)
+    code, count, root, _, words = g._calls.scatter_v(checkable(send), checkable(recv), counts, src)
     dt = carrier(code)
     send_spec = [send, (words, _displacements(words)), dt] if g.rank() == src else None
     start = partial(comm.Iscatterv, send_spec, [recv, dt], root)
@@ -253,7 +256,7 @@ def reduce_scatter_v(
     counts: list[int],
     op: OpArg,
 ) -> Call:
-    (code, count, _, op_code), words = g._calls.reduce_scatter_v(checkable(send), checkable(recv), counts, op)
+    code, count, _, op_code, words = g._calls.reduce_scatter_v(checkable(send), checkable(recv), counts, op)
     rop = mpi_op(op_code, code)
     data, dt, _, finish = reduction_buffer(recv, carrier(code), rop, g.size(), copy_in=False, write_back=True)
     source = send.astype(np.float32) if data is not recv else send
