@@ -371,16 +371,23 @@ unsafe fn reduce_typed<T: Arith, I: Isa>(
             // SAFETY: the caller guarantees `count` readable values; this slice ends before any write.
             let src = unsafe { std::slice::from_raw_parts(p.cast::<T>().add(start), len) };
             if T::widens::<I>() {
-                // Widened a few vectors at a time, then the same operations on the f32 values.
+                // Widened by vectors, then the same operations on the f32 values: the first input
+                // straight into the tile, the others a few vectors at a time.
+                if j == 0 {
+                    T::widen::<I>(src, acc);
+                    if pre {
+                        acc.iter_mut().for_each(|a| *a = T::scale(*a, scale.pre));
+                    }
+                    continue;
+                }
                 for (acc, src) in acc.chunks_mut(WIDE).zip(src.chunks(WIDE)) {
                     let mut wide = [T::Acc::default(); WIDE];
                     let wide = &mut wide[..src.len()];
                     T::widen::<I>(src, wide);
-                    match (j, pre) {
-                        (0, false) => acc.copy_from_slice(wide),
-                        (0, true) => acc.iter_mut().zip(wide).for_each(|(a, s)| *a = T::scale(*s, scale.pre)),
-                        (_, false) => accumulate::<T, T::Acc>(op, acc, wide, |s| s),
-                        (_, true) => accumulate::<T, T::Acc>(op, acc, wide, |s| T::scale(s, scale.pre)),
+                    if pre {
+                        accumulate::<T, T::Acc>(op, acc, wide, |s| T::scale(s, scale.pre));
+                    } else {
+                        accumulate::<T, T::Acc>(op, acc, wide, |s| s);
                     }
                 }
                 continue;
