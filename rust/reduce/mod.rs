@@ -5,8 +5,9 @@
 //! Every reduction combines its inputs in the order given (rank order in the collectives), one tile at a
 //! time, so every rank computes bitwise-identical results run after run. float16 and bfloat16 are
 //! accumulated in f32 and rounded once; bool reads any nonzero byte as true (OR for SUM/MAX, AND for
-//! PRODUCT/MIN). MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; integer arithmetic wraps
-//! like numpy's.
+//! PRODUCT/MIN). MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; where two NaNs meet in
+//! SUM, PRODUCT or AVERAGE the first (in rank order) wins, quieted, on every kernel set (the hardware
+//! would let the compiler's operand order decide); integer arithmetic wraps like numpy's.
 
 mod convert;
 mod dispatch;

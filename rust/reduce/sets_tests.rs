@@ -227,7 +227,7 @@ fn sixteen_bit_conversions_match_half() {
 }
 
 #[test]
-#[ignore = "every f32: about a minute in release; run with --ignored"]
+#[ignore = "every f32: about 35 s in release; run with --ignored"]
 fn every_f32_narrows_like_half() {
     let mut xs = vec![0f32; 1 << 20];
     let mut b = vec![bf16::ZERO; 1 << 20];
