@@ -1,5 +1,5 @@
-//! Criterion benchmarks: the reduction kernels, gradient bucket pack/unpack, and all_reduce on the
-//! in-process world.
+//! Criterion benchmarks: the reduction kernels (and each kernel set against the baseline), gradient
+//! bucket pack/unpack, and all_reduce on the in-process world.
 //!
 //! `cargo bench` runs all; `cargo bench -- allreduce/4` one group. The all-reduce timing is the
 //! slowest rank's, for `iters` back-to-back collectives on persistent rank threads.
@@ -8,9 +8,12 @@ use std::hint::black_box;
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use axonml_distributed::reduce::reduce_slices;
+use axonml_distributed::reduce::{reduce_slices, reduce_slices_on, Kernels, Scale};
+use axonml_distributed::Element;
 use axonml_distributed::{GradientBucket, ProcessGroup, ReduceOp, ThreadBackend};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
+use half::{bf16, f16};
 
 fn kernels(c: &mut Criterion) {
     let mut g = c.benchmark_group("reduce_kernel");
@@ -30,6 +33,39 @@ fn kernels(c: &mut Criterion) {
                 bench.iter(|| reduce_slices(op, black_box(&inputs), &mut out).unwrap())
             });
         }
+    }
+    g.finish();
+}
+
+/// SUM of 2 inputs of `bytes` each on the baseline, then on the set this process chose, one after the
+/// other for each size (so a change in the machine's load hits both): compare their ratio.
+fn kernel_set_pair<T: Element>(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    bytes: usize,
+    x: impl Fn(usize) -> T,
+) {
+    let len = bytes / size_of::<T>();
+    let a: Vec<T> = (0..len).map(&x).collect();
+    let b: Vec<T> = (0..len).map(|i| x(i + 7)).collect();
+    let mut out = a.clone();
+    g.throughput(Throughput::Bytes((bytes * 3) as u64));
+    for kernels in [Kernels::Baseline, Kernels::active()] {
+        g.bench_function(BenchmarkId::new(format!("{name}/{kernels}"), bytes), |bench| {
+            bench.iter(|| {
+                reduce_slices_on(kernels, ReduceOp::Sum, Scale::NONE, black_box(&[&a[..], &b[..]]), &mut out)
+                    .unwrap()
+            })
+        });
+    }
+}
+
+fn kernel_sets(c: &mut Criterion) {
+    let mut g = c.benchmark_group("kernel_sets");
+    for bytes in [4 << 10, 256 << 10, 4 << 20] {
+        kernel_set_pair(&mut g, "sum_f32_2in", bytes, |i| i as f32 * 0.37);
+        kernel_set_pair(&mut g, "sum_bf16_2in", bytes, |i| bf16::from_f32(i as f32 * 0.37));
+        kernel_set_pair(&mut g, "sum_f16_2in", bytes, |i| f16::from_f32((i % 4096) as f32 * 0.37));
     }
     g.finish();
 }
@@ -108,5 +144,5 @@ fn allreduce(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, kernels, buckets, allreduce);
+criterion_group!(benches, kernels, kernel_sets, buckets, allreduce);
 criterion_main!(benches);

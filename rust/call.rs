@@ -288,7 +288,7 @@ pub(crate) fn all_gather(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Res
 
 pub(crate) fn reduce_scatter(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>, op: ReduceOp) -> Result<Call> {
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
-    if send.len() % n != 0 {
+    if !send.len().is_multiple_of(n) {
         return Err(Error::invalid(format!(
             "reduce_scatter: the send buffer has {} elements, which the group size {n} does not divide",
             send.len()
@@ -346,7 +346,7 @@ pub(crate) fn barrier() -> Call {
 
 pub(crate) fn all_to_all(n: usize, send: &Buf<'_>, recv: &mut BufMut<'_>) -> Result<Call> {
     expect_dtype("the receive buffer", recv.dtype(), send.dtype())?;
-    if send.len() % n != 0 {
+    if !send.len().is_multiple_of(n) {
         return Err(Error::invalid(format!(
             "all_to_all: the send buffer has {} elements, which the group size {n} does not divide",
             send.len()

@@ -158,3 +158,11 @@ pub(crate) fn cma_forced_by_env() -> Option<bool> {
         _ => None,
     }
 }
+
+/// `AXONML_KERNELS`: `baseline`, `avx2` or `avx512` caps the reduction kernels
+/// (`reduce::Kernels::active`, which reads it once) at that set, clamped to what the CPU has: to compare
+/// the sets, test each on one machine, or rule the vector ones out. Unset or another value: the
+/// fastest set the CPU has. Every set gives bitwise the same results.
+pub(crate) fn kernels_from_env() -> Option<String> {
+    std::env::var("AXONML_KERNELS").ok().map(|v| v.trim().to_ascii_lowercase())
+}

@@ -84,7 +84,7 @@ mod tests {
             for i in 0..n {
                 let r = owned(count, elem, n, i);
                 assert_eq!(r.start, next.min(count));
-                assert!(r.start * elem % 64 == 0 || r.is_empty());
+                assert!((r.start * elem).is_multiple_of(64) || r.is_empty());
                 next = r.end.max(next);
             }
             assert_eq!(next, count);

@@ -1,11 +1,15 @@
 //! The reduce kernels: per-type arithmetic and the tiled loop every collective runs. The inner loops
 //! are plain slice loops with the operator (and whether to scale) chosen outside them, which the
-//! compiler vectorises.
+//! compiler vectorises for the instruction set of the function they are inlined into: the baseline
+//! here, AVX2 or AVX-512 in `super::x86`. Generic over that set ([`Isa`]), which chooses how float16
+//! and bfloat16 widen to f32 and narrow back (`super::convert`); every other step is the same code, so
+//! the same operations in the same order, on every set.
 
 use half::{bf16, f16};
 use num_complex::{Complex, Complex32, Complex64};
 
-use super::{ReduceOp, Scale};
+use super::dispatch::{Baseline, Isa, Kernels};
+use super::{convert, ReduceOp, Scale};
 use crate::dtype::DType;
 
 /// Per-type arithmetic of the element types (`crate::dtype::Element`), which the kernels reach by the
@@ -50,10 +54,52 @@ pub(super) trait Arith: Sized + Copy {
     fn scale(a: Self::Acc, _f: f64) -> Self::Acc {
         a
     }
+    /// True when the kernel set `I` converts this type to and from its accumulator a vector at a time
+    /// ([`Arith::widen`], [`Arith::narrow`]) instead of by `load` and `store`.
+    fn widens<I: Isa>() -> bool {
+        false
+    }
+    /// `load` of every element of `src` into `dst`, as `I` vectorises it.
+    fn widen<I: Isa>(_src: &[Self], _dst: &mut [Self::Acc]) {}
+    /// `store` of every element of `src` into `dst`, as `I` vectorises it.
+    fn narrow<I: Isa>(_src: &[Self::Acc], _dst: &mut [Self]) {}
+}
+
+/// Which NaN an arithmetic result carries: both x86 and Arm return the first operand's NaN (quieted)
+/// when both operands are NaN, but the compiler may swap the operands of a commutative add or multiply,
+/// and does so differently for each instruction set (the baseline's float32 sum kept the second
+/// input's NaN, its float16 sum the first's). So the kernels say it: a NaN first operand wins, quieted;
+/// otherwise the result as computed (one NaN operand: that NaN, quieted; none: the CPU's default NaN).
+/// The same bits on every kernel set and every rank.
+pub(super) trait NanFirst: Copy {
+    /// `r`, the result of an operation whose first operand is `self`, or `self` quieted if it is NaN.
+    fn nan_first(self, r: Self) -> Self;
+}
+
+impl NanFirst for f32 {
+    #[inline(always)]
+    fn nan_first(self, r: f32) -> f32 {
+        if self.is_nan() {
+            f32::from_bits(self.to_bits() | 0x0040_0000)
+        } else {
+            r
+        }
+    }
+}
+
+impl NanFirst for f64 {
+    #[inline(always)]
+    fn nan_first(self, r: f64) -> f64 {
+        if self.is_nan() {
+            f64::from_bits(self.to_bits() | 0x0008_0000_0000_0000)
+        } else {
+            r
+        }
+    }
 }
 
 macro_rules! float_arith {
-    ($t:ty, $acc:ty, $load:expr, $store:expr) => {
+    ($t:ty, $acc:ty, $load:expr, $store:expr $(, { $($wide:tt)* })?) => {
         impl Arith for $t {
             type Acc = $acc;
             #[inline(always)]
@@ -66,11 +112,11 @@ macro_rules! float_arith {
             }
             #[inline(always)]
             fn add(a: $acc, b: $acc) -> $acc {
-                a + b
+                a.nan_first(a + b)
             }
             #[inline(always)]
             fn mul(a: $acc, b: $acc) -> $acc {
-                a * b
+                a.nan_first(a * b)
             }
             #[inline(always)]
             fn min(a: $acc, b: $acc) -> $acc {
@@ -107,15 +153,58 @@ macro_rules! float_arith {
             }
             #[inline(always)]
             fn scale(a: $acc, f: f64) -> $acc {
-                a * (f as $acc)
+                a.nan_first(a * (f as $acc))
             }
+            $($($wide)*)?
         }
     };
 }
 float_arith!(f32, f32, |x| x, |x| x);
 float_arith!(f64, f64, |x| x, |x| x);
-float_arith!(f16, f32, f16::to_f32, f16::from_f32);
-float_arith!(bf16, f32, bf16::to_f32, bf16::from_f32);
+float_arith!(f16, f32, f16::to_f32, f16::from_f32, {
+    #[inline(always)]
+    fn widens<I: Isa>() -> bool {
+        I::KERNELS != Kernels::Baseline
+    }
+    #[inline(always)]
+    fn widen<I: Isa>(src: &[f16], dst: &mut [f32]) {
+        match I::KERNELS {
+            // SAFETY: `I` is only entered (`super::x86`) when the CPU has its features.
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2 => unsafe { convert::f16_widen_avx2(src, dst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512 => unsafe { convert::f16_widen_avx512(src, dst) },
+            _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
+        }
+    }
+    #[inline(always)]
+    fn narrow<I: Isa>(src: &[f32], dst: &mut [f16]) {
+        match I::KERNELS {
+            // SAFETY: `I` is only entered (`super::x86`) when the CPU has its features.
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2 => unsafe { convert::f16_narrow_avx2(src, dst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512 => unsafe { convert::f16_narrow_avx512(src, dst) },
+            _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = f16::from_f32(*s)),
+        }
+    }
+});
+float_arith!(bf16, f32, bf16::to_f32, bf16::from_f32, {
+    #[inline(always)]
+    fn widens<I: Isa>() -> bool {
+        I::KERNELS != Kernels::Baseline
+    }
+    #[inline(always)]
+    fn widen<I: Isa>(src: &[bf16], dst: &mut [f32]) {
+        convert::bf16_widen(src, dst)
+    }
+    #[inline(always)]
+    fn narrow<I: Isa>(src: &[f32], dst: &mut [bf16]) {
+        convert::bf16_narrow(src, dst)
+    }
+});
 
 macro_rules! complex_arith {
     ($($t:ty => $part:ty),*) => {$(
@@ -126,15 +215,25 @@ macro_rules! complex_arith {
             #[inline(always)]
             fn store(acc: $t) -> Self { acc }
             #[inline(always)]
-            fn add(a: $t, b: $t) -> $t { a + b }
+            fn add(a: $t, b: $t) -> $t {
+                Complex::new(a.re.nan_first(a.re + b.re), a.im.nan_first(a.im + b.im))
+            }
+            // num_complex's product, each step with its NaN said (`NanFirst`).
             #[inline(always)]
-            fn mul(a: $t, b: $t) -> $t { a * b }
+            fn mul(a: $t, b: $t) -> $t {
+                let (rr, ii) = (a.re.nan_first(a.re * b.re), a.im.nan_first(a.im * b.im));
+                let (ri, ir) = (a.re.nan_first(a.re * b.im), a.im.nan_first(a.im * b.re));
+                Complex::new(rr.nan_first(rr - ii), ri.nan_first(ri + ir))
+            }
             #[inline(always)]
             fn div(a: $t, n: usize) -> $t { a / (n as $part) }
             // Each part times the real factor (not a complex product with f + 0i, whose 0 * inf would
             // turn an infinite part into NaN).
             #[inline(always)]
-            fn scale(a: $t, f: f64) -> $t { Complex::new(a.re * f as $part, a.im * f as $part) }
+            fn scale(a: $t, f: f64) -> $t {
+                let f = f as $part;
+                Complex::new(a.re.nan_first(a.re * f), a.im.nan_first(a.im * f))
+            }
         }
     )*};
 }
@@ -217,11 +316,15 @@ impl Arith for BoolByte {
 /// back, so the stores hit lines just read.
 pub(super) const TILE: usize = 1024;
 
+/// Elements widened at a time into a buffer on the stack, when a set widens a type in vectors: few
+/// enough to stay in registers or L1 beside the tile.
+const WIDE: usize = 64;
+
 #[inline(always)]
-fn combine<T: Arith>(
+fn combine<T: Arith, S: Copy>(
     acc: &mut [T::Acc],
-    src: &[T],
-    load: impl Fn(T) -> T::Acc,
+    src: &[S],
+    load: impl Fn(S) -> T::Acc,
     f: impl Fn(T::Acc, T::Acc) -> T::Acc,
 ) {
     for (a, s) in acc.iter_mut().zip(src) {
@@ -230,24 +333,54 @@ fn combine<T: Arith>(
 }
 
 #[inline(always)]
-fn accumulate<T: Arith>(op: ReduceOp, acc: &mut [T::Acc], src: &[T], load: impl Fn(T) -> T::Acc) {
+fn accumulate<T: Arith, S: Copy>(op: ReduceOp, acc: &mut [T::Acc], src: &[S], load: impl Fn(S) -> T::Acc) {
     match op {
-        ReduceOp::Sum | ReduceOp::Average => combine(acc, src, load, T::add),
-        ReduceOp::Product => combine(acc, src, load, T::mul),
-        ReduceOp::Min => combine(acc, src, load, T::min),
-        ReduceOp::Max => combine(acc, src, load, T::max),
-        ReduceOp::BAnd => combine(acc, src, load, T::band),
-        ReduceOp::BOr => combine(acc, src, load, T::bor),
-        ReduceOp::BXor => combine(acc, src, load, T::bxor),
+        ReduceOp::Sum | ReduceOp::Average => combine::<T, S>(acc, src, load, T::add),
+        ReduceOp::Product => combine::<T, S>(acc, src, load, T::mul),
+        ReduceOp::Min => combine::<T, S>(acc, src, load, T::min),
+        ReduceOp::Max => combine::<T, S>(acc, src, load, T::max),
+        ReduceOp::BAnd => combine::<T, S>(acc, src, load, T::band),
+        ReduceOp::BOr => combine::<T, S>(acc, src, load, T::bor),
+        ReduceOp::BXor => combine::<T, S>(acc, src, load, T::bxor),
     }
 }
 
-/// Reduce `count` elements of `inputs` (in order) and store the result into every output.
+/// `acc = f(a, b)`, the first two inputs in one pass.
+#[inline(always)]
+fn combine_pair<T: Arith>(
+    acc: &mut [T::Acc],
+    a: &[T],
+    b: &[T],
+    load: impl Fn(T) -> T::Acc,
+    f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+) {
+    for (r, (x, y)) in acc.iter_mut().zip(a.iter().zip(b)) {
+        *r = f(load(*x), load(*y));
+    }
+}
+
+#[inline(always)]
+fn accumulate_pair<T: Arith>(op: ReduceOp, acc: &mut [T::Acc], a: &[T], b: &[T], load: impl Fn(T) -> T::Acc) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => combine_pair::<T>(acc, a, b, load, T::add),
+        ReduceOp::Product => combine_pair::<T>(acc, a, b, load, T::mul),
+        ReduceOp::Min => combine_pair::<T>(acc, a, b, load, T::min),
+        ReduceOp::Max => combine_pair::<T>(acc, a, b, load, T::max),
+        ReduceOp::BAnd => combine_pair::<T>(acc, a, b, load, T::band),
+        ReduceOp::BOr => combine_pair::<T>(acc, a, b, load, T::bor),
+        ReduceOp::BXor => combine_pair::<T>(acc, a, b, load, T::bxor),
+    }
+}
+
+/// Reduce `count` elements of `inputs` (in order) and store the result into every output, with the
+/// conversions of kernel set `I`. Inlined into each set's entry point, which compiles it for that set.
 ///
 /// # Safety
 /// Every input must be valid for reading and every output for writing `count` values of `T`, and no
 /// other thread may touch these ranges during the call. Inputs and outputs may be the same memory.
-unsafe fn reduce_typed<T: Arith>(
+/// The CPU must have the features of `I`.
+#[inline(always)]
+unsafe fn reduce_typed<T: Arith, I: Isa>(
     op: ReduceOp,
     scale: Scale,
     inputs: &[*const u8],
@@ -261,14 +394,48 @@ unsafe fn reduce_typed<T: Arith>(
     while start < count {
         let len = TILE.min(count - start);
         let acc = &mut acc[..len];
-        for (j, &p) in inputs.iter().enumerate() {
-            // SAFETY: the caller guarantees `count` readable values; this slice ends before any write.
-            let src = unsafe { std::slice::from_raw_parts(p.cast::<T>().add(start), len) };
+        // SAFETY (both slices): the caller guarantees `count` readable values; they end before any write.
+        let src = |j: usize| unsafe { std::slice::from_raw_parts(inputs[j].cast::<T>().add(start), len) };
+        // The first two inputs in one pass (the same operations, one pass fewer over the tile).
+        let paired = if n >= 2 && !T::widens::<I>() {
+            if pre {
+                accumulate_pair::<T>(op, acc, src(0), src(1), |s| T::scale(s.load(), scale.pre));
+            } else {
+                accumulate_pair::<T>(op, acc, src(0), src(1), T::load);
+            }
+            2
+        } else {
+            0
+        };
+        for j in paired..n {
+            let src = src(j);
+            if T::widens::<I>() {
+                // Widened by vectors, then the same operations on the f32 values: the first input
+                // straight into the tile, the others a few vectors at a time.
+                if j == 0 {
+                    T::widen::<I>(src, acc);
+                    if pre {
+                        acc.iter_mut().for_each(|a| *a = T::scale(*a, scale.pre));
+                    }
+                    continue;
+                }
+                for (acc, src) in acc.chunks_mut(WIDE).zip(src.chunks(WIDE)) {
+                    let mut wide = [T::Acc::default(); WIDE];
+                    let wide = &mut wide[..src.len()];
+                    T::widen::<I>(src, wide);
+                    if pre {
+                        accumulate::<T, T::Acc>(op, acc, wide, |s| T::scale(s, scale.pre));
+                    } else {
+                        accumulate::<T, T::Acc>(op, acc, wide, |s| s);
+                    }
+                }
+                continue;
+            }
             match (j, pre) {
                 (0, false) => acc.iter_mut().zip(src).for_each(|(a, s)| *a = s.load()),
                 (0, true) => acc.iter_mut().zip(src).for_each(|(a, s)| *a = T::scale(s.load(), scale.pre)),
-                (_, false) => accumulate(op, acc, src, T::load),
-                (_, true) => accumulate(op, acc, src, |s| T::scale(s.load(), scale.pre)),
+                (_, false) => accumulate::<T, T>(op, acc, src, T::load),
+                (_, true) => accumulate::<T, T>(op, acc, src, |s| T::scale(s.load(), scale.pre)),
             }
         }
         if op == ReduceOp::Average {
@@ -287,38 +454,60 @@ unsafe fn reduce_typed<T: Arith>(
         for &p in outputs {
             // SAFETY: the caller guarantees `count` writable values; no input slice is alive now.
             let dst = unsafe { std::slice::from_raw_parts_mut(p.cast::<T>().add(start), len) };
-            for (d, a) in dst.iter_mut().zip(acc.iter()) {
-                *d = T::store(*a);
+            if T::widens::<I>() {
+                T::narrow::<I>(acc, dst);
+            } else {
+                for (d, a) in dst.iter_mut().zip(acc.iter()) {
+                    *d = T::store(*a);
+                }
             }
         }
         start += len;
     }
 }
 
-/// `$f::<T>($args)` with `T` the Rust type of `$dtype` (bool as [`BoolByte`]).
+/// `$f::<T, I>($args)` with `T` the Rust type of `$dtype` (bool as [`BoolByte`]).
 macro_rules! typed {
-    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+    ($dtype:expr, $f:ident::<$i:ty>($($arg:expr),*)) => {
         match $dtype {
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::C64 => $f::<Complex32>($($arg),*),
-            DType::C128 => $f::<Complex64>($($arg),*),
-            DType::I8 => $f::<i8>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-            DType::I16 => $f::<i16>($($arg),*),
-            DType::U16 => $f::<u16>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::U32 => $f::<u32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U64 => $f::<u64>($($arg),*),
-            DType::Bool => $f::<BoolByte>($($arg),*),
+            DType::F16 => $f::<f16, $i>($($arg),*),
+            DType::F32 => $f::<f32, $i>($($arg),*),
+            DType::F64 => $f::<f64, $i>($($arg),*),
+            DType::BF16 => $f::<bf16, $i>($($arg),*),
+            DType::C64 => $f::<Complex32, $i>($($arg),*),
+            DType::C128 => $f::<Complex64, $i>($($arg),*),
+            DType::I8 => $f::<i8, $i>($($arg),*),
+            DType::U8 => $f::<u8, $i>($($arg),*),
+            DType::I16 => $f::<i16, $i>($($arg),*),
+            DType::U16 => $f::<u16, $i>($($arg),*),
+            DType::I32 => $f::<i32, $i>($($arg),*),
+            DType::U32 => $f::<u32, $i>($($arg),*),
+            DType::I64 => $f::<i64, $i>($($arg),*),
+            DType::U64 => $f::<u64, $i>($($arg),*),
+            DType::Bool => $f::<BoolByte, $i>($($arg),*),
         }
     };
 }
 
-/// Type-erased [`reduce_typed`], dispatched on `dtype`.
+/// [`reduce_typed`] for kernel set `I`, dispatched on `dtype`; `super::x86` inlines it into each
+/// set's entry point.
+///
+/// # Safety
+/// As for [`reduce_typed`], with `T` the type of `dtype`.
+#[inline(always)]
+pub(super) unsafe fn reduce_dtype<I: Isa>(
+    dtype: DType,
+    op: ReduceOp,
+    scale: Scale,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    count: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { typed!(dtype, reduce_typed::<I>(op, scale, inputs, outputs, count)) }
+}
+
+/// Type-erased [`reduce_typed`] on the process's kernel set ([`Kernels::active`]).
 ///
 /// # Safety
 /// As for [`reduce_typed`], with `T` the type of `dtype`; `op.check(dtype)` and `scale.check(dtype)`
@@ -331,29 +520,85 @@ pub(crate) unsafe fn reduce_raw(
     outputs: &[*mut u8],
     count: usize,
 ) {
-    debug_assert!(!inputs.is_empty());
     // SAFETY: forwarded from the caller.
-    unsafe { typed!(dtype, reduce_typed(op, scale, inputs, outputs, count)) }
+    unsafe { reduce_raw_on(Kernels::active(), dtype, op, scale, inputs, outputs, count) }
 }
 
-/// Divide `count` values of `T` at `buf` by `n` in place, as AVERAGE does.
+/// [`reduce_raw`] on kernel set `kernels`, or the fastest below it that the CPU has.
 ///
 /// # Safety
-/// `buf` must be valid for reads and writes of `count` values of `T`, untouched by anyone else.
-unsafe fn divide_typed<T: Arith>(buf: *mut u8, count: usize, n: usize) {
+/// As for [`reduce_raw`].
+pub(super) unsafe fn reduce_raw_on(
+    kernels: Kernels,
+    dtype: DType,
+    op: ReduceOp,
+    scale: Scale,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    count: usize,
+) {
+    debug_assert!(!inputs.is_empty());
+    // SAFETY: forwarded from the caller; a vector set is entered only when the CPU has it (clamped).
+    unsafe {
+        match kernels.clamped() {
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512 => super::x86::reduce_avx512(dtype, op, scale, inputs, outputs, count),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2 => super::x86::reduce_avx2(dtype, op, scale, inputs, outputs, count),
+            _ => reduce_dtype::<Baseline>(dtype, op, scale, inputs, outputs, count),
+        }
+    }
+}
+
+/// Divide `count` values of `T` at `buf` by `n` in place, as AVERAGE does, with the conversions of
+/// kernel set `I`.
+///
+/// # Safety
+/// `buf` must be valid for reads and writes of `count` values of `T`, untouched by anyone else; the
+/// CPU must have the features of `I`.
+#[inline(always)]
+unsafe fn divide_typed<T: Arith, I: Isa>(buf: *mut u8, count: usize, n: usize) {
     // SAFETY: forwarded from the caller.
     let buf = unsafe { std::slice::from_raw_parts_mut(buf.cast::<T>(), count) };
+    if T::widens::<I>() {
+        for chunk in buf.chunks_mut(WIDE) {
+            let mut wide = [T::Acc::default(); WIDE];
+            let wide = &mut wide[..chunk.len()];
+            T::widen::<I>(chunk, wide);
+            wide.iter_mut().for_each(|x| *x = T::div(*x, n));
+            T::narrow::<I>(wide, chunk);
+        }
+        return;
+    }
     for x in buf {
         *x = T::store(T::div(x.load(), n));
     }
 }
 
-/// Type-erased [`divide_typed`], dispatched on `dtype`.
+/// [`divide_typed`] for kernel set `I`, dispatched on `dtype`.
+///
+/// # Safety
+/// As for [`divide_typed`], with `T` the type of `dtype`.
+#[inline(always)]
+pub(super) unsafe fn divide_dtype<I: Isa>(dtype: DType, buf: *mut u8, count: usize, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { typed!(dtype, divide_typed::<I>(buf, count, n)) }
+}
+
+/// Type-erased [`divide_typed`] on kernel set `kernels`, or the fastest below it that the CPU has.
 ///
 /// # Safety
 /// As for [`divide_typed`], with `T` the type of `dtype`; `ReduceOp::Average.check(dtype)` must have
 /// passed.
-pub(super) unsafe fn divide_raw(dtype: DType, buf: *mut u8, count: usize, n: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe { typed!(dtype, divide_typed(buf, count, n)) }
+pub(super) unsafe fn divide_raw_on(kernels: Kernels, dtype: DType, buf: *mut u8, count: usize, n: usize) {
+    // SAFETY: forwarded from the caller; a vector set is entered only when the CPU has it (clamped).
+    unsafe {
+        match kernels.clamped() {
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512 => super::x86::divide_avx512(dtype, buf, count, n),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2 => super::x86::divide_avx2(dtype, buf, count, n),
+            _ => divide_dtype::<Baseline>(dtype, buf, count, n),
+        }
+    }
 }

@@ -1,19 +1,28 @@
 //! Reduction operators, which dtypes each one takes, and Horovod's scaling factors; the kernels are in
-//! `kernels`.
+//! `kernels`, compiled once per vector instruction set (`x86`, with `convert` for float16 and
+//! bfloat16), and `dispatch` chooses the set once per process.
 //!
 //! Every reduction combines its inputs in the order given (rank order in the collectives), one tile at a
 //! time, so every rank computes bitwise-identical results run after run. float16 and bfloat16 are
 //! accumulated in f32 and rounded once; bool reads any nonzero byte as true (OR for SUM/MAX, AND for
-//! PRODUCT/MIN). MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; integer arithmetic wraps
-//! like numpy's.
+//! PRODUCT/MIN). MIN/MAX propagate NaN like `numpy.minimum`/`numpy.maximum`; where two NaNs meet in
+//! SUM, PRODUCT or AVERAGE the first (in rank order) wins, quieted, on every kernel set (the hardware
+//! would let the compiler's operand order decide); integer arithmetic wraps like numpy's.
 
+mod convert;
+mod dispatch;
 mod kernels;
 #[cfg(test)]
+mod sets_tests;
+#[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
 
+pub use dispatch::Kernels;
 pub(crate) use kernels::reduce_raw;
 
 use crate::dtype::{DType, Element};
@@ -155,6 +164,18 @@ pub fn reduce_slices_scaled<T: Element>(
     inputs: &[&[T]],
     out: &mut [T],
 ) -> Result<()> {
+    reduce_slices_on(Kernels::active(), op, scale, inputs, out)
+}
+
+/// [`reduce_slices_scaled`] on kernel set `kernels` (or the fastest below it that this CPU has)
+/// instead of the process's: to compare the sets, which give bitwise the same results.
+pub fn reduce_slices_on<T: Element>(
+    kernels: Kernels,
+    op: ReduceOp,
+    scale: Scale,
+    inputs: &[&[T]],
+    out: &mut [T],
+) -> Result<()> {
     op.check(T::DTYPE)?;
     scale.check(T::DTYPE)?;
     if inputs.is_empty() {
@@ -169,14 +190,21 @@ pub fn reduce_slices_scaled<T: Element>(
     }
     let ptrs: Vec<*const u8> = inputs.iter().map(|s| s.as_ptr().cast()).collect();
     // SAFETY: lengths checked above; `out` is a unique borrow, so it cannot alias the shared inputs.
-    unsafe { reduce_raw(T::DTYPE, op, scale, &ptrs, &[out.as_mut_ptr().cast()], out.len()) };
+    unsafe {
+        kernels::reduce_raw_on(kernels, T::DTYPE, op, scale, &ptrs, &[out.as_mut_ptr().cast()], out.len())
+    };
     Ok(())
 }
 
 /// Divide every element by `divisor` in place: AVERAGE for backends that can only sum (e.g. MPI).
 pub fn scale<T: Element>(buf: &mut [T], divisor: usize) -> Result<()> {
+    scale_on(Kernels::active(), buf, divisor)
+}
+
+/// [`scale`] on kernel set `kernels` (or the fastest below it that this CPU has).
+pub fn scale_on<T: Element>(kernels: Kernels, buf: &mut [T], divisor: usize) -> Result<()> {
     ReduceOp::Average.check(T::DTYPE)?;
     // SAFETY: a unique borrow of `buf.len()` values of `T`, whose tag is `T::DTYPE`; checked above.
-    unsafe { kernels::divide_raw(T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), divisor) };
+    unsafe { kernels::divide_raw_on(kernels, T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), divisor) };
     Ok(())
 }

@@ -75,7 +75,7 @@ impl Params {
     }
 
     fn check(&self) -> std::result::Result<(), String> {
-        let pow2_pages = |x: usize| x >= PAGE && x % PAGE == 0;
+        let pow2_pages = |x: usize| x >= PAGE && x.is_multiple_of(PAGE);
         if !(1..=MAX_RANKS).contains(&self.world) {
             return Err(format!("world size {} (1..={MAX_RANKS})", self.world));
         }
@@ -88,7 +88,7 @@ impl Params {
         if !pow2_pages(self.cell) || self.cell > 64 << 20 {
             return Err(format!("send/recv cell {} bytes", self.cell));
         }
-        if self.arena % PAGE != 0 || self.arena > 1 << 40 || self.pool > 4096 {
+        if !self.arena.is_multiple_of(PAGE) || self.arena > 1 << 40 || self.pool > 4096 {
             return Err(format!("arena {} / pool {}", self.arena, self.pool));
         }
         Ok(())
@@ -299,7 +299,11 @@ mod tests {
             assert_eq!(l.comm_stride % 128, 0);
             for (src, dst) in [(0, 0), (w - 1, 0), (0, w - 1), (w - 1, w - 1)] {
                 let c = l.cells(src, dst);
-                assert!(c.start % PAGE == 0 && c.len() == 2 * l.params.cell && c.start > l.chan(src, dst));
+                assert!(
+                    c.start.is_multiple_of(PAGE)
+                        && c.len() == 2 * l.params.cell
+                        && c.start > l.chan(src, dst)
+                );
                 assert!(c.end <= l.staging);
             }
             let last = l.block(w + l.params.pool - 1);

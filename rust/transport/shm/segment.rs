@@ -42,7 +42,10 @@ impl Mapping {
     /// Make `range` (page aligned, inside the mapping) read-only, or writable again, in this process
     /// only: each rank maps what only its peers write read-only, so a stray write faults at once.
     pub(crate) fn protect(&self, range: std::ops::Range<usize>, writable: bool) -> Result<()> {
-        assert!(range.start % PAGE == 0 && range.end % PAGE == 0 && range.end <= self.len, "{range:?}");
+        assert!(
+            range.start.is_multiple_of(PAGE) && range.end.is_multiple_of(PAGE) && range.end <= self.len,
+            "{range:?}"
+        );
         let flags = if writable { MprotectFlags::READ | MprotectFlags::WRITE } else { MprotectFlags::READ };
         // SAFETY: the range lies inside our mapping; read-only parts are never written by this process
         // (only their owner writes them, through its own mapping).
