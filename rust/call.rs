@@ -6,13 +6,21 @@
 
 use std::time::Duration;
 
-use crate::algo::Peer;
 use crate::collective::Collective;
 use crate::config::MAX_TIMEOUT;
 use crate::dtype::{expect_dtype, Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
+
+/// A member's buffers, as addresses in this process.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer {
+    /// Input data (for in-place collectives, the same as `recv`).
+    pub send: *const u8,
+    /// Output data.
+    pub recv: *mut u8,
+}
 
 /// A validated collective: what this rank publishes and how much data each member contributes.
 #[derive(Clone, Debug)]

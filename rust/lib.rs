@@ -25,8 +25,7 @@
 //! config  error       every tunable and environment knob; the one error type (knowing nothing above)
 //! ```
 //!
-//! One arrow still climbs: `call` names `algo::Peer` (a member's two buffer addresses) for the buffers
-//! it validated. Tests reach anywhere (the engine's run in the thread world).
+//! No arrow climbs (tests reach anywhere: the engine's run in the thread world).
 //!
 //! Where to start: [`ProcessGroup`] and [`World`] ([`group`]), the [`Backend`] trait, the worlds
 //! [`ThreadBackend`] and [`transport::shm`], [`GradientSynchronizer`] ([`synchronizer`]), the

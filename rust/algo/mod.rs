@@ -32,17 +32,9 @@ pub(crate) mod staged;
 pub(crate) mod stream;
 
 use crate::call::Call;
+pub(crate) use crate::call::Peer;
 use crate::reduce::ReduceOp;
 use crate::signature::{CollKind, Extent, Signature};
-
-/// A member's buffers, as addresses in this process.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Peer {
-    /// Input data (for in-place collectives, the same as `recv`).
-    pub send: *const u8,
-    /// Output data.
-    pub recv: *mut u8,
-}
 
 /// Bytes spanned by a member's send and receive buffers for `sig` in a group of `n`, given whether it
 /// is the root (0 where the collective has no such buffer on it). The collectives with a layout have
