@@ -37,7 +37,8 @@ import sys
 import tempfile
 import types
 import unittest
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GATES = [
     ('require_backend_is_available({"gloo"})', 'require_backend_is_available({"gloo", BACKEND})'),
@@ -52,8 +53,8 @@ PROFILING_LISTS = [
 ]
 MODULE = "torch.testing._internal.distributed.distributed_test"
 
-# Tests that fail on the backend under test only because torch refuses, by name, every backend but its
-# own; each fails the run if it starts passing.
+# Tests that fail on the backend under test only because torch refuses it by what it is (by name, or a
+# backend written as a ProcessGroup); each fails the run if it starts passing.
 _MONITORED_BARRIER = (
     "dist.monitored_barrier asks for a group with a CPU backend registered (torch 2.15: "
     "`torch.device('cpu') in group._device_types`; 2.13 and older: gloo by name); a backend that is a "
@@ -68,13 +69,11 @@ KNOWN_FAILURES: dict[str, dict[str, str]] = {
 }
 
 
-def _decide_in_parent() -> None:
+def _decide_in_parent(accelerators: int) -> None:
     """Make torch's skip decorators that test only accelerators and the world size skip in this process,
     through `unittest.skip` with torch's own message, where the children would exit with that skip."""
-    import torch
     from torch.testing._internal import common_distributed as cd
 
-    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
     world_size = int(os.environ["WORLD_SIZE"])
     not_mpi = os.environ["BACKEND"] != "mpi"
 
@@ -93,26 +92,24 @@ def _decide_in_parent() -> None:
         return decided(lt_x_gpu(x, allow_cpu=allow_cpu), None if runs else f"multi-device-{x}")
 
     cd.skip_if_lt_x_gpu = skip_if_lt_x_gpu
-    cd.skip_if_no_gpu = decided(
-        no_gpu,
-        "no_accelerator" if not accelerators else None if accelerators >= world_size else f"multi-device-{world_size}",
-    )
+    no_device = None if accelerators >= world_size else f"multi-device-{world_size}"
+    cd.skip_if_no_gpu = decided(no_gpu, no_device if accelerators else "no_accelerator")
     cd.skip_if_small_worldsize = decided(small, "small_worldsize" if not_mpi and world_size < 8 else None)
     cd.skip_if_odd_worldsize = decided(odd, "odd_worldsize" if not_mpi and world_size % 2 else None)
 
 
 def _load_suite(backend: str) -> types.ModuleType:
     """torch's distributed_test module with the gates above opened to `backend` (gloo: unchanged)."""
+    import torch  # only now: `_environment` has set OMP_NUM_THREADS, which torch reads at import
     from torch.testing._internal.common_distributed import DistTestCases
 
-    _decide_in_parent()
+    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    _decide_in_parent(accelerators)
     spec = importlib.util.find_spec(MODULE)
     assert spec is not None and spec.origin is not None and spec.loader is not None
     if backend == "gloo":
         return importlib.import_module(MODULE)
-    import torch
-
-    for feature in FEATURES + ([] if torch.accelerator.is_available() else ["gpu"]):
+    for feature in FEATURES + ([] if accelerators else ["gpu"]):
         DistTestCases.backend_feature[feature].add(backend)
     with open(spec.origin, encoding="utf-8") as f:
         source = f.read()
@@ -157,7 +154,7 @@ _args, _rest = _environment(sys.argv[1:])
 _suite = _load_suite(os.environ["BACKEND"])
 
 
-class TestDistBackendWithSpawn(_suite.TestDistBackend, _suite.DistributedTest._DistTestBase):  # type: ignore[name-defined,misc]
+class TestDistBackendWithFork(_suite.TestDistBackend, _suite.DistributedTest._DistTestBase):  # type: ignore[name-defined,misc]
     def setUp(self) -> None:
         super().setUp()
         import torch.multiprocessing
@@ -168,16 +165,20 @@ class TestDistBackendWithSpawn(_suite.TestDistBackend, _suite.DistributedTest._D
 class _Outcomes(unittest.TextTestResult):
     """unittest's text result that also keeps every started test's name, for `outcomes`."""
 
-    started: list[str] = []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started: list[str] = []
 
     def startTest(self, test: unittest.TestCase) -> None:
         self.started.append(_name(test))
         super().startTest(test)
 
-    def outcomes(self) -> dict[str, str]:
-        """Each started test's outcome: "passed", "failed" or "skipped"."""
+    def outcomes(self, known: dict[str, str]) -> dict[str, str]:
+        """Each started test's outcome: "passed", "failed", "known failure" (failed, and in `known`) or
+        "skipped"."""
         result = dict.fromkeys(self.started, "passed")
-        result.update((_name(test), "failed") for test, _ in self.failures + self.errors)
+        failed = {_name(test) for test, _ in self.failures + self.errors}
+        result.update((test, "known failure" if test in known else "failed") for test in failed)
         result.update((_name(test), "skipped") for test, _ in self.skipped)
         return result
 
@@ -186,22 +187,21 @@ def _name(test: unittest.TestCase) -> str:
     return test.id().rsplit(".", 1)[-1]
 
 
-def _verdict(outcomes: dict[str, str], backend: str) -> bool:
+def _verdict(outcomes: dict[str, str], backend: str, known: dict[str, str]) -> bool:
     """Print the counts and the tests that break the rule (fail only if listed); True if none does."""
-    count = {kind: sum(1 for o in outcomes.values() if o == kind) for kind in ("passed", "failed", "skipped")}
-    known = KNOWN_FAILURES.get(backend, {})
-    failed = {test for test, o in outcomes.items() if o == "failed"}
-    ran_known = {test for test, o in outcomes.items() if o != "skipped" and test in known}
+    of = lambda *kinds: sorted(test for test, o in outcomes.items() if o in kinds)  # noqa: E731
+    ran, failed = of("passed", "failed", "known failure"), of("failed", "known failure")
     print(
-        f"torch_suite {backend} world_size={os.environ['WORLD_SIZE']}: "
-        f"ran {count['passed'] + count['failed']}, passed {count['passed']}, "
-        f"failed {count['failed']} ({len(failed & ran_known)} known), skipped {count['skipped']}"
+        f"torch_suite {backend} world_size={os.environ['WORLD_SIZE']}: ran {len(ran)}, "
+        f"passed {len(of('passed'))}, failed {len(failed)} ({len(of('known failure'))} known), "
+        f"skipped {len(of('skipped'))}"
     )
-    for test in sorted(failed - set(known)):
+    for test in of("failed"):
         print(f"  FAILED, not in KNOWN_FAILURES: {test}")
-    for test in sorted(ran_known - failed):
+    now_passing = [test for test in of("passed") if test in known]
+    for test in now_passing:
         print(f"  PASSED, but KNOWN_FAILURES lists it (remove it): {test}")
-    return failed <= ran_known and ran_known <= failed
+    return not of("failed") and not now_passing
 
 
 if __name__ == "__main__":
@@ -212,11 +212,9 @@ if __name__ == "__main__":
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=2 if "-v" in _rest else 1)
     result = unittest.main(argv=common_utils.UNITTEST_ARGS, testRunner=runner, exit=False).result
     assert isinstance(result, _Outcomes)
-    outcomes = result.outcomes()
-    ok = _verdict(outcomes, _args.backend)
+    known = KNOWN_FAILURES.get(_args.backend, {})
+    outcomes = result.outcomes(known)
     if _args.outcomes:
-        known = KNOWN_FAILURES.get(_args.backend, {})
-        outcomes.update((test, "known failure") for test, o in outcomes.items() if o == "failed" and test in known)
         with open(_args.outcomes, "w", encoding="utf-8") as f:
             json.dump(outcomes, f, indent=1, sort_keys=True)
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if _verdict(outcomes, _args.backend, known) else 1)
