@@ -274,3 +274,19 @@ def test_sigint_to_the_launcher_reaches_every_worker_once(tmp_path: Path, from_t
     assert "axonml-run: received SIGINT; forwarded it to ranks 0, 1\n" in err
     for rank in range(2):
         assert (tmp_path / f"signals.{rank}").read_text() == "SIGINT\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_record_blames_the_rank_whose_abort_raised_it() -> None:
+    # The launcher's root cause comes from the error's facts: rank 1 aborts, rank 0's barrier fails.
+    from axonml_distributed._core import ProcessGroup, ThreadBackend
+    from axonml_distributed.exceptions import PeerFailureError
+
+    backends = ThreadBackend.create_world(2, timeout=30.0)
+    backends[1].abort("rank 1 gives up")
+    with pytest.raises(PeerFailureError) as failure:
+        ProcessGroup(backends[0]).barrier()
+    record = error_file.record_of(0, failure.type, failure.value, failure.tb)
+    assert record.blames == 1, record.message
+    other = error_file.record_of(1, ValueError, ValueError("bad"), None)
+    assert other.blames is None

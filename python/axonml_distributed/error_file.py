@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
-
-# How the shm world's PeerFailureError names the rank behind it (rust/error.rs: `Aborted`, `PeerDied`,
-# `PeerExited`).
-_BLAMED = re.compile(r"the world was aborted by rank (\d+)|peer rank (\d+) died")
 
 
 @dataclass(frozen=True)
@@ -45,9 +40,9 @@ def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: Tr
     """The record of an exception that ended rank `rank`'s main thread."""
     blames = None
     if kind.__name__ == "PeerFailureError":
-        found = _BLAMED.match(str(value))
-        if found:
-            blames = int(found.group(1) or found.group(2))
+        # The error's own facts (mapped once, in rust/bindings/exceptions.rs): the aborting or dead peer.
+        ranks = getattr(value, "ranks", None) or ()
+        blames = ranks[0] if len(ranks) == 1 else None
     text = "".join(traceback.format_exception(kind, value, tb))
     return Record(rank, kind.__name__, str(value), text, time.time(), blames, reported=False)
 
