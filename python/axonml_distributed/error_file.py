@@ -41,7 +41,7 @@ def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: Tr
     blames = None
     if kind.__name__ == "PeerFailureError":
         # The error's own facts (mapped once, in rust/bindings/exceptions.rs): the aborting or dead peer.
-        ranks = getattr(value, "ranks", None) or ()
+        ranks: list[int] = list(getattr(value, "ranks", None) or [])
         blames = ranks[0] if len(ranks) == 1 else None
     text = "".join(traceback.format_exception(kind, value, tb))
     return Record(rank, kind.__name__, str(value), text, time.time(), blames, reported=False)
