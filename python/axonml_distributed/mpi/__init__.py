@@ -50,7 +50,9 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
         name="mpi4py",
     ) from exc
 
-from axonml_distributed.mpi.group import MpiProcessGroup, init_mpi_process_group
+from axonml_distributed.mpi.group import MpiProcessGroup
+from axonml_distributed.mpi.hosts import MpiHostsProcessGroup
 from axonml_distributed.mpi.queue import MpiWork
+from axonml_distributed.mpi.world import init_mpi_process_group
 
-__all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
+__all__ = ["MpiHostsProcessGroup", "MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
