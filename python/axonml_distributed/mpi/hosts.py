@@ -21,7 +21,7 @@ all-gather inside the host.
 - Mismatches across hosts are caught before any buffer changes: a two-level call first takes part in
   the group's signature check over every rank (the same check, and the same MPI call, a flat call
   makes), and the path is chosen only from what that check agreed (dtype, count, op), so every rank
-  takes the same one. Every rank broadcasts rank 0's `flat_below` and pipeline segment at start-up.
+  takes the same one (rank 0's `flat_below` and pipeline segment are broadcast at start-up).
 - Failures: a failure inside a two-level call (a peer of the host that died, a wait past the timeout)
   aborts the MPI job, as every failure the MPI group cannot undo does (MPI cannot cancel the collective
   the other hosts wait in); `python -m mpi4py` turns an exception on any rank into MPI_Abort.
@@ -29,7 +29,9 @@ all-gather inside the host.
   and a random job secret it broadcasts to the host's ranks over MPI); its segment is unlinked once
   every rank attached it, so none is left behind however the job ends.
 - A two-level call runs to completion when called, with `async_op` too (its handle is complete); it first
-  completes the group's pending operations, so work on the group still completes in issue order.
+  completes the group's pending operations, so work on the group still completes in issue order. Its
+  pipeline segments overlap only as far as MPI progresses a started reduce-scatter while the host works
+  (without an asynchronous progress thread, MPICH moves it only inside MPI calls).
 """
 
 from __future__ import annotations
