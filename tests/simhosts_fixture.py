@@ -22,6 +22,13 @@ MISSING = missing_requirements()
 needs_simhosts = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
+def mpich_across(hosts: SimHosts, per_host: int, mpiexec: str) -> list[str]:
+    """MPICH's mpiexec (hydra), run on the ctl node, starting its proxies on every host through the fake
+    ssh: `per_host` ranks on each, over the hosts' own network (the command, before `-n N PROGRAM`)."""
+    placed = ",".join(f"{hosts.name(i)}:{per_host}" for i in range(hosts.n))
+    return [mpiexec, "-launcher", "ssh", "-launcher-exec", hosts.ssh, "-iface", "eth0", "-hosts", placed]
+
+
 def new_sim_hosts(n: int = 2) -> SimHosts:
     """Hosts with a prefix of their own, not yet up."""
     return SimHosts(n, prefix=f"axsim{secrets.token_hex(4)}", share=[str(REPO)])

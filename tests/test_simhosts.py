@@ -18,7 +18,7 @@ import pytest
 
 from axonml_distributed.simhosts import DEFAULT_ROOT, SimHosts, sweep_stale
 from mpi_run import JOBS, MPIEXEC, job_env, needs_mpi, open_mpi
-from simhosts_fixture import needs_simhosts, new_sim_hosts
+from simhosts_fixture import mpich_across, needs_simhosts, new_sim_hosts
 
 pytestmark = needs_simhosts
 
@@ -173,17 +173,14 @@ def test_mpich_all_reduce_across_2_hosts_x_2_ranks_under_mpiexec(sim_hosts: SimH
         pytest.skip("the launcher flags here are MPICH's (hydra)")
     assert MPIEXEC is not None
     cmd = [
-        MPIEXEC,
-        "-launcher",
-        "ssh",
-        "-launcher-exec",
-        sim_hosts.ssh,
-        "-iface",
-        "eth0",
-        "-hosts",
-        "h0:2,h1:2",
+        *mpich_across(sim_hosts, 2, MPIEXEC),
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        str(JOBS / "across_hosts.py"),
     ]
-    cmd += ["-n", "4", sys.executable, "-m", "mpi4py", str(JOBS / "across_hosts.py")]
     done = sim_hosts.run("ctl", cmd, timeout=100, cwd=str(JOBS), env=job_env())
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     for rank in range(4):

@@ -60,7 +60,8 @@ def init_process_group(
     """Join the job's world and make its group the default; returns the group.
 
     Arguments in torch.distributed's order. ``backend``: "shm" (processes on one host, through shared
-    memory) or "mpi" (under mpiexec, any number of hosts). ``init_method``: None or "env://" (the same:
+    memory) or "mpi" (under mpiexec, any number of hosts; across hosts, large all_reduces go through
+    shared memory inside each host and MPI between hosts). ``init_method``: None or "env://" (the same:
     MASTER_ADDR/MASTER_PORT). ``timeout`` bounds every wait (seconds or a ``datetime.timedelta``; default
     300 s). ``world_size``/``rank`` default to the WORLD_SIZE/RANK environment variables (ignored by "mpi",
     which asks MPI).

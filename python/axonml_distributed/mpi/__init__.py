@@ -38,6 +38,9 @@ MPI_Abort, so the job ends instead of hanging in a collective.
   float64 and rounded once). Its cost: `python -m axonml_distributed.bench --backend mpi`.
 - Small messages: Python overhead is most of the time of an 8-byte all_reduce, so a blocking all_reduce
   with nothing pending takes a short path (`_all_reduce_now`) and waits start with a tight Test spin.
+- Several hosts: a job spanning hosts with as many ranks (more than one) on each gets an
+  `MpiHostsProcessGroup` (`mpi.hosts`), whose large all_reduces run through our shared memory inside
+  each host and MPI between hosts; every other call is the flat group's.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ except (ImportError, RuntimeError) as exc:  # RuntimeError: mpi4py found no MPI 
         name="mpi4py",
     ) from exc
 
-from axonml_distributed.mpi.group import MpiProcessGroup, init_mpi_process_group
+from axonml_distributed.mpi.group import MpiProcessGroup
+from axonml_distributed.mpi.hosts import MpiHostsProcessGroup
 from axonml_distributed.mpi.queue import MpiWork
+from axonml_distributed.mpi.world import init_mpi_process_group
 
-__all__ = ["MpiProcessGroup", "MpiWork", "init_mpi_process_group"]
+__all__ = ["MpiHostsProcessGroup", "MpiProcessGroup", "MpiWork", "init_mpi_process_group"]

@@ -148,6 +148,13 @@ def parts(a: np.ndarray) -> np.ndarray:
     return a.view(np.float32 if a.dtype == np.complex64 else np.float64) if a.dtype.kind == "c" else a
 
 
+def prescale(buf: np.ndarray, source: np.ndarray, pre: float) -> None:
+    """`buf` = `source` times the prescale factor `pre`, in `buf`'s own precision, as the core's kernel
+    does (`source` may be `buf`)."""
+    real = parts(buf)
+    np.multiply(parts(source), real.dtype.type(pre), out=real)
+
+
 def finish_result(buf: np.ndarray, average: int, post: float) -> None:
     """AVERAGE's division by `average` (0: not AVERAGE), then the postscale factor, in `buf`'s own
     precision, as the core's kernel does."""
@@ -195,8 +202,7 @@ def reduction_buffer(
     if copy_in and pre != 1.0:
 
         def prepare() -> None:
-            real = parts(buf)
-            np.multiply(parts(source), real.dtype.type(pre), out=real)
+            prescale(buf, source, pre)
 
     if not write_back or (not average and post == 1.0):
         return buf, dt, prepare, None

@@ -43,39 +43,15 @@ from axonml_distributed.mpi.queue import (
     MonitorExpired,
     MpiWork,
     OpQueue,
-    abort_job,
     abort_mpi,
     await_peers,
     missing_peers,
     never_arrived,
     tag_ub,
-    wait_until,
 )
 from axonml_distributed.tensors import like, numpy_view
 
 ALL_REDUCE_CODE = KIND_CODES["all_reduce"]
-
-
-def init_mpi_process_group(timeout: float | None = None, check_signatures: bool = True) -> MpiProcessGroup:
-    """The group of every rank of the MPI job, on a private duplicate of COMM_WORLD (so our messages never
-    match the application's own MPI calls). `timeout` in seconds, default 300. Collective."""
-    timeout = checked_timeout(timeout)
-    world = MPI.COMM_WORLD
-    ranks = list(range(world.Get_size()))
-    me = world.Get_rank()
-    describe = "init_mpi_process_group (duplicating COMM_WORLD)"
-    await_peers(world, {r: r for r in ranks if r != me}, timeout, describe, ranks)
-    comm, request = world.Idup()
-    if not wait_until(request, time.monotonic() + timeout, 0):  # everyone is there: it completes at once
-        late = CollectiveTimeoutError(
-            f"{describe} did not complete within {timeout:g} s",
-            rank=me,
-            call=describe,
-            group=ranks,
-            waited=timeout,
-        )
-        raise abort_job(world, late)
-    return MpiProcessGroup(comm, ranks, me, timeout, check_signatures)
 
 
 class MpiProcessGroup:
@@ -154,8 +130,12 @@ class MpiProcessGroup:
         timeout; None: the job's). A bad list of ranks is refused with the native groups' error (the
         core's check)."""
         members = validate_ranks(ranks, self.world_size())
+        seconds = self._world._timeout if timeout is None else checked_timeout(timeout)
+        return self._subgroup(members, seconds, self._check)
+
+    def _subgroup(self, members: list[int], seconds: float, check: bool) -> MpiProcessGroup:
+        """`new_group` of valid sorted `members`, with the signature check on or off."""
         world = self._world
-        seconds = world._timeout if timeout is None else checked_timeout(timeout)
         indices = [world.group_rank(r) for r in members]
         comm = None
         if self._rank in members:
@@ -167,7 +147,7 @@ class MpiProcessGroup:
                 # known to be there, and then completes at once.
                 await_peers(queue.comm, peers, self._timeout, describe, members)
                 comm = queue.comm.Create_group(queue.comm.Get_group().Incl(indices))
-        return MpiProcessGroup(comm, members, self._rank, seconds, self._check, world)
+        return MpiProcessGroup(comm, members, self._rank, seconds, check, world)
 
     def abort(self, reason: str) -> None:
         """End the whole MPI job: MPI cannot abort only some ranks' pending operations."""

@@ -93,6 +93,23 @@ def await_peers(
         raise abort_job(comm, never_arrived(describe, timeout, missing, group))
 
 
+def complete_or_abort(
+    comm: MPI.Intracomm, req: MPI.Request, timeout: float, describe: str, group: list[int]
+) -> None:
+    """Complete `req` (a collective of `comm`, outside any group's queue: joining the job) within
+    `timeout` seconds, or abort the job with a CollectiveTimeoutError."""
+    if not wait_until(req, time.monotonic() + timeout, 0):
+        me = MPI.COMM_WORLD.Get_rank()
+        late = CollectiveTimeoutError(
+            f"{describe} did not complete within {timeout:g} s",
+            rank=me,
+            call=describe,
+            group=group,
+            waited=timeout,
+        )
+        raise abort_job(comm, late)
+
+
 def missing_peers(comm: MPI.Intracomm, peers: dict[int, int], timeout: float, describe: str) -> list[int]:
     """The global ranks of the `peers` (rank in `comm` -> global rank) that did not make this same call
     within `timeout` seconds. Each rank exchanges an empty message with every peer on the reserved tag,
@@ -276,6 +293,11 @@ class OpQueue:
         self.wait_request(req, nbytes, describe, status)
         got = None if finish is None else finish(status)
         return result if got is None else got
+
+    def drain(self) -> None:
+        """Complete every pending operation, in issue order (call with `lock` held)."""
+        if self._pending:
+            self._complete(self._pending[-1], block=True)
 
     def idle(self) -> bool:
         """Whether no operation issued with async_op awaits completion (call with `lock` held)."""
