@@ -192,12 +192,19 @@ fn attach(
     let w =
         Wait { event: &h.event, shared: true, spin: may_spin(world), deadline: Instant::now() + timeout, op };
     let all = || h.attached.load(SeqCst) as usize >= world;
-    // Every rank is watched from when its pid shows: one that attached and then exited is reported at
-    // once, with its exit status, instead of after the timeout.
+    // Every rank is watched from when its pid shows: one that attached and then exited while a rank
+    // had yet to attach is reported at once, with its exit status, instead of after the timeout. One
+    // that exited once every rank had attached (a fast rank that finished its work) fails nobody's
+    // start-up: its absence is for the collectives to report. So a death counts only if, asked after
+    // it was seen, not every rank has attached yet.
     let mut liveness = Liveness::new(world);
+    let everyone: Vec<usize> = (0..world).collect();
     let slow = || {
-        watch_registered(&mut liveness, &mapping, world, rank, op)?;
-        reported()
+        watch_registered(&mut liveness, &mapping, world, rank)?;
+        match liveness.first_dead(&everyone) {
+            Some(dead) if !all() => Err(liveness.exited(dead, op)),
+            _ => reported(),
+        }
     };
     let waited = w.until(all, || Ok(()), slow);
     match waited {
@@ -211,23 +218,20 @@ fn attach(
     }
     // Everyone has it mapped: from now on no crash can leak the name.
     segment::unlink(&name);
-    watch_registered(&mut liveness, &mapping, world, rank, op)?;
+    // Whoever is not watched yet (every rank, when this one attached last) is watched now; one that
+    // has exited since every rank attached is recorded as dead, for the collectives to report.
+    watch_registered(&mut liveness, &mapping, world, rank)?;
     Ok(Joined { mapping, layout, liveness })
 }
 
-/// Watch every other rank that has registered its pid; fails when a watched one has exited (it will
-/// never make its collectives).
-fn watch_registered(liveness: &mut Liveness, m: &Mapping, world: usize, me: usize, op: &str) -> Result<()> {
+/// Watch every other rank that has registered its pid and is not watched yet.
+fn watch_registered(liveness: &mut Liveness, m: &Mapping, world: usize, me: usize) -> Result<()> {
     for (r, pid) in pids(m, world).into_iter().enumerate() {
         if r != me && pid != 0 && !liveness.watches(r) {
-            liveness.watch(r, pid, op)?;
+            liveness.watch(r, pid)?;
         }
     }
-    let everyone: Vec<usize> = (0..world).collect();
-    match liveness.first_dead(&everyone) {
-        Some(dead) => Err(liveness.exited(dead, op)),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -302,6 +306,65 @@ mod tests {
         assert!(std::path::Path::new(&path).exists());
         drop(t);
         assert!(!std::path::Path::new(&path).exists());
+    }
+
+    /// A child process that has exited: reaped (its pid names no process), or a zombie until the
+    /// caller reaps it.
+    fn dead_child(reaped: bool) -> std::process::Child {
+        let mut child = std::process::Command::new("sh").args(["-c", "exit 0"]).spawn().unwrap();
+        if reaped {
+            child.wait().unwrap();
+        } else {
+            use rustix::process::{waitid, Pid, WaitId, WaitIdOptions};
+            let p = Pid::from_raw(child.id() as i32).unwrap();
+            waitid(WaitId::Pid(p), WaitIdOptions::EXITED | WaitIdOptions::NOWAIT).unwrap();
+        }
+        child
+    }
+
+    /// A world of 3 whose rank 1 registered `pid` (a process that has exited since) and whose rank 2
+    /// has attached or not: what rank 0 gets when it attaches.
+    fn attach_beside_a_dead_rank_1(pid: u32, rank2_attached: bool) -> Result<Joined> {
+        let t = SegmentToken::create(&opts(0, 3)).unwrap();
+        let (m, _) = segment::attach(&t.name, 3, t.nonce).unwrap();
+        let h = m.header();
+        h.pids[1].store(pid, SeqCst);
+        h.attached.fetch_add(1, SeqCst);
+        if rank2_attached {
+            register(&m, 2);
+        }
+        attach(&t.token(), 0, 3, Duration::from_secs(20), || Ok(()))
+    }
+
+    /// The start-up race seen in CI: a fast rank joins, finishes its work and exits while a slower one
+    /// is still in the last step of its join. Every rank had attached: the slower one's start-up
+    /// succeeds, and its liveness names the dead rank for the first collective that waits for it.
+    #[test]
+    fn a_rank_that_exits_once_every_rank_attached_fails_no_one_s_start_up() {
+        for reaped in [true, false] {
+            let mut child = dead_child(reaped);
+            let pid = child.id();
+            let joined = attach_beside_a_dead_rank_1(pid, true).unwrap_or_else(|e| panic!("{reaped}: {e}"));
+            assert_eq!(joined.liveness.first_dead(&[1, 2]), Some(1), "reaped: {reaped}");
+            assert_eq!(joined.liveness.first_dead(&[2]), None, "reaped: {reaped}");
+            let e = joined.liveness.exited(1, "barrier");
+            assert!(matches!(e, Error::PeerExited { peer: 1, pid: p, .. } if p == pid), "{e}");
+            child.wait().unwrap();
+        }
+    }
+
+    /// A rank that attached and exited while another has yet to attach will never make its
+    /// collectives: the start-up fails naming it (not at the timeout, for the missing rank).
+    #[test]
+    fn a_rank_that_exits_before_every_rank_attached_fails_the_start_up_naming_it() {
+        for reaped in [true, false] {
+            let mut child = dead_child(reaped);
+            let pid = child.id();
+            let e = attach_beside_a_dead_rank_1(pid, false).err().unwrap();
+            assert!(matches!(&e, Error::PeerExited { peer: 1, pid: p, .. } if *p == pid), "{reaped}: {e}");
+            assert!(e.to_string().starts_with("peer rank 1 died during init"), "{e}");
+            child.wait().unwrap();
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! Is a peer process still alive, and if not, how did it end? One pidfd per peer, opened while the
-//! peer is known to be alive (as it registers in the segment), so a
-//! recycled pid can never pass for a live peer (and a zombie, which still answers `kill(pid, 0)`,
-//! reads as dead: its pidfd is readable once it has exited). The same pidfd tells its exit status
+//! Is a peer process still alive, and if not, how did it end? One pidfd per peer, opened as soon as
+//! this rank sees the peer registered in the segment (a peer already gone by then counts as dead), so
+//! a pid recycled later can never pass for a live peer (and a zombie, which still answers
+//! `kill(pid, 0)`, reads as dead: its pidfd is readable once it has exited). The same pidfd tells its exit status
 //! once its parent has reaped it (`PIDFD_GET_INFO`, Linux 6.15), whoever the parent is: `axonml-run`,
 //! torchrun, mpiexec or a shell.
 
@@ -19,6 +19,8 @@ use crate::error::{Error, ExitStatus, Result, Unknown};
 /// Pidfds of the other ranks of the world.
 pub(crate) struct Liveness {
     fds: Vec<Option<OwnedFd>>,
+    /// Ranks whose registered process was gone before a pidfd could be opened: dead, status unknown.
+    gone: Vec<bool>,
     pids: Vec<u32>,
     /// Each dead peer's status, once learned or given up on: every later error about it says the same
     /// at once, however many waits find it dead.
@@ -30,36 +32,32 @@ impl Liveness {
     pub(crate) fn new(world: usize) -> Liveness {
         Liveness {
             fds: (0..world).map(|_| None).collect(),
+            gone: vec![false; world],
             pids: vec![0; world],
             statuses: (0..world).map(|_| OnceLock::new()).collect(),
         }
     }
 
-    /// Whether `rank`'s process is watched.
+    /// Whether `rank`'s process is watched (or was found gone).
     pub(crate) fn watches(&self, rank: usize) -> bool {
-        self.fds.get(rank).is_some_and(Option::is_some)
+        self.fds.get(rank).is_some_and(Option::is_some) || self.gone.get(rank) == Some(&true)
     }
 
-    /// Watch `rank`, whose process registered `pid` (during `op`). A process already gone is reported
-    /// as dead, its status unknown: without a pidfd opened before it was reaped, nothing tells it.
-    pub(crate) fn watch(&mut self, rank: usize, pid: u32, op: &str) -> Result<()> {
+    /// Watch `rank`, whose process registered `pid`. A process already gone is recorded as dead
+    /// ([`first_dead`](Liveness::first_dead) names it), its status unknown: without a pidfd opened
+    /// before it was reaped, nothing tells it. Whether that death fails the caller is the caller's
+    /// question (a peer that exits once every rank has joined fails no one's start-up).
+    pub(crate) fn watch(&mut self, rank: usize, pid: u32) -> Result<()> {
         let p = Pid::from_raw(pid as i32)
             .filter(|_| pid <= i32::MAX as u32)
             .ok_or_else(|| Error::invalid(format!("rank {rank} published an invalid pid {pid}")))?;
+        self.pids[rank] = pid;
         match pidfd_open(p, PidfdFlags::empty()) {
-            Ok(fd) => {
-                self.fds[rank] = Some(fd);
-                self.pids[rank] = pid;
-                Ok(())
-            }
-            Err(rustix::io::Errno::SRCH) => Err(Error::PeerExited {
-                peer: rank,
-                pid,
-                op: op.into(),
-                status: ExitStatus::Unknown(Unknown::Unwatched),
-            }),
-            Err(e) => Err(Error::os(format!("pidfd_open of rank {rank} (pid {pid})"), e.into())),
+            Ok(fd) => self.fds[rank] = Some(fd),
+            Err(rustix::io::Errno::SRCH) => self.gone[rank] = true,
+            Err(e) => return Err(Error::os(format!("pidfd_open of rank {rank} (pid {pid})"), e.into())),
         }
+        Ok(())
     }
 
     /// The pid of `rank`'s process, as it registered it (a pidfd was opened for it while it lived).
@@ -69,18 +67,19 @@ impl Liveness {
 
     /// The first of `ranks` whose process has exited.
     pub(crate) fn first_dead(&self, ranks: &[usize]) -> Option<usize> {
-        let watched: Vec<usize> = ranks.iter().copied().filter(|&r| self.watches(r)).collect();
-        let mut polls: Vec<PollFd<'_>> = watched
-            .iter()
-            .filter_map(|&r| self.fds[r].as_ref())
-            .map(|fd| PollFd::new(fd, PollFlags::IN))
-            .collect();
+        if let Some(&r) = ranks.iter().find(|&&r| self.gone[r]) {
+            return Some(r);
+        }
+        let watched: Vec<(usize, &OwnedFd)> =
+            ranks.iter().filter_map(|&r| Some((r, self.fds[r].as_ref()?))).collect();
+        let mut polls: Vec<PollFd<'_>> =
+            watched.iter().map(|(_, fd)| PollFd::new(*fd, PollFlags::IN)).collect();
         let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
         // An interrupted or failed poll just means no verdict this slice; the next slice asks again.
         if poll(&mut polls, Some(&zero)).unwrap_or(0) == 0 {
             return None;
         }
-        polls.iter().zip(&watched).find(|(p, _)| !p.revents().is_empty()).map(|(_, &r)| r)
+        polls.iter().zip(&watched).find(|(p, _)| !p.revents().is_empty()).map(|(_, &(r, _))| r)
     }
 
     /// The error for `peer`'s exit, found during `op`: with its exit status, for which the first such
@@ -140,7 +139,7 @@ mod tests {
     /// A world of this process (rank 0) and `child` (rank 1), once the child has exited.
     fn watch_until_dead(child: &Child) -> Liveness {
         let mut liveness = Liveness::new(2);
-        liveness.watch(1, child.id(), "init").unwrap();
+        liveness.watch(1, child.id()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while liveness.first_dead(&[1]).is_none() {
             assert!(Instant::now() < deadline, "the child never exited");
@@ -180,6 +179,22 @@ mod tests {
             };
             assert_eq!(status, if kernel_tells() { expected } else { unsupported }, "{shell}");
         }
+    }
+
+    #[test]
+    fn a_peer_gone_before_it_was_watched_is_dead_with_an_unknown_status() {
+        let mut child = Command::new("sh").args(["-c", "exit 0"]).spawn().unwrap();
+        child.wait().unwrap();
+        let mut liveness = Liveness::new(3);
+        liveness.watch(1, child.id()).unwrap();
+        assert!(liveness.watches(1));
+        assert_eq!(liveness.first_dead(&[0, 1, 2]), Some(1));
+        assert_eq!(liveness.first_dead(&[0, 2]), None);
+        let unwatched = ExitStatus::Unknown(Unknown::Unwatched);
+        let e = liveness.exited(1, "test");
+        assert!(
+            matches!(e, Error::PeerExited { peer: 1, pid, status, .. } if pid == child.id() && status == unwatched)
+        );
     }
 
     #[test]
