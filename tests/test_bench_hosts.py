@@ -68,14 +68,16 @@ def test_at_2_hosts_x_2_ranks_a_flat_ring_moves_1_5x_the_bytes_of_the_hierarchy_
 
 def test_the_fit_recovers_the_parameters_that_made_the_times() -> None:
     sizes = [4096, 65536, MiB, 16 * MiB, 64 * MiB]
-    true = Model(host=Level(5e-6, 1 / 8e9), net=Level(80e-6, 1 / 1.25e9))
+    true = Model(host=Level(5e-6, 1 / 8e9), net=Level(80e-6, 1 / 1.25e9), flat_step=Level(1e-4, 1 / 0.5e9))
     results = {}
     for s in sizes:
         results[f"in-host/reduce_scatter {s}"] = true.in_host(s, 2)
         results[f"in-host/all_gather {s}"] = true.in_host(s, 2)
         results[f"gloo/shards {s}"] = true.across(s, 2)
+        results[f"gloo/all_reduce {s}"] = true.flat_measured(s, 2, 2)
     got = cost_model.fit(results, sizes, hosts=2, p=2)
-    for fitted, want in ((got.host, true.host), (got.net, true.net)):
+    assert got.flat_step is not None and true.flat_step is not None
+    for fitted, want in ((got.host, true.host), (got.net, true.net), (got.flat_step, true.flat_step)):
         assert fitted.alpha == pytest.approx(want.alpha, rel=1e-6)
         assert fitted.beta == pytest.approx(want.beta, rel=1e-6)
 
