@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ from axonml_distributed.bench.common import human
 from axonml_distributed.bench.hosts_worker import FAILED
 from axonml_distributed.bench.procs import find_mpiexec
 from axonml_distributed.bench.procs_worker import RESULT
+from axonml_distributed.simhosts import SimHosts, missing_requirements
+from axonml_distributed.simhosts.hosts import Where
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 HEADLINE = 64 << 20
@@ -109,8 +112,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    from axonml_distributed.simhosts import SimHosts, missing_requirements
-
     problem = missing_requirements()
     if problem:
         print(f"the several-hosts bench runs on simulated hosts: {problem}", file=sys.stderr)
@@ -148,14 +149,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- launches --------------------------------------------------------------------------------------------
 
 
+@dataclass
 class Launch:
-    """One contender's processes: argv per place (a host index, or "ctl"), started together."""
+    """One contender's processes: argv per place (a host index, or "ctl"), started together; or why the
+    contender cannot run here."""
 
-    def __init__(self, places: dict[Any, list[str]], env: dict[str, str]) -> None:
-        self.places, self.env = places, env
+    places: dict[Where, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    why_not: str | None = None
 
 
-def _launches(hosts: Any, args: argparse.Namespace) -> dict[str, Launch]:
+def _launches(hosts: SimHosts, args: argparse.Namespace) -> dict[str, Launch]:
     py, m, n = sys.executable, args.ranks_per_host, args.hosts
     env = {
         "OMP_NUM_THREADS": "1",
@@ -184,7 +188,7 @@ def _launches(hosts: Any, args: argparse.Namespace) -> dict[str, Launch]:
         mpiexec = find_mpiexec()
         why = _mpich_missing(mpiexec)
         if why:
-            out["mpi"] = Launch({}, {"why": why})
+            out["mpi"] = Launch(why_not=why)
         else:
             assert mpiexec is not None
             hydra = [mpiexec, "-launcher", "ssh", "-launcher-exec", hosts.ssh, "-iface", "eth0"]
@@ -209,11 +213,11 @@ def _mpich_missing(mpiexec: str | None) -> str | None:
 
 
 def _run_launch(
-    hosts: Any, launch: Launch, timeout: float, sizes: list[int]
+    hosts: SimHosts, launch: Launch, timeout: float, sizes: list[int]
 ) -> tuple[Figures, dict[str, str]] | str:
     """Run one launch to its end: (its rank 0's figures, failures it named), or why it gave none."""
-    if not launch.places:
-        return launch.env["why"]
+    if launch.why_not is not None:
+        return launch.why_not
     with tempfile.TemporaryDirectory() as tmp:
         procs, outs = [], []
         for k, (where, argv) in enumerate(launch.places.items()):
