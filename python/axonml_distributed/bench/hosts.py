@@ -118,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs: dict[str, list[Figures]] = {}
     failed: dict[str, str] = {}
-    loads = []
+    loads: list[float] = []
+    walls: dict[str, list[float]] = {}  # each launch's wall time: where a run's minutes go
     share = [str(Path(__file__).resolve().parents[3])]  # a clone under /tmp stays visible on the hosts
     with SimHosts(args.hosts, prefix=f"axsimbench{secrets.token_hex(3)}", share=share) as hosts:
         if args.rate != "none":
@@ -127,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(args.repeat):
             for name, launch in launches.items():
                 loads.append(os.getloadavg()[0])
+                start = time.monotonic()
                 got = _run_launch(hosts, launch, args.timeout, args.sizes)
+                walls.setdefault(name, []).append(time.monotonic() - start)
                 if isinstance(got, str):
                     failed[name] = got
                     continue
@@ -137,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.setdefault(name, []).append(figures)
     results = {f"{name}/{k}": v for name in runs for k, v in _medians(runs[name]).items()}
     _report(args, results, failed, loads)
+    print("launch wall times: " + ", ".join(f"{k} {max(v):.0f} s" for k, v in walls.items()))
     if args.fit:
         from axonml_distributed.bench import cost_model
 
@@ -322,7 +326,8 @@ def _report(args: argparse.Namespace, res: Figures, failed: dict[str, str], load
     n, m = args.hosts, args.ranks_per_host
     rate = "unshaped links" if args.rate == "none" else f"each link {args.rate} (tbf)"
     load = f"{min(loads):.2f}..{max(loads):.2f}" if loads else "-"
-    print(f"\n{n} simulated hosts x {m} ranks, {rate}; load average at the launches {load} ", end="")
+    ranks = f"{m} rank{'s' * (m != 1)}"
+    print(f"\n{n} simulated hosts x {ranks}, {rate}; load average at the launches {load} ", end="")
     print(f"({os.cpu_count()} CPUs shared by every host); median of {args.repeat} round(s)")
     print("all_reduce float32 SUM in place; time = the slowest rank's median op; x = baseline / axonml")
     cols = [
