@@ -29,6 +29,10 @@ JOB_SECRET = "AXONML_JOB_SECRET"
 ERROR_FILE = "AXONML_ERROR_FILE"
 LAUNCHER_PID = "AXONML_LAUNCHER_PID"
 SHM_ARENA_MB = "AXONML_SHM_ARENA_MB"
+# Several hosts (see `axonml_distributed.hosts`).
+HOST_ID = "AXONML_HOST_ID"
+HOSTS_FLAT_BELOW = "AXONML_HOSTS_FLAT_BELOW"
+HOSTS_SEGMENT_KIB = "AXONML_HOSTS_SEGMENT_KIB"
 
 # All ranks run on this host.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -108,6 +112,26 @@ def shm_arena_bytes() -> int | None:
     if mib << 20 > room:
         raise ValueError(f"{SHM_ARENA_MB}={mib} is more than {SEGMENT_DIR} holds ({room >> 20} MiB)")
     return mib << 20
+
+
+def host_id() -> str | None:
+    """AXONML_HOST_ID: stands in for the machine's own identity (hostname, boot id, machine id, IPC
+    namespace, /dev/shm) when ranks are sorted into hosts; only ranks that then also prove they open one
+    another's shared memory share a host. None when unset."""
+    return _value(HOST_ID)
+
+
+def hosts_flat_below() -> int | None:
+    """AXONML_HOSTS_FLAT_BELOW: across hosts, all_reduces of fewer bytes than this go straight to the
+    engine between hosts (one flat call) instead of through the two levels; None when unset."""
+    return _whole(HOSTS_FLAT_BELOW, 0)
+
+
+def hosts_segment_bytes() -> int | None:
+    """AXONML_HOSTS_SEGMENT_KIB: the two-level all_reduce's pipeline segment, in KiB (a whole number of
+    at least 4); None when unset."""
+    kib = _whole(HOSTS_SEGMENT_KIB, 4)
+    return None if kib is None else kib << 10
 
 
 def _value(name: str) -> str | None:

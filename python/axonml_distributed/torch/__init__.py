@@ -39,39 +39,58 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ThreadBackend
+from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
+from axonml_distributed.torch.hosts import HostsProcessGroup, join_host, local_group, store_all_gather
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch_entry import register
 
 __all__ = ["BACKEND", "AxonmlProcessGroup", "create", "register"]
 
-# The world of this process's default group: subgroups are native subgroups over it.
+# The world of this process's default group on this host (subgroups are native subgroups over it), and
+# the job's hosts when it spans several.
 _world: Backend | None = None
+_hosts: HostLayout | None = None
 
 
-def create(opts: Any, _backend_options: Any) -> AxonmlProcessGroup:
+def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     """torch's creator (extended API; `register` hands torch a stub that imports this module first): the
-    default group joins the world, subgroups split it."""
-    global _world
+    default group finds the job's hosts and joins this host's world; subgroups split it, with gloo
+    between hosts when they span several (see `axonml_distributed.torch.hosts`)."""
+    global _world, _hosts
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
+        gather = store_all_gather(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        _hosts = find_hosts(opts.group_rank, opts.group_size, gather)
+        if len(_hosts.hosts) > 1:
+            _world = join_host(opts.store, _hosts, opts.timeout)
+            every = list(range(opts.group_size))
+            group: dist.ProcessGroup = HostsProcessGroup(
+                opts.store, _hosts, every, _world, _hosts, opts.timeout
+            )
+            install_excepthook(ProcessGroup(_world))
+            return group
         _world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         native = ProcessGroup(_world)
         # As our own init_process_group does: an exception that ends this process's main thread aborts
         # the world at once (and leaves the launcher's error file), even if the process lingers.
         install_excepthook(native)
-    elif _world is None:
+    elif _world is None or _hosts is None:
         raise DistributedError(
             "an axonml subgroup needs an axonml default group: init_process_group('axonml')"
         )
     elif len(ranks) == 1:
         # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
         native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
+    elif len(_hosts.within(ranks).hosts) > 1:
+        return HostsProcessGroup(opts.store, _hosts.within(ranks), ranks, _world, _hosts, opts.timeout)
     else:
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
-        native = ProcessGroup(_world, ranks, opts.timeout)
+        native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
 
 

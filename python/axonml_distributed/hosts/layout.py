@@ -1,0 +1,158 @@
+"""Which ranks share a host, found honestly: a name is not enough (containers and clusters reuse
+hostnames; vLLM and DeepSpeed both shipped shared memory chosen across nodes that way).
+
+Two ranks are candidates for one host when their identities agree: hostname, kernel boot id, machine
+id, IPC namespace and the /dev/shm file system they see (or AXONML_HOST_ID, where set). Candidates then
+prove it: the lowest rank of each candidate host creates a random object in /dev/shm (0600, random
+contents) and the others open and read it back. A rank that cannot is a host of its own; ranks of
+different candidates never try one another's memory. The exchange is a function `all_gather(item) ->
+items` of fixed-size bytes over whatever the job already has (torch's Store, an MPI communicator).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from axonml_distributed import settings
+from axonml_distributed._core import SEGMENT_DIR
+
+# Every item exchanged is this many bytes: a digest of the identity, a proof's offer, a verdict.
+ITEM_BYTES = 32
+AllGather = Callable[[bytes], list[bytes]]
+_PROOF_PREFIX = "axonml-proof-"
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The job's hosts as `rank` sees them: `hosts[h]` is host h's global ranks, ascending; hosts are
+    ordered by their lowest rank, so every rank numbers them alike."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def host(self) -> int:
+        return next(h for h, ranks in enumerate(self.hosts) if self.rank in ranks)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self.hosts[self.host]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every host holds as many ranks: the two-level collectives need it."""
+        return len({len(ranks) for ranks in self.hosts}) == 1
+
+    def peers(self) -> tuple[int, ...]:
+        """The global ranks with this rank's local index on every host (uniform layouts), host order."""
+        i = self.local_rank
+        return tuple(ranks[i] for ranks in self.hosts)
+
+    def within(self, ranks: list[int]) -> HostLayout:
+        """The layout of the group of global `ranks` (which holds this rank): hosts keep their order,
+        each keeps the group's ranks on it, and hosts with none drop out."""
+        members = set(ranks)
+        kept = (tuple(r for r in host if r in members) for host in self.hosts)
+        return HostLayout(tuple(host for host in kept if host), self.rank)
+
+
+def identity() -> bytes:
+    """This process's claim to a host, as a digest (the parts may be long)."""
+    claimed = settings.host_id()
+    if claimed is not None:
+        parts = ["claimed", claimed]
+    else:
+        shm = os.stat(SEGMENT_DIR) if os.path.isdir(SEGMENT_DIR) else None
+        parts = [
+            socket.gethostname(),
+            _read("/proc/sys/kernel/random/boot_id"),
+            _read("/etc/machine-id") or _read("/var/lib/dbus/machine-id"),
+            _link("/proc/self/ns/ipc"),
+            f"{shm.st_dev}:{shm.st_ino}" if shm else "no /dev/shm",
+        ]
+    return hashlib.sha256("\0".join(parts).encode()).digest()
+
+
+def find_hosts(rank: int, size: int, all_gather: AllGather) -> HostLayout:
+    """The job's hosts (collective: every rank of the job calls it with the same `all_gather`)."""
+    claims = all_gather(identity())
+    if len(claims) != size:
+        raise RuntimeError(f"finding hosts: {len(claims)} claims for {size} ranks")
+    candidates: dict[bytes, list[int]] = {}
+    for r, claim in enumerate(claims):
+        candidates.setdefault(claim, []).append(r)
+    mine = candidates[claims[rank]]
+    proof = _Proof.create() if mine[0] == rank else None
+    try:
+        offers = all_gather(proof.offer if proof else bytes(ITEM_BYTES))
+        proven = proof is not None or _Proof.check(offers[mine[0]])
+        verdicts = all_gather((b"\1" if proven else b"\0") * ITEM_BYTES)
+    finally:
+        if proof is not None:
+            proof.remove()
+    hosts: list[tuple[int, ...]] = []
+    for ranks in candidates.values():
+        hosts.append(tuple(r for r in ranks if verdicts[r][0]))
+        hosts += [(r,) for r in ranks if not verdicts[r][0]]
+    return HostLayout(tuple(sorted(hosts, key=min)), rank)
+
+
+class _Proof:
+    """A random object in /dev/shm: whoever reads its contents back shares this host's memory."""
+
+    def __init__(self, name: bytes, token: bytes) -> None:
+        self.name, self.token = name, token
+
+    @staticmethod
+    def path(name: bytes) -> Path:
+        return Path(SEGMENT_DIR) / f"{_PROOF_PREFIX}{os.geteuid()}-{name.hex()}"
+
+    @classmethod
+    def create(cls) -> _Proof:
+        proof = cls(secrets.token_bytes(ITEM_BYTES // 2), secrets.token_bytes(ITEM_BYTES // 2))
+        fd = os.open(proof.path(proof.name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            os.write(fd, proof.token)
+        finally:
+            os.close(fd)
+        return proof
+
+    @property
+    def offer(self) -> bytes:
+        return self.name + self.token
+
+    @classmethod
+    def check(cls, offer: bytes) -> bool:
+        half = ITEM_BYTES // 2
+        try:
+            with open(cls.path(offer[:half]), "rb") as f:
+                return os.fstat(f.fileno()).st_uid == os.geteuid() and f.read(half + 1) == offer[half:]
+        except OSError:
+            return False
+
+    def remove(self) -> None:
+        self.path(self.name).unlink(missing_ok=True)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

@@ -1,0 +1,313 @@
+"""The "axonml" backend over several hosts: our shared memory inside each host, torch's gloo between them.
+
+`HostsProcessGroup` is the group of a job (or subgroup) whose ranks sit on more than one host. Its
+`allreduce` of a dense tensor of at least `flat_below` bytes is two-level (`hosts.two_level`): reduce-
+scatter in the host through the host's shared-memory world, all-reduce of each shard with the same local
+rank of every other host through a gloo group of those ranks (one per local rank index, so every link is
+busy), all-gather in the host. Every other collective, point to point, and the small all_reduces go to
+one gloo group over all the group's ranks, as they would under gloo, with gloo's semantics and errors.
+The groups are made from the Store torch hands the backend, under keys of their own.
+
+Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
+host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
+(an asynchronous all_reduce) overlaps with the rest of the backward pass. A failure in either level
+aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
+CollectiveTimeoutError (gloo's error chained) naming the ranks of the other hosts involved.
+"""
+
+# mypy: disable-error-code="override"
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from axonml_distributed import settings
+from axonml_distributed._core import Backend, ProcessGroup, ReduceOp, ThreadBackend
+from axonml_distributed.exceptions import CollectiveTimeoutError, DistributedError, PeerFailureError
+from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
+from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.rendezvous import join_world
+from axonml_distributed.torch.work import Completer, Work
+from axonml_distributed.torch_entry import BACKEND
+
+# Below this many bytes an all_reduce across hosts is one gloo call over every rank: measured with
+# `python -m axonml_distributed.bench --hosts 2` (README, "Several hosts").
+DEFAULT_FLAT_BELOW = 64 << 10
+# Ops both levels carry (AVG as SUM and one division, PREMUL_SUM as a scaling and SUM); gloo has no
+# AVG or PREMUL_SUM of its own, so a flat call does the same around gloo's SUM.
+_TWO_LEVEL = {
+    dist.ReduceOp.SUM: (ReduceOp.SUM, dist.ReduceOp.SUM),
+    dist.ReduceOp.AVG: (ReduceOp.SUM, dist.ReduceOp.SUM),
+    dist.ReduceOp.PREMUL_SUM: (ReduceOp.SUM, dist.ReduceOp.SUM),
+    dist.ReduceOp.PRODUCT: (ReduceOp.PRODUCT, dist.ReduceOp.PRODUCT),
+    dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
+    dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
+}
+# torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
+_FORWARDED = {
+    "broadcast": "broadcast",
+    "allgather": "allgather",
+    "allgather_coalesced": "allgather_coalesced",
+    "all_gather_single": "all_gather_single",
+    "_allgather_base": "_allgather_base",
+    "allgather_into_tensor_coalesced": "all_gather_single_coalesced",
+    "all_gather_single_coalesced": "all_gather_single_coalesced",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter_single",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_single_coalesced",
+    "reduce": "reduce",
+    "gather": "gather",
+    "gather_single": "gather_single",
+    "gather_into_tensor": "gather_into_tensor",
+    "scatter": "scatter",
+    "barrier": "barrier",
+    "alltoall": "alltoall",
+    "alltoall_base": "alltoall_base",
+    "all_to_all_single": "all_to_all_single",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recv_anysource",
+    "monitored_barrier": "monitored_barrier",
+}
+
+
+def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
+    """`find_hosts`'s exchange over torch's Store: each round under keys of its own."""
+    rounds = iter(range(1 << 30))
+
+    def gather(item: bytes) -> list[bytes]:
+        assert len(item) == ITEM_BYTES
+        prefix = f"axonml/hosts/{next(rounds)}/"
+        store.set(f"{prefix}{rank}", item.hex())
+        keys = [f"{prefix}{r}" for r in range(size)]
+        store.wait(keys, timeout)
+        return [bytes.fromhex(store.get(k).decode()) for k in keys]
+
+    return gather
+
+
+def gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+
+
+def join_host(store: dist.Store, layout: HostLayout, timeout: datetime.timedelta) -> Backend:
+    """This host's shared-memory world (a world of its own for a rank alone on its host)."""
+    if len(layout.local_ranks) == 1:
+        return ThreadBackend.single(timeout.total_seconds())
+    host = dist.PrefixStore(f"axonml/host/{layout.local_ranks[0]}/", store)
+    return join_world(host, layout.local_rank, len(layout.local_ranks), timeout)
+
+
+def local_group(
+    host_world: Backend, world: HostLayout, group: HostLayout, timeout: datetime.timedelta
+) -> ProcessGroup:
+    """The group's ranks on this host as a group of the host's world (whose ranks are local indices)."""
+    if host_world.world_size() == len(group.local_ranks):
+        return ProcessGroup(host_world, None, timeout)
+    if len(group.local_ranks) == 1:
+        return ProcessGroup(ThreadBackend.single(timeout.total_seconds()))
+    index = world.local_ranks.index
+    return ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
+
+
+class HostsProcessGroup(dist.ProcessGroup):
+    """torch's ProcessGroup over several hosts (see the module docs). `ranks`: the group's global
+    ranks; `layout`: them sorted into hosts, as this rank sees them."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        layout: HostLayout,
+        ranks: list[int],
+        host_world: Backend,
+        world: HostLayout,
+        timeout: datetime.timedelta,
+    ) -> None:
+        rank, size = ranks.index(layout.rank), len(ranks)
+        super().__init__(rank, size)
+        self._ranks = ranks
+        self._layout = layout
+        self._flat = gloo(store, "axonml/flat/", rank, size, timeout)
+        below = settings.hosts_flat_below()
+        self._flat_below = DEFAULT_FLAT_BELOW if below is None else below
+        self._two_level: TwoLevelAllReduce | None = None
+        self._cross: Any = None
+        if layout.uniform and len(layout.local_ranks) > 1:
+            local = local_group(host_world, world, layout, timeout)
+            self._cross = gloo(
+                store, f"axonml/cross/{layout.local_rank}/", layout.host, len(layout.hosts), timeout
+            )
+            self._cross_ranks = layout.peers()
+            self._two_level = TwoLevelAllReduce(
+                local, settings.hosts_segment_bytes() or DEFAULT_SEGMENT_BYTES
+            )
+            self._local = local
+        self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="axonml-hosts")
+        self._two_level_calls = 0
+        self._completer: Completer | None = None
+        self._lock = threading.Lock()
+        self._group_name = ""
+        self._group_desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def size(self) -> int:
+        return len(self._ranks)
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self._flat._get_sequence_number_for_group() + self._two_level_calls
+
+    def __repr__(self) -> str:
+        return f"HostsProcessGroup(rank={self.rank()}, hosts={list(map(list, self._layout.hosts))})"
+
+    def _get_backend(self, device: Any) -> HostsProcessGroup:
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"the axonml backend has no backend for device {device} (CPU only)")
+        return self
+
+    # -- all_reduce -----------------------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.AllreduceOptions()
+        op = opts.reduceOp
+        kind = op.op if hasattr(op, "op") else op
+        if (
+            self._two_level is None
+            or kind not in _TWO_LEVEL
+            or any(t.is_sparse or not t.is_contiguous() for t in tensors)
+            or sum(t.nbytes for t in tensors) < self._flat_below
+        ):
+            return self._flat_allreduce(tensors, opts, kind)
+        local_op, cross_op = _TWO_LEVEL[kind]
+        factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else None
+        post = _divide_by(self.size()) if kind == dist.ReduceOp.AVG else None
+        self._two_level_calls += 1
+        started = self._lane.submit(self._run_two_level, tensors, local_op, cross_op, factor, post)
+        work = Work([_Done(started)], tensors, None, self._get_completer)
+        if getattr(opts, "asyncOp", True) is False:
+            work.wait()
+            return None
+        return work
+
+    allreduce_coalesced = allreduce
+
+    def _flat_allreduce(self, tensors: list[torch.Tensor], opts: Any, kind: Any) -> Any:
+        """One gloo call over every rank; AVG and PREMUL_SUM around gloo's SUM."""
+        if kind not in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
+            return self._flat.allreduce(tensors, opts)
+        if kind == dist.ReduceOp.PREMUL_SUM:
+            for t in tensors:
+                t.mul_(float(opts.reduceOp.factor))
+        summed = dist.AllreduceOptions()
+        summed.reduceOp = dist.ReduceOp.SUM
+        summed.timeout = opts.timeout
+        work = self._flat.allreduce(tensors, summed)
+        if kind != dist.ReduceOp.AVG:
+            return work
+        work.wait()
+        for t in tensors:
+            t.div_(self.size())
+        return Work.done(tensors, None, self._get_completer)
+
+    def _run_two_level(
+        self,
+        tensors: list[torch.Tensor],
+        local_op: ReduceOp,
+        cross_op: Any,
+        factor: float | None,
+        post: Callable[[torch.Tensor], object] | None,
+    ) -> None:
+        assert self._two_level is not None
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = cross_op
+
+        def cross(shard: torch.Tensor) -> Any:
+            return self._cross.allreduce([shard], opts)
+
+        for t in tensors:
+            flat = t.view(-1)
+            if factor is not None:
+                flat.mul_(factor)
+            try:
+                self._two_level(flat, local_op, cross, post)
+            except Exception as e:
+                raise self._failed(e) from e
+
+    def _failed(self, e: Exception) -> DistributedError:
+        """A two-level call failed: stop this host's ranks at once and say which hosts' ranks failed."""
+        others = [r for r in self._cross_ranks if r != self._layout.rank]
+        if isinstance(e, DistributedError):
+            self._local.backend().abort(str(e))
+            return e
+        text = str(e)
+        kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
+        error = kind(
+            f"all_reduce across hosts failed between rank {self._layout.rank} and rank(s) {others} "
+            f"(same local rank on the other hosts): {text}",
+            rank=self._layout.rank,
+            ranks=others,
+            call="all_reduce",
+            group=self._ranks,
+        )
+        self._local.backend().abort(str(error))
+        return error
+
+    def _get_completer(self) -> Completer:
+        with self._lock:
+            if self._completer is None:
+                self._completer = Completer()
+            return self._completer
+
+
+def _forward(theirs: str) -> Callable[..., Any]:
+    def method(self: HostsProcessGroup, *args: Any) -> Any:
+        return getattr(self._flat, theirs)(*args)
+
+    method.__name__ = theirs
+    return method
+
+
+# Methods of the class (torch's C++ finds overrides on the type, not on the instance).
+for _ours, _theirs in _FORWARDED.items():
+    setattr(HostsProcessGroup, _ours, _forward(_theirs))
+
+
+class _Done:
+    """A two-level call's handle for `Work`: its future."""
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def _divide_by(n: int) -> Callable[[torch.Tensor], object]:
+    return lambda shard: shard.div_(n)
