@@ -45,7 +45,7 @@ from typing import Any
 
 from axonml_distributed import settings
 from axonml_distributed.bench.common import human
-from axonml_distributed.bench.hosts_worker import FAILED
+from axonml_distributed.bench.hosts_worker import FAILED, NOTE
 from axonml_distributed.bench.procs import find_mpiexec
 from axonml_distributed.bench.procs_worker import RESULT
 from axonml_distributed.simhosts import SimHosts, missing_requirements
@@ -97,6 +97,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fit", action="store_true", help="measure the levels and fit the cost model")
     p.add_argument("--plot", type=Path, help="with --fit: draw the model's predictions to this PNG")
     p.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
+    p.add_argument("--logs", type=Path, help="keep each launch's output in this directory")
     args, _ = p.parse_known_args(argv)  # the bench command's own options are not ours
     if bad := set(args.contenders) - set(CONTENDERS):
         p.error(f"unknown contenders {sorted(bad)}; choose from {', '.join(CONTENDERS)}")
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs: dict[str, list[Figures]] = {}
     failed: dict[str, str] = {}
+    notes: dict[str, str] = {}
     loads: list[float] = []
     walls: dict[str, list[float]] = {}  # each launch's wall time: where a run's minutes go
     share = [str(Path(__file__).resolve().parents[3])]  # a clone under /tmp stays visible on the hosts
@@ -129,17 +131,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, launch in launches.items():
                 loads.append(os.getloadavg()[0])
                 start = time.monotonic()
-                got = _run_launch(hosts, launch, args.timeout, args.sizes)
+                got = _run_launch(hosts, launch, args.timeout, args.sizes, args.logs, name)
                 walls.setdefault(name, []).append(time.monotonic() - start)
                 if isinstance(got, str):
                     failed[name] = got
                     continue
                 figures, said = got
-                for key, why in said.items():
-                    failed[key] = why
+                if "note" in said:
+                    notes[name] = said.pop("note")
+                failed |= said
                 runs.setdefault(name, []).append(figures)
     results = {f"{name}/{k}": v for name in runs for k, v in _medians(runs[name]).items()}
     _report(args, results, failed, loads)
+    for name, note in notes.items():
+        print(f"{name}: {note}")
     print("launch wall times: " + ", ".join(f"{k} {max(v):.0f} s" for k, v in walls.items()))
     if args.fit:
         from axonml_distributed.bench import cost_model
@@ -217,7 +222,7 @@ def _mpich_missing(mpiexec: str | None) -> str | None:
 
 
 def _run_launch(
-    hosts: SimHosts, launch: Launch, timeout: float, sizes: list[int]
+    hosts: SimHosts, launch: Launch, timeout: float, sizes: list[int], logs: Path | None, name: str
 ) -> tuple[Figures, dict[str, str]] | str:
     """Run one launch to its end: (its rank 0's figures, failures it named), or why it gave none."""
     if launch.why_not is not None:
@@ -230,6 +235,10 @@ def _run_launch(
                 procs.append(hosts.popen(where, argv, env=launch.env, stdout=out, stderr=subprocess.STDOUT))
         ended = _wait_all(procs, timeout)
         said = "\n".join(path.read_text(errors="replace") for path in outs)
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"{name}.log", "a") as log:
+            log.write(said)
     figures: Figures | None = None
     named: dict[str, str] = {}
     for line in said.splitlines():
@@ -237,8 +246,10 @@ def _run_launch(
             figures = _flatten(json.loads(line[len(RESULT) :]), sizes)
         elif line.startswith(FAILED + "axonml-mpi "):
             named["axonml-mpi"] = line[len(FAILED + "axonml-mpi ") :]
-        elif line.startswith(FAILED) and FAILED + "axonml-mpi" not in line:
+        elif line.startswith(FAILED):
             named.setdefault("launch", line[len(FAILED) :])
+        elif line.startswith(NOTE):
+            named.setdefault("note", line[len(NOTE) :])
     if figures is not None:
         return figures, named
     if "launch" in named:
