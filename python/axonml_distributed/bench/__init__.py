@@ -6,6 +6,7 @@
     python -m axonml_distributed.bench --backend mpi          # MPI, ours against raw mpi4py (see bench.mpi)
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
+    python -m axonml_distributed.bench --hosts 2 [--fit]      # simulated hosts, root (see bench.hosts)
 
 The in-process world's figures are described in `bench.threads`.
 """
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
     p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's")
     p.add_argument("--collectives", action="store_true", help="all_to_all and all_gather_v against MPICH")
+    p.add_argument("--hosts", type=int, help="simulated hosts: axonml against gloo and MPICH (bench.hosts)")
     args, rest = p.parse_known_args(argv)
+    if args.hosts is not None:
+        from axonml_distributed.bench import hosts
+
+        return hosts.main(argv)
     if args.collectives:
         from axonml_distributed.bench import procs
 

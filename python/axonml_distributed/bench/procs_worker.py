@@ -50,17 +50,18 @@ def copy_bytes(coll: str, size: int, n: int, rank: int) -> int:
     return size if coll == "all_gather" else int(busbw_factor(coll, n) * size)
 
 
-def iterations(size: int) -> int:
-    return max(5, min(1000, (100 << 20) // max(size, 1)))
+def iterations(size: int, cap: int = 1000) -> int:
+    return max(5, min(cap, (100 << 20) // max(size, 1)))
 
 
-def median_time(op: Callable[[], Any], size: int, barrier: Callable[[], Any]) -> float:
-    """Median seconds of individually timed ops, after a warm-up (which also faults pages in)."""
+def median_time(op: Callable[[], Any], size: int, barrier: Callable[[], Any], cap: int = 1000) -> float:
+    """Median seconds of individually timed ops (at most `cap` of them, at least 5), after a warm-up
+    (which also faults pages in)."""
     for _ in range(2 if size > 1 << 20 else 20):
         op()
     barrier()
     times = []
-    for _ in range(iterations(size)):
+    for _ in range(iterations(size, cap)):
         t = time.perf_counter()
         op()
         times.append(time.perf_counter() - t)
