@@ -1,8 +1,9 @@
-//! float16 and bfloat16 to and from their f32 accumulator a vector at a time, for the vector kernel
-//! sets, with bitwise the results of the `half` crate's element-by-element conversions (the baseline's).
+//! float16 and bfloat16 to and from their f32 accumulator a vector at a time, with bitwise the results
+//! of the `half` crate's element-by-element conversions.
 //!
-//! bfloat16 is bit arithmetic, written without branches so the compiler vectorises it in whatever
-//! `#[target_feature]` function it is inlined into. AVX-512 BF16's `vcvtneps2bf16` is not used: it
+//! bfloat16 is bit arithmetic on one element, written without branches so the compiler vectorises it
+//! in the kernel loop it is inlined into (every set, the baseline too: it is the type's `load` and
+//! `store`, so a bfloat16 reduction runs the float32 loops, two inputs in one pass). AVX-512 BF16's `vcvtneps2bf16` is not used: it
 //! flushes subnormal results to zero (f32 bits 0x0000_c000 give 0x0000, `half` gives 0x0001), and the
 //! fix-up would cost what the bit arithmetic does. float16 uses F16C's `vcvtph2ps`/`vcvtps2ph` (the
 //! instructions `half` runs one element at a time when the CPU has F16C), 8 or 16 at a time.
@@ -11,25 +12,33 @@ use half::{bf16, f16};
 
 /// `half`'s `bf16::to_f32`: the bits shifted up, a NaN quieted (its top mantissa bit set).
 #[inline(always)]
-pub(super) fn bf16_widen(src: &[bf16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        let b = s.to_bits() as u32;
-        let nan = b & 0x7fff > 0x7f80;
-        *d = f32::from_bits((b | if nan { 0x40 } else { 0 }) << 16);
-    }
+pub(super) fn bf16_to_f32(s: bf16) -> f32 {
+    let b = s.to_bits() as u32;
+    let nan = b & 0x7fff > 0x7f80;
+    f32::from_bits((b | if nan { 0x40 } else { 0 }) << 16)
 }
 
 /// `half`'s `bf16::from_f32`: round to nearest, ties to even (adding 0x7fff plus the kept lowest bit
 /// carries exactly when the dropped half is above a tie, or a tie with an odd kept part); a NaN keeps
 /// its top bits, quieted.
 #[inline(always)]
+pub(super) fn f32_to_bf16(s: f32) -> bf16 {
+    let x = s.to_bits();
+    let nan = x & 0x7fff_ffff > 0x7f80_0000;
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    bf16::from_bits(if nan { (x >> 16) | 0x40 } else { rounded } as u16)
+}
+
+/// [`bf16_to_f32`] of every element.
+#[cfg(test)]
+pub(super) fn bf16_widen(src: &[bf16], dst: &mut [f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = bf16_to_f32(*s));
+}
+
+/// [`f32_to_bf16`] of every element.
+#[cfg(test)]
 pub(super) fn bf16_narrow(src: &[f32], dst: &mut [bf16]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        let x = s.to_bits();
-        let nan = x & 0x7fff_ffff > 0x7f80_0000;
-        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-        *d = bf16::from_bits(if nan { (x >> 16) | 0x40 } else { rounded } as u16);
-    }
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_to_bf16(*s));
 }
 
 /// float16 to f32, 8 at a time, then the tail one by one (`half` runs F16C there too).

@@ -13,8 +13,8 @@ use crate::config;
 /// A compiled set of reduction kernels, from slowest to fastest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kernels {
-    /// Compiled for the target's baseline (SSE2 on x86-64, NEON on aarch64); float16 and bfloat16
-    /// convert one element at a time.
+    /// Compiled for the target's baseline (SSE2 on x86-64, NEON on aarch64); float16 converts one
+    /// element at a time.
     Baseline,
     /// AVX2, FMA and F16C: 256-bit loops, float16 converted 8 at a time by F16C.
     Avx2,

@@ -20,8 +20,7 @@ fn vector_sets() -> Vec<Kernels> {
     sets
 }
 
-/// Lengths ending in the 8- and 16-wide bodies, every kind of tail, the 64-element widening buffer and
-/// the tile.
+/// Lengths ending in the 8- and 16-wide bodies, every kind of tail, 64-element blocks and the tile.
 const LENGTHS: [usize; 14] = [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, TILE - 1, TILE + 1, 3 * TILE + 37];
 
 /// Scalings: none, a prescale with a postscale, a postscale alone.
@@ -173,6 +172,32 @@ fn every_16_bit_pattern_agrees_on_every_set() {
         [&a, &b, &a].iter().map(|v| v.iter().flat_map(|x| x.to_ne_bytes()).collect()).collect();
     for dtype in [DType::F16, DType::BF16, DType::I16, DType::U16] {
         assert_sets_agree(dtype, &inputs);
+    }
+}
+
+#[test]
+fn every_bfloat16_pair_sums_as_half_converts_on_every_set() {
+    // Every set, the baseline too, converts bfloat16 with `convert`'s bit arithmetic: checked here
+    // against the `half` crate's own conversions around the f32 sum (the first NaN wins, quieted).
+    let a: Vec<u16> = (0..=u16::MAX).collect();
+    let b: Vec<u16> = a.iter().map(|x| x.wrapping_mul(40_503).wrapping_add(12_345)).collect();
+    let want: Vec<u16> = a
+        .iter()
+        .zip(&b)
+        .map(|(&x, &y)| {
+            let (x, y) = (bf16::from_bits(x).to_f32(), bf16::from_bits(y).to_f32());
+            let sum = if x.is_nan() { f32::from_bits(x.to_bits() | 0x0040_0000) } else { x + y };
+            bf16::from_f32(sum).to_bits()
+        })
+        .collect();
+    let inputs: Vec<Vec<u8>> =
+        [&a, &b].iter().map(|v| v.iter().flat_map(|x| x.to_ne_bytes()).collect()).collect();
+    for kernels in Kernels::ALL.into_iter().filter(|k| k.available()) {
+        let got = run(kernels, DType::BF16, ReduceOp::Sum, Scale::NONE, &inputs);
+        let got: Vec<u16> = got.chunks(2).map(|c| u16::from_ne_bytes([c[0], c[1]])).collect();
+        if let Some(i) = (0..want.len()).find(|&i| want[i] != got[i]) {
+            panic!("{kernels}: {:04x} + {:04x} gave {:04x}, half {:04x}", a[i], b[i], got[i], want[i]);
+        }
     }
 }
 

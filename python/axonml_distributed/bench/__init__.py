@@ -5,6 +5,8 @@
     python -m axonml_distributed.bench --backend shm          # processes (see bench.procs)
     python -m axonml_distributed.bench --backend mpi          # MPI, ours against raw mpi4py (see bench.mpi)
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
+    python -m axonml_distributed.bench --torch --peers vllm,deepspeed,gloo   # all_reduce on torch tensors
+                                                              # beside vLLM's and DeepSpeed's (bench.peers)
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
     python -m axonml_distributed.bench --hosts 2 [--fit]      # simulated hosts, root (see bench.hosts)
 
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         given = [a for a in argv or sys.argv[1:] if a != "--collectives"]
         colls = [] if "--colls" in given else ["--colls", "all_to_all,all_gather_v,all_gather"]
         return procs.main([*given, *colls])
+    if args.torch and any(a == "--peers" or a.startswith("--peers=") for a in argv or sys.argv[1:]):
+        from axonml_distributed.bench import peers
+
+        return peers.main(argv)
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 

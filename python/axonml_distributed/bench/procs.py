@@ -38,6 +38,15 @@ hosts of the design's machine kind (2 cores, a VM):
   2.34 against 2.00 ms, on another 256 KiB 73 against 57 us, 1 MiB 355 against 277 us, 2 MiB 737
   against 583 us (reduce_scatter 2 MiB 564 against 485 us), so reductions cross from
   ``CMA_REDUCE_CROWDED`` (2 MiB).
+* 2 ranks, all_reduce of torch float32 tensors of 16 and 64 MiB (``bench.peers``, both ranks at real-time
+  priority on a machine shared with other jobs): crossing 1.54 and 10.0 ms; staged 2.71 and 12.6 ms;
+  staged with the copy into the segment streamed (non-temporal stores) 3.24 and 14.5 ms; vLLM's scheme
+  through our staging (each member streams its whole 1 MiB round into its buffer, then reduces every
+  member's copy itself) 2.97 and 15.2 ms, about what vLLM itself took in the same runs (2.9-3.1 and
+  14.6-15.9 ms). Crossing in tiles of 256 KiB to 1 MiB instead of ``CMA_TILE`` (128 KiB) was slower
+  (64 MiB: 12.6-15.9 against 10.8 ms). Without real-time priority, at a load average of about 6 on the 2
+  cores, crossing kept its lead: 64 MiB 22-25 ms against vLLM's 57-60 in the same runs, the staged
+  schemes 23-126 ms. So large calls keep crossing.
 """
 
 from __future__ import annotations
