@@ -5,6 +5,7 @@
     python -m axonml_distributed.bench --backend shm          # processes (see bench.procs)
     python -m axonml_distributed.bench --backend mpi          # MPI, ours against raw mpi4py (see bench.mpi)
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
+    python -m axonml_distributed.bench --torch-calls          # dist.all_reduce against torch's floor
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
 
 The in-process world's figures are described in `bench.threads`.
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
     p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's")
     p.add_argument("--collectives", action="store_true", help="all_to_all and all_gather_v against MPICH")
+    p.add_argument(
+        "--torch-calls", action="store_true", help="dist.all_reduce's cost over torch's do-nothing backend"
+    )
     args, rest = p.parse_known_args(argv)
     if args.collectives:
         from axonml_distributed.bench import procs
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         given = [a for a in argv or sys.argv[1:] if a != "--collectives"]
         colls = [] if "--colls" in given else ["--colls", "all_to_all,all_gather_v,all_gather"]
         return procs.main([*given, *colls])
+    if args.torch_calls:
+        from axonml_distributed.bench import torch_calls
+
+        return torch_calls.main(argv)
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 
