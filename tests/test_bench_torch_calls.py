@@ -14,12 +14,13 @@ torch = pytest.importorskip("torch")
 
 def test_the_table_shows_the_overhead_over_floor_and_native(capsys: pytest.CaptureFixture[str]) -> None:
     per = {"axonml": [5e-6, 9e-6], "floor": [1.5e-6, 1.5e-6], "native": [2e-6, 6e-6]}
-    results = {"this": {"blocking": per, "async": per}, "base": {"blocking": per}}
+    results = {"this": {"median": {"blocking": per, "async": per}}, "base": {"median": {"blocking": per}}}
     torch_calls.report(2, [4, 4096], results, [0.5, 1.5])
     out = capsys.readouterr().out
     assert "load average during the runs 0.50..1.50" in out
     rows = [line for line in out.splitlines() if line.strip().startswith("4 KiB")]
-    assert len(rows) == 4  # both builds, both modes
+    assert len(rows) == 8  # both builds, both modes, both statistics
+    assert "fastest block" in out
     assert rows[0].split("|")[1].strip() == "this"
     assert [c.strip() for c in rows[0].split("|")[2:6]] == ["9.00 us", "1.50 us", "6.00 us", "1.50 us"]
     assert "n/a" in rows[3]  # the base build measured no async call: said so
@@ -33,7 +34,7 @@ def test_the_bench_runs_both_modes_at_two_ranks(capsys: pytest.CaptureFixture[st
     for mode in ("blocking: dist.all_reduce(t)", "async: dist.all_reduce(t, async_op=True).wait()"):
         assert mode in out
     rows = [line for line in out.splitlines() if line.strip().startswith("4 B")]
-    assert len(rows) == 2 and all("n/a" not in r for r in rows), out
+    assert len(rows) == 4 and all("n/a" not in r for r in rows), out
 
 
 def test_the_floor_backend_does_nothing_and_finishes_at_once() -> None:
