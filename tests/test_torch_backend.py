@@ -606,3 +606,66 @@ def test_a_work_finishes_when_polled_waited_or_asked_for_its_future() -> None:
     with pytest.raises(RuntimeError, match="peer rank 1 died"):
         w.wait()
     assert w.is_completed() and not w.is_success()
+
+
+@pytest.mark.timeout(60)
+def test_every_all_reduce_form_reduces_whichever_way_it_takes() -> None:
+    """`allreduce` takes a short way for one contiguous dense tensor summed with the profiler off, and
+    the general one for the rest: each form's result against the sum (or max) of both ranks' inputs, a
+    blocking call returning no Work, an async one a Work whose future holds the tensors."""
+    import torch.distributed as dist
+
+    import axonml_distributed as ad
+    from axonml_distributed.torch.group import AxonmlProcessGroup
+
+    def opts(op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
+        o = dist.AllreduceOptions()
+        o.reduceOp, o.asyncOp = op, async_op
+        return o
+
+    def forms(pg: AxonmlProcessGroup, r: int) -> dict[str, Any]:
+        def mine() -> Any:
+            return torch.arange(6.0).reshape(2, 3) + 10 * r
+
+        out: dict[str, Any] = {}
+        t = mine()
+        out["blocking returns"] = pg.allreduce([t], opts())
+        out["blocking"] = t
+        t = mine()
+        work = pg.allreduce([t], opts(async_op=True))
+        out["async future"] = work.get_future().wait()[0].clone()
+        out["async"], out["async completed"] = t, work.is_completed()
+        t = mine()
+        pg.allreduce([t], opts(dist.ReduceOp.MAX))
+        out["max"] = t
+        t = mine()
+        pg.allreduce([t], None).wait()  # no options: torch's defaults (SUM), asynchronous
+        out["no options"] = t
+        nc = mine().t()
+        pg.allreduce([nc], opts(async_op=True)).wait()
+        out["non-contiguous async"] = nc
+        pair = [mine(), mine()[0]]
+        pg.allreduce(pair, opts())
+        out["two tensors"] = pair
+        return out
+
+    worlds = ad.ThreadBackend.create_world(2, timeout=30)
+    got: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        got[r] = forms(AxonmlProcessGroup(ad.ProcessGroup(worlds[r]), r, 2), r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    base = torch.arange(6.0).reshape(2, 3)
+    total, top = base + (base + 10), base + 10
+    for out in got:
+        assert out["blocking returns"] is None
+        assert torch.equal(out["blocking"], total) and torch.equal(out["async"], total)
+        assert torch.equal(out["async future"], total) and out["async completed"]
+        assert torch.equal(out["max"], top) and torch.equal(out["no options"], total)
+        assert torch.equal(out["non-contiguous async"], total.t())
+        assert torch.equal(out["two tensors"][0], total) and torch.equal(out["two tensors"][1], total[0])

@@ -7,6 +7,7 @@
     python -m axonml_distributed.bench --torch                # DDP on torch modules (see bench.torch_ddp)
     python -m axonml_distributed.bench --torch --peers vllm,deepspeed,gloo   # all_reduce on torch tensors
                                                               # beside vLLM's and DeepSpeed's (bench.peers)
+    python -m axonml_distributed.bench --torch-calls          # dist.all_reduce against torch's floor
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
     python -m axonml_distributed.bench --hosts 2 [--fit]      # simulated hosts, root (see bench.hosts)
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", action="store_true", help="DDP on torch modules against torch's")
     p.add_argument("--collectives", action="store_true", help="all_to_all and all_gather_v against MPICH")
     p.add_argument("--hosts", type=int, help="simulated hosts: axonml against gloo and MPICH (bench.hosts)")
+    p.add_argument(
+        "--torch-calls", action="store_true", help="dist.all_reduce's cost over torch's do-nothing backend"
+    )
     args, rest = p.parse_known_args(argv)
     if args.hosts is not None:
         from axonml_distributed.bench import hosts
@@ -50,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from axonml_distributed.bench import peers
 
         return peers.main(argv)
+    if args.torch_calls:
+        from axonml_distributed.bench import torch_calls
+
+        return torch_calls.main(argv)
     if args.torch:
         from axonml_distributed.bench import torch_ddp
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
 from axonml_distributed.exceptions import CollectiveTimeoutError
+from axonml_distributed.torch.profiling import enabled as _profiling
 from axonml_distributed.torch.profiling import profiled
 from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import AnySourceWork, Completer, Work
@@ -157,6 +158,9 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._completers: dict[Any, Completer] = {}
         self._lock = threading.Lock()
+        # Looked up once: `allreduce`'s short way pays for no lookup it can avoid.
+        self._all_reduce = native.all_reduce
+        self._coll = self._completer("coll")
         self._group_name = ""
         self._group_desc = ""
 
@@ -218,7 +222,7 @@ class AxonmlProcessGroup(dist.ProcessGroup):
             if finish is not None:
                 finish()
             return None
-        return Work(natives, result, finish, self._completer(lane))
+        return Work(natives, result, finish, self._coll if lane == "coll" else self._completer(lane))
 
     def _root(self, opts: Any) -> tuple[int, bool]:
         """The global rank of the call's root, and whether it is this rank."""
@@ -226,8 +230,21 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------------------
 
-    @_event("all_reduce", _first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
+        """The call torch makes most (``dist.all_reduce(t)``, DDP's buckets) takes the short way: one
+        contiguous dense tensor, SUM, the profiler off. The rest takes `_allreduce_any`, as it would."""
+        if opts is not None and len(tensors) == 1 and not _profiling():
+            t = tensors[0]
+            if not t.is_sparse and t.is_contiguous() and opts.reduceOp == _SUM:
+                if opts.asyncOp is False:
+                    self._all_reduce(t)
+                    return None
+                if _graph_task_id() < 0:  # else inline in backward (see the module docs)
+                    return Work([self._all_reduce(t, async_op=True)], tensors, None, self._coll)
+        return self._allreduce_any(tensors, opts)
+
+    @_event("all_reduce", _first)
+    def _allreduce_any(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         op = (opts or dist.AllreduceOptions()).reduceOp
         if tensors and tensors[0].is_sparse:
             return self._allreduce_sparse(tensors, op, _async(opts))
@@ -238,8 +255,8 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         try:  # inside a backward pass (see the module docs): here, and its error goes to the Work
             self._allreduce(tensors, op, detached=False)
         except Exception as e:
-            return Work.done(tensors, e, self._completer("coll"))
-        return Work.done(tensors, None, self._completer("coll"))
+            return Work.done(tensors, e, self._coll)
+        return Work.done(tensors, None, self._coll)
 
     def _allreduce(self, tensors: list[torch.Tensor], op: Any, detached: bool) -> Work | None:
         natives, finishes = [], []
@@ -265,8 +282,8 @@ class AxonmlProcessGroup(dist.ProcessGroup):
         except Exception as e:
             if not detached:
                 raise
-            return Work.done(tensors, e, self._completer("coll"))
-        return Work.done(tensors, None, self._completer("coll")) if detached else None
+            return Work.done(tensors, e, self._coll)
+        return Work.done(tensors, None, self._coll) if detached else None
 
     @_event("all_reduce", _first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
