@@ -18,7 +18,7 @@ pub enum Error {
     UnsupportedDtype(String),
 
     /// Ranks entered the same step of a group with different calls. Nothing was written.
-    #[error("collective mismatch in group {group:?}: {details}")]
+    #[error("collective mismatch in group {group:?}: {details}{progress}")]
     Mismatch {
         /// Global ranks of the group.
         group: Vec<usize>,
@@ -27,6 +27,9 @@ pub enum Error {
         /// Every member's call, in group order, as it prints (`all_reduce(#3, 4 x float32, op=SUM)`):
         /// text, so that this bottom type knows nothing of the call's types (`signature::Signature`).
         calls: Vec<(usize, String)>,
+        /// Where each member is ("; where each rank is: rank 0 completed #2 all_reduce, ..."), when the
+        /// engine added it, else empty.
+        progress: String,
     },
 
     /// Some members never arrived before the deadline. The world is aborted. The message carries
@@ -52,7 +55,7 @@ pub enum Error {
 
     /// A peer left the world while this rank was waiting for it, by some other way than its process
     /// ending (see [`Error::PeerExited`]): it closed its rendezvous connection, or its thread left.
-    #[error("peer rank {peer} died during {op}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    #[error("peer rank {peer} died during {op}{}{progress}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
     PeerDied {
         /// Global rank of the dead peer.
         peer: usize,
@@ -60,12 +63,14 @@ pub enum Error {
         op: String,
         /// How it left, when known.
         detail: Option<String>,
+        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        progress: String,
     },
 
     /// A peer's process ended while this rank was waiting for it; how it ended, when this rank can
     /// tell. (The same message start as [`Error::PeerDied`]: the launcher's error files find the rank
     /// it blames by it.)
-    #[error("peer rank {peer} died during {op} (pid {pid} {status})")]
+    #[error("peer rank {peer} died during {op} (pid {pid} {status}){progress}")]
     PeerExited {
         /// Global rank of the dead peer.
         peer: usize,
@@ -75,15 +80,19 @@ pub enum Error {
         op: String,
         /// Its exit code or the signal that killed it, or why that is unknown.
         status: ExitStatus,
+        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        progress: String,
     },
 
     /// The world was aborted by a rank (an error on that rank, a timeout, a mismatch, or an explicit abort).
-    #[error("the world was aborted by rank {by}: {reason}")]
+    #[error("the world was aborted by rank {by}: {reason}{progress}")]
     Aborted {
         /// The rank that aborted the world.
         by: usize,
         /// Why it did.
         reason: String,
+        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        progress: String,
     },
 
     /// The wait was interrupted by a signal (Ctrl-C); the world is aborted.
@@ -132,6 +141,24 @@ impl Error {
         group: Vec<usize>,
     ) -> Self {
         Error::Timeout { rank, op: op.into(), waited, missing, group, progress: String::new() }
+    }
+
+    /// An [`Error::Aborted`] with no progress report yet.
+    pub fn aborted(by: usize, reason: impl Into<String>) -> Self {
+        Error::Aborted { by, reason: reason.into(), progress: String::new() }
+    }
+
+    /// The progress report of the errors that carry one (timeouts, mismatches, peer failures): where
+    /// each member of the group was, which the engine adds where it knows it.
+    pub fn progress_mut(&mut self) -> Option<&mut String> {
+        match self {
+            Error::Timeout { progress, .. }
+            | Error::Mismatch { progress, .. }
+            | Error::PeerDied { progress, .. }
+            | Error::PeerExited { progress, .. }
+            | Error::Aborted { progress, .. } => Some(progress),
+            _ => None,
+        }
     }
 
     /// An [`Error::Os`] with what we were doing.

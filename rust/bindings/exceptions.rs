@@ -118,7 +118,7 @@ impl From<Error> for PyErr {
                 facts.extend(call_facts(op));
                 raise::<PeerFailureError>(msg, facts)
             }
-            Error::PeerExited { peer, pid, op, status } => {
+            Error::PeerExited { peer, pid, op, status, .. } => {
                 let mut facts = vec![("ranks", Fact::Ints(vec![peer])), ("pid", Fact::Int(pid.into()))];
                 facts.extend(call_facts(op));
                 match status {
