@@ -49,11 +49,16 @@ def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: Tr
 
 def write(path: str, record: Record) -> None:
     """Replace the file at `path` with `record` atomically, so that a reader never sees half of it."""
-    directory, name = os.path.split(path)
+    write_json(path, asdict(record))
+
+
+def write_json(path: str | os.PathLike[str], content: object) -> None:
+    """Replace the file at `path` with `content` as JSON, atomically (the flight records use it too)."""
+    directory, name = os.path.split(os.fspath(path))
     fd, partial = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.")
     try:
         with os.fdopen(fd, "w") as out:
-            json.dump(asdict(record), out)
+            json.dump(content, out)
         os.replace(partial, path)
     except BaseException:
         os.unlink(partial)
