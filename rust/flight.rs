@@ -10,7 +10,7 @@
 //! world has many ranks in one process).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -135,6 +135,8 @@ pub struct Recorder {
     pub occurrence: u32,
     /// How many communicators this rank made before this one (0: the world's).
     pub index: u32,
+    /// The ordinal of its world among those this process made ([`next_world`]).
+    pub world_ordinal: u32,
     /// The world's transport ("threads", "shm").
     pub world: &'static str,
     /// This rank's names and call count, shared by all its communicators.
@@ -210,6 +212,7 @@ impl Recorder {
     ) -> Arc<Self> {
         anchor();
         let (occurrence, index) = names.next(&members);
+        let world_ordinal = names.world;
         let capacity = config::flight_recorder_entries();
         let ring =
             Ring { entries: Vec::with_capacity(capacity), capacity, recorded: 0, stats: Stats::default() };
@@ -219,6 +222,7 @@ impl Recorder {
             members,
             occurrence,
             index,
+            world_ordinal,
             world,
             names,
             ring: Mutex::new(ring),
@@ -310,16 +314,31 @@ impl Recorder {
     }
 }
 
+/// The ordinal of a new world in this process (1 for the first): the ranks of a thread world share
+/// one; the processes of an shm world each count their own, alike while they make the same worlds in
+/// the same order (one world per process, usually). It tells apart the communicators of worlds that
+/// live in one process at once.
+pub(crate) fn next_world() -> u32 {
+    static WORLDS: AtomicU32 = AtomicU32::new(0);
+    WORLDS.fetch_add(1, Relaxed) + 1
+}
+
 /// How one rank names its communicators for the records (every member makes the communicators over a
 /// given set of ranks in the same order, so the n-th over that set is the same communicator on each),
 /// and numbers its calls on all of them.
-#[derive(Default)]
 pub struct Names {
+    /// The world's ordinal ([`next_world`]).
+    world: u32,
     made: Mutex<(u32, HashMap<Vec<usize>, u32>)>,
     calls: AtomicU64,
 }
 
 impl Names {
+    /// The names of a rank of world `world` ([`next_world`]).
+    pub(crate) fn new(world: u32) -> Self {
+        Names { world, made: Mutex::default(), calls: AtomicU64::new(0) }
+    }
+
     /// The next communicator over `members`: its occurrence among those over the same ranks (1 for the
     /// first) and how many this rank made before it.
     pub(crate) fn next(&self, members: &[usize]) -> (u32, u32) {

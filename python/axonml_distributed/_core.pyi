@@ -99,7 +99,8 @@ SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid"
 
 def flight_records() -> list[dict[str, Any]]:
     """Every flight recorder of this process (one per rank and communicator it is a member of): "rank",
-    "world_size", "ranks", "occurrence", "index", "world", and "entries", its last calls, oldest first."""
+    "world_size", "ranks", "occurrence", "index", "world", "world_ordinal", and "entries", its last
+    calls, oldest first."""
 
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""

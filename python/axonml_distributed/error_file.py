@@ -44,7 +44,12 @@ def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: Tr
         ranks: list[int] = list(getattr(value, "ranks", None) or [])
         blames = ranks[0] if len(ranks) == 1 else None
     text = "".join(traceback.format_exception(kind, value, tb))
-    return Record(rank, kind.__name__, str(value), text, time.time(), blames, reported=False)
+    # The message without where each rank was (its traceback keeps it): the launcher's summary groups
+    # the ranks that failed alike by their messages.
+    message, progress = str(value), getattr(value, "progress", None)
+    if progress and message.endswith(progress):
+        message = message[: -len(progress)].rstrip("; ")
+    return Record(rank, kind.__name__, message, text, time.time(), blames, reported=False)
 
 
 def write(path: str, record: Record) -> None:

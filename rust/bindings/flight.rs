@@ -39,6 +39,7 @@ fn record<'py>(py: Python<'py>, r: &Recorder) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("occurrence", r.occurrence)?;
     d.set_item("index", r.index)?;
     d.set_item("world", r.world)?;
+    d.set_item("world_ordinal", r.world_ordinal)?;
     let entries = r.entries().iter().map(|e| entry(py, e)).collect::<PyResult<Vec<_>>>()?;
     d.set_item("entries", PyList::new(py, entries)?)?;
     Ok(d)

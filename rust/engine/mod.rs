@@ -122,8 +122,10 @@ pub(crate) struct Engine<S> {
 }
 
 impl<S: Store> Engine<S> {
-    pub(crate) fn new(store: S) -> Self {
-        Engine::with_lanes(store, Lanes::default(), Arc::default())
+    /// The handle of a rank on the world's communicator, in the process's world `world`
+    /// (`flight::next_world`: the records tell worlds apart by it).
+    pub(crate) fn new(store: S, world: u32) -> Self {
+        Engine::with_lanes(store, Lanes::default(), Arc::new(Names::new(world)))
     }
 
     fn with_lanes(store: S, lanes: Lanes, names: Arc<Names>) -> Self {

@@ -52,10 +52,11 @@ _TORCH_DTYPES = {
 Dump = dict[str, Any]
 
 
-def group_name(ranks: Iterable[int], occurrence: int) -> str:
-    """A communicator's name, alike on every member: its ranks and which communicator over those ranks
-    it is (members make them in the same order)."""
-    return ",".join(map(str, ranks)) + f"#{occurrence}"
+def group_name(world: int, ranks: Iterable[int], occurrence: int) -> str:
+    """A communicator's name, alike on every member: its world's ordinal in the process (worlds that
+    live in one process at once differ by it), its ranks and which communicator over those ranks it is
+    (members make them in the same order): "w1:0,1,2#1"."""
+    return f"w{world}:" + ",".join(map(str, ranks)) + f"#{occurrence}"
 
 
 def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def build(records: list[Mapping[str, Any]], error: str | None = None) -> dict[st
                 "entries": [],
             },
         )
-        name = group_name(record["ranks"], record["occurrence"])
+        name = group_name(record["world_ordinal"], record["ranks"], record["occurrence"])
         desc = "default_pg" if record["index"] == 0 else "undefined"
         dump["pg_config"][name] = {"name": name, "desc": desc, "ranks": str(list(record["ranks"]))}
         dump["entries"] += [_entry(e, (name, desc), record["index"]) for e in record["entries"]]
