@@ -39,6 +39,10 @@
 //! (`buffers_may_be_in_use`) so the bindings keep the buffers alive for good. The one-shot and staged
 //! paths need no drain: peers read only one-shot and staging buffers, which outlive the call.
 //!
+//! Every numbered call is recorded once, here, in the handle's flight recorder (`flight`): scheduled
+//! when numbered, started when every member arrived, completed or failed when it returns, with the
+//! route its data took; the same record keeps each kind's totals (`ProcessGroup::stats`).
+//!
 //! Pages and one-shot buffers alternate so that a member publishing call k+1 never overwrites what a
 //! slower peer still reads for call k: to reach k+2 every peer must have arrived at k+1, which it does
 //! only after finishing k.
