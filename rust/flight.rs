@@ -10,16 +10,19 @@
 //! world has many ranks in one process).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config;
+use crate::dtype::DType;
+use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
 use crate::sync::lock;
 
 /// Where a recorded call is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum State {
     /// Numbered and published; waiting for its peers.
     Scheduled,
@@ -141,24 +144,116 @@ pub struct Recorder {
     pub world: &'static str,
     /// This rank's names and call count, shared by all its communicators.
     names: Arc<Names>,
-    ring: Mutex<Ring>,
+    /// The last calls: record `id` (of this handle's) sits in slot `id % len`.
+    ring: Box<[Slot]>,
+    /// Calls recorded so far (the next record's id), stored once its slot is written.
+    recorded: AtomicU64,
+    totals: [Totals; CollKind::ALL.len()],
 }
 
-struct Ring {
-    /// At most `capacity` entries; record `id` sits at `id % capacity`.
-    entries: Vec<Entry>,
-    capacity: usize,
-    /// Calls recorded so far (the next record id).
-    recorded: u64,
-    stats: Stats,
+/// Words of one entry in a ring slot: record id, seq, count, root, codes (kind, dtype, op, state,
+/// route: a byte each), prescale and postscale bits, input and output elements, the three times.
+const WORDS: usize = 12;
+/// A code word's byte, or a root, for a field that has none.
+const NO_CODE: u64 = 0xFF;
+const NO_ROOT: u64 = u64::MAX;
+/// How often a reader tries a slot its writer keeps rewriting before it leaves it out.
+const READ_TRIES: usize = 1000;
+
+/// One ring slot: an entry's words and a version that is odd while its writer rewrites them (a
+/// seqlock). Only the thread in a call on the communicator writes (the engine's lock of one call at a
+/// time), so the recording thread never waits and takes no lock; a reader retries a slot that changed
+/// under it.
+#[derive(Default)]
+struct Slot {
+    version: AtomicU64,
+    words: [AtomicU64; WORDS],
 }
 
-impl Ring {
-    /// The entry of record `id`, when the ring holds one (not with no room at all).
-    fn slot(&mut self, id: u64) -> Option<&mut Entry> {
-        let at = usize::try_from(id % u64::try_from(self.capacity).ok()?.max(1)).ok()?;
-        self.entries.get_mut(at)
+impl Slot {
+    /// Rewrite the words `f` stores to (the writer's own).
+    fn write(&self, f: impl FnOnce(&[AtomicU64; WORDS])) {
+        let v = self.version.load(Relaxed);
+        self.version.store(v.wrapping_add(1), Relaxed);
+        fence(Release);
+        f(&self.words);
+        self.version.store(v.wrapping_add(2), Release);
     }
+
+    /// The words as one write left them; `None` if they kept changing.
+    fn read(&self) -> Option<[u64; WORDS]> {
+        for _ in 0..READ_TRIES {
+            let before = self.version.load(Acquire);
+            if before.is_multiple_of(2) {
+                let words = std::array::from_fn(|i| self.words[i].load(Relaxed));
+                fence(Acquire);
+                if self.version.load(Relaxed) == before {
+                    return Some(words);
+                }
+            }
+            std::thread::yield_now();
+        }
+        None
+    }
+}
+
+/// The code word of an entry.
+fn codes(sig: &Signature, state: State, route: Option<Route>) -> u64 {
+    let code = |c: Option<u8>| c.map_or(NO_CODE, u64::from);
+    u64::from(sig.kind as u8)
+        | code(sig.dtype.map(|d| d as u8)) << 8
+        | code(sig.op.map(|o| o as u8)) << 16
+        | (state as u64) << 24
+        | code(route.map(|r| r as u8)) << 32
+}
+
+/// The code word `word` with `state` and `route`.
+fn with_state(word: u64, state: State, route: Option<Route>) -> u64 {
+    let route = route.map_or(NO_CODE, |r| r as u64);
+    (word & 0xFF_FFFF) | (state as u64) << 24 | route << 32
+}
+
+/// The entry a slot's words hold; `None` for words no entry wrote.
+fn decode(w: &[u64; WORDS]) -> Option<Entry> {
+    let byte = |at: u32| u8::try_from(w[4] >> at & 0xFF).unwrap_or(u8::MAX);
+    let sig = Signature {
+        seq: w[1],
+        count: w[2],
+        root: (w[3] != NO_ROOT).then(|| u32::try_from(w[3]).unwrap_or(u32::MAX)),
+        kind: CollKind::from_code(byte(0))?,
+        dtype: DType::from_code(byte(8)),
+        op: ReduceOp::from_code(byte(16)),
+        scale: Scale { pre: f64::from_bits(w[5]), post: f64::from_bits(w[6]) },
+    };
+    let state =
+        [State::Scheduled, State::Started, State::Completed, State::Failed].get(usize::from(byte(24)))?;
+    let at = |ns: u64| (ns != 0).then_some(ns);
+    Some(Entry {
+        record_id: w[0],
+        sig,
+        elems: (w[7], w[8]),
+        state: *state,
+        created_ns: w[9],
+        started_ns: at(w[10]),
+        completed_ns: at(w[11]),
+        route: Route::ALL.get(usize::from(byte(32))).copied(),
+    })
+}
+
+/// One kind's totals, written by the one thread in a call (so without read-modify-write atomics).
+#[derive(Default)]
+struct Totals {
+    calls: AtomicU64,
+    failed: AtomicU64,
+    bytes: AtomicU64,
+    wait_ns: AtomicU64,
+    move_ns: AtomicU64,
+    routes: [AtomicU64; Route::ALL.len()],
+}
+
+/// Add `by` to a counter only one thread writes.
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.store(counter.load(Relaxed).saturating_add(by), Relaxed);
 }
 
 /// The wall clock at one instant, read once: later instants convert to wall-clock time by difference,
@@ -213,9 +308,7 @@ impl Recorder {
         anchor();
         let (occurrence, index) = names.next(&members);
         let world_ordinal = names.world;
-        let capacity = config::flight_recorder_entries();
-        let ring =
-            Ring { entries: Vec::with_capacity(capacity), capacity, recorded: 0, stats: Stats::default() };
+        let ring = (0..config::flight_recorder_entries()).map(|_| Slot::default()).collect();
         let recorder = Arc::new(Recorder {
             rank,
             world_size,
@@ -225,7 +318,9 @@ impl Recorder {
             world_ordinal,
             world,
             names,
-            ring: Mutex::new(ring),
+            ring,
+            recorded: AtomicU64::new(0),
+            totals: Default::default(),
         });
         let mut listed = lock(registry());
         listed.retain(|w| w.strong_count() > 0);
@@ -233,29 +328,37 @@ impl Recorder {
         recorder
     }
 
-    /// Record call `sig` (numbered), whose buffers hold `elems` elements, as scheduled now.
+    /// The slot of this handle's record `id`; none when the ring has no room at all.
+    fn slot(&self, id: u64) -> Option<&Slot> {
+        let len = u64::try_from(self.ring.len()).ok().filter(|&n| n > 0)?;
+        self.ring.get(usize::try_from(id % len).ok()?)
+    }
+
+    /// Record call `sig` (numbered), whose buffers hold `elems` elements, as scheduled now. The
+    /// recording methods are called by the thread in the call only (the engine's one call at a time).
     pub(crate) fn begin(&self, sig: &Signature, elems: (u64, u64)) -> Flight {
         let created = Instant::now();
         let record_id = self.names.calls.fetch_add(1, Relaxed);
-        let mut ring = lock(&self.ring);
-        let id = ring.recorded;
-        ring.recorded += 1;
-        ring.stats[sig.kind as usize - 1].calls += 1;
-        let entry = Entry {
-            record_id,
-            sig: *sig,
-            elems,
-            state: State::Scheduled,
-            created_ns: wall_ns(created),
-            started_ns: None,
-            completed_ns: None,
-            route: None,
-        };
-        if ring.entries.len() < ring.capacity {
-            ring.entries.push(entry);
-        } else if let Some(slot) = ring.slot(id) {
-            *slot = entry;
+        let id = self.recorded.load(Relaxed);
+        if let Some(slot) = self.slot(id) {
+            let created_ns = wall_ns(created);
+            slot.write(|w| {
+                let root = sig.root.map_or(NO_ROOT, u64::from);
+                let words = [record_id, sig.seq, sig.count, root, codes(sig, State::Scheduled, None)];
+                for (word, value) in w.iter().zip(words) {
+                    word.store(value, Relaxed);
+                }
+                w[5].store(sig.scale.pre.to_bits(), Relaxed);
+                w[6].store(sig.scale.post.to_bits(), Relaxed);
+                w[7].store(elems.0, Relaxed);
+                w[8].store(elems.1, Relaxed);
+                w[9].store(created_ns, Relaxed);
+                w[10].store(0, Relaxed);
+                w[11].store(0, Relaxed);
+            });
         }
+        self.recorded.store(id + 1, Release);
+        bump(&self.totals[sig.kind as usize - 1].calls, 1);
         Flight { id, kind: sig.kind, created, started: None }
     }
 
@@ -263,10 +366,12 @@ impl Recorder {
     pub(crate) fn started(&self, flight: &mut Flight) -> Instant {
         let now = Instant::now();
         flight.started = Some(now);
-        self.update(flight.id, |e| {
-            e.state = State::Started;
-            e.started_ns = Some(wall_ns(now));
-        });
+        if let Some(slot) = self.slot(flight.id) {
+            slot.write(|w| {
+                w[4].store(with_state(w[4].load(Relaxed), State::Started, None), Relaxed);
+                w[10].store(wall_ns(now), Relaxed);
+            });
+        }
         now
     }
 
@@ -274,43 +379,51 @@ impl Recorder {
     /// far), `bytes` its message's size.
     pub(crate) fn end(&self, flight: Flight, ok: bool, route: Option<Route>, bytes: u64) {
         let now = Instant::now();
-        let mut ring = lock(&self.ring);
-        if let Some(slot) = ring.slot(flight.id) {
-            slot.state = if ok { State::Completed } else { State::Failed };
-            slot.completed_ns = Some(wall_ns(now));
-            slot.route = route;
+        let state = if ok { State::Completed } else { State::Failed };
+        if let Some(slot) = self.slot(flight.id) {
+            slot.write(|w| {
+                w[4].store(with_state(w[4].load(Relaxed), state, route), Relaxed);
+                w[11].store(wall_ns(now), Relaxed);
+            });
         }
-        let stats = &mut ring.stats[flight.kind as usize - 1];
+        let totals = &self.totals[flight.kind as usize - 1];
         if !ok {
-            stats.failed += 1;
+            bump(&totals.failed, 1);
             return;
         }
-        stats.bytes = stats.bytes.saturating_add(bytes);
+        bump(&totals.bytes, bytes);
         let started = flight.started.unwrap_or(now);
-        stats.wait_ns = stats.wait_ns.saturating_add(ns(flight.created, started));
-        stats.move_ns = stats.move_ns.saturating_add(ns(started, now));
+        bump(&totals.wait_ns, ns(flight.created, started));
+        bump(&totals.move_ns, ns(started, now));
         if let Some(r) = route {
-            stats.routes[r as usize] += 1;
+            bump(&totals.routes[r as usize], 1);
         }
     }
 
-    fn update(&self, id: u64, f: impl FnOnce(&mut Entry)) {
-        if let Some(slot) = lock(&self.ring).slot(id) {
-            f(slot);
-        }
-    }
-
-    /// The recorded calls still in the ring, oldest first.
+    /// The recorded calls still in the ring, oldest first (a slot rewritten all the while it was read
+    /// is left out).
     pub fn entries(&self) -> Vec<Entry> {
-        let ring = lock(&self.ring);
-        let mut entries = ring.entries.clone();
+        let recorded = usize::try_from(self.recorded.load(Acquire)).unwrap_or(usize::MAX);
+        let mut entries: Vec<Entry> =
+            self.ring.iter().take(recorded).filter_map(|slot| decode(&slot.read()?)).collect();
         entries.sort_by_key(|e| e.record_id);
         entries
     }
 
     /// The totals per collective kind.
     pub fn stats(&self) -> Stats {
-        lock(&self.ring).stats
+        let mut stats = Stats::default();
+        for (s, t) in stats.iter_mut().zip(&self.totals) {
+            *s = KindStats {
+                calls: t.calls.load(Relaxed),
+                failed: t.failed.load(Relaxed),
+                bytes: t.bytes.load(Relaxed),
+                wait_ns: t.wait_ns.load(Relaxed),
+                move_ns: t.move_ns.load(Relaxed),
+                routes: std::array::from_fn(|i| t.routes[i].load(Relaxed)),
+            };
+        }
+        stats
     }
 }
 
@@ -348,5 +461,36 @@ impl Names {
         let occurrence = names.1.entry(members.to_vec()).or_insert(0);
         *occurrence += 1;
         (*occurrence, index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_gives_back_the_entry_written_and_the_ring_keeps_the_last_calls() {
+        let names = Arc::new(Names::new(next_world()));
+        let r = Recorder::new("test", 0, 2, vec![0, 1], names);
+        let n = r.ring.len() as u64 + 3;
+        for seq in 1..=n {
+            let sig = Signature::new(CollKind::Reduce, seq, 5).dtype(DType::F64).op(ReduceOp::Max).root(1);
+            let mut f = r.begin(&sig, (5, 5));
+            r.started(&mut f);
+            r.end(f, seq % 2 == 0, Some(Route::Staged), 40);
+        }
+        let got = r.entries();
+        assert_eq!(got.len(), r.ring.len());
+        let oldest = n - r.ring.len() as u64 + 1;
+        for (e, seq) in got.iter().zip(oldest..) {
+            let want = Signature::new(CollKind::Reduce, seq, 5).dtype(DType::F64).op(ReduceOp::Max).root(1);
+            assert_eq!((e.record_id, e.sig, e.elems), (seq - 1, want, (5, 5)));
+            let state = if seq % 2 == 0 { State::Completed } else { State::Failed };
+            assert_eq!((e.state, e.route), (state, Some(Route::Staged)));
+            assert!(e.created_ns <= e.started_ns.unwrap() && e.started_ns <= e.completed_ns);
+        }
+        let s = r.stats()[CollKind::Reduce as usize - 1];
+        assert_eq!((s.calls, s.failed, s.bytes), (n, n - n / 2, 40 * (n / 2)));
+        assert_eq!(s.routes[Route::Staged as usize], n / 2);
     }
 }
