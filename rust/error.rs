@@ -18,7 +18,7 @@ pub enum Error {
     UnsupportedDtype(String),
 
     /// Ranks entered the same step of a group with different calls. Nothing was written.
-    #[error("collective mismatch in group {group:?}: {details}{progress}")]
+    #[error("collective mismatch in group {group:?}: {details}")]
     Mismatch {
         /// Global ranks of the group.
         group: Vec<usize>,
@@ -27,9 +27,6 @@ pub enum Error {
         /// Every member's call, in group order, as it prints (`all_reduce(#3, 4 x float32, op=SUM)`):
         /// text, so that this bottom type knows nothing of the call's types (`signature::Signature`).
         calls: Vec<(usize, String)>,
-        /// Where each member is ("; where each rank is: rank 0 completed #2 all_reduce, ..."), when the
-        /// engine added it, else empty.
-        progress: String,
     },
 
     /// Some members never arrived before the deadline. The world is aborted. The message carries
@@ -63,7 +60,8 @@ pub enum Error {
         op: String,
         /// How it left, when known.
         detail: Option<String>,
-        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        /// Where each member is ("; where each rank is: rank 0 completed #2 all_reduce, ..."), when the
+        /// engine added it, else empty.
         progress: String,
     },
 
@@ -80,7 +78,7 @@ pub enum Error {
         op: String,
         /// Its exit code or the signal that killed it, or why that is unknown.
         status: ExitStatus,
-        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        /// Where each member is, when the engine added it (as for [`Error::PeerDied`]), else empty.
         progress: String,
     },
 
@@ -91,7 +89,7 @@ pub enum Error {
         by: usize,
         /// Why it did.
         reason: String,
-        /// Where each member is, when the engine added it (as for [`Error::Mismatch`]), else empty.
+        /// Where each member is, when the engine added it (as for [`Error::PeerDied`]), else empty.
         progress: String,
     },
 
@@ -148,12 +146,12 @@ impl Error {
         Error::Aborted { by, reason: reason.into(), progress: String::new() }
     }
 
-    /// The progress report of the errors that carry one (timeouts, mismatches, peer failures): where
-    /// each member of the group was, which the engine adds where it knows it.
+    /// The progress report of the errors that carry one (timeouts, peer failures): where each member
+    /// of the group was, which the engine adds where it knows it. A mismatch needs none: it names every
+    /// member's call, all at the same sequence number, so each completed the one before.
     pub fn progress_mut(&mut self) -> Option<&mut String> {
         match self {
             Error::Timeout { progress, .. }
-            | Error::Mismatch { progress, .. }
             | Error::PeerDied { progress, .. }
             | Error::PeerExited { progress, .. }
             | Error::Aborted { progress, .. } => Some(progress),

@@ -264,7 +264,7 @@ pub fn mismatch(members: &[usize], calls: &[Option<Signature>]) -> Option<Error>
 /// entered one, in group order), told in `details` ([`describe_mismatch`]).
 pub(crate) fn mismatch_error(members: &[usize], details: String, calls: &[(usize, Signature)]) -> Error {
     let calls = calls.iter().map(|(r, s)| (*r, s.to_string())).collect();
-    Error::Mismatch { group: members.to_vec(), details, calls, progress: String::new() }
+    Error::Mismatch { group: members.to_vec(), details, calls }
 }
 
 #[cfg(test)]

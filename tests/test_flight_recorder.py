@@ -1,6 +1,6 @@
 """The flight recorder (rust/flight.rs, `axonml_distributed.trace`): every rank's last calls per group and
 its totals (`ProcessGroup.stats`), the records failed jobs leave under axonml-run and what their analysis
-says, and the progress report timeouts, mismatches and peer failures carry."""
+says, and the progress report timeouts and peer failures carry."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,19 +193,19 @@ def test_torch_analyzer_matches_our_dumps() -> None:
     assert [c.collective_state for c in db.collectives[:3]] == ["completed"] * 3
 
 
-def test_a_mismatch_says_where_each_rank_is() -> None:
+def test_a_timeout_and_an_abort_say_where_each_rank_is() -> None:
     def fn(pg: ad.ProcessGroup) -> Any:
         pg.all_reduce(np.ones(3, np.float32))
-        pg.barrier()
         if pg.rank() == 1:
-            pg.broadcast(np.ones(3, np.float32), 0)
-        else:
-            pg.all_reduce(np.ones(3, np.float32))
+            time.sleep(1.0)  # rank 0 times out meanwhile and aborts the world
+        pg.barrier()
 
-    for e in outcomes(2, fn):
-        assert isinstance(e, ad.CollectiveMismatchError), e
-        assert "; where each rank is: rank 0 completed #2 barrier" in str(e), e
-        assert "rank 1 completed #2 barrier" in str(e), e
+    timeout, aborted = outcomes(2, fn, timeout=0.3)
+    assert isinstance(timeout, ad.CollectiveTimeoutError), timeout
+    assert isinstance(aborted, ad.PeerFailureError), aborted
+    want = "where each rank is: rank 0 completed #1 all_reduce and "
+    assert want in str(aborted) and aborted.progress.startswith(want), aborted
+    assert "rank 1 completed #1 all_reduce" in aborted.progress, aborted.progress
 
 
 def test_a_peer_failure_says_where_each_rank_is() -> None:

@@ -30,6 +30,7 @@ READERS: dict[str, Callable[[], Any]] = {
     "AXONML_JOB_ID": settings.job_id,
     "AXONML_JOB_SECRET": settings.job_secret,
     "AXONML_ERROR_FILE": settings.error_file,
+    "AXONML_FLIGHT_RECORD_FILE": settings.flight_record_file,
     "AXONML_LAUNCHER_PID": settings.launched_by_axonml_run,
     "AXONML_SHM_ARENA_MB": settings.shm_arena_bytes,
 }
@@ -67,6 +68,7 @@ VALID = [
     ("MASTER_PORT", "65535", 65535),
     ("AXONML_JOB_ID", "0123abcd", "0123abcd"),
     ("AXONML_ERROR_FILE", "/tmp/x/rank-0.json", "/tmp/x/rank-0.json"),
+    ("AXONML_FLIGHT_RECORD_FILE", "/tmp/x/flight-rank-0.json", "/tmp/x/flight-rank-0.json"),
     ("AXONML_SHM_ARENA_MB", "1", 1 << 20),
     ("AXONML_SHM_ARENA_MB", "256", 256 << 20),
     # Hex digits decoded: either case, surrounding whitespace ignored, 16 bytes the shortest.

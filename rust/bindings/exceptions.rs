@@ -110,9 +110,7 @@ impl From<Error> for PyErr {
             Error::InvalidArgument(_) => PyValueError::new_err(msg),
             Error::UnsupportedDtype(_) => PyTypeError::new_err(msg),
             Error::Mismatch { group, calls, .. } => {
-                let mut facts = mismatch_facts(group, calls);
-                facts.extend(progress);
-                raise::<CollectiveMismatchError>(msg, facts)
+                raise::<CollectiveMismatchError>(msg, mismatch_facts(group, calls))
             }
             Error::Timeout { rank, op, waited, missing, group, .. } => {
                 let mut facts: Facts = rank_fact("rank", rank).into_iter().collect();

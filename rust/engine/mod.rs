@@ -198,8 +198,8 @@ impl<S: Store> Engine<S> {
         describe_progress(&at)
     }
 
-    /// Add where each member is (the last call each completed, and the one it is in) to a timeout,
-    /// mismatch or peer failure that does not say it yet.
+    /// Add where each member is (the last call each completed, and the one it is in) to a timeout or
+    /// peer failure that does not say it yet.
     fn with_progress(&self, mut e: Error) -> Error {
         if let Some(progress) = e.progress_mut() {
             if progress.is_empty() {
