@@ -115,10 +115,9 @@ def _group(name: str, ranks: list[int], calls: dict[int, dict[int, dict[str, Any
         at = {rank: by_seq[seq] for rank, by_seq in calls.items() if seq in by_seq}
         kinds = Counter(_identity(e) for e in at.values())
         if len(kinds) > 1:
-            first = min(at)
-            most = max(kinds.values())
-            usual = max(kinds, key=lambda k: (kinds[k], k == _identity(at[first]))) if most > 1 else None
-            usual = usual if usual is not None else _identity(at[first])
+            # The call most members made (of a tie, the lowest rank's) is the usual one.
+            lowest = _identity(at[min(at)])
+            usual = max(kinds, key=lambda k: (kinds[k], k == lowest))
             result.diverged_at = seq
             result.diverging_ranks = sorted(r for r, e in at.items() if _identity(e) != usual)
             result.calls_at_divergence = {r: e["call"] for r, e in at.items()}
@@ -126,13 +125,13 @@ def _group(name: str, ranks: list[int], calls: dict[int, dict[int, dict[str, Any
     # The first call a member with a record did not complete. A call before the oldest one a member's
     # ring holds was completed there (later calls followed); one after its newest was never entered.
     for seq in sorted({seq for by_seq in calls.values() for seq in by_seq}):
-        at = {rank: by_seq.get(seq) for rank, by_seq in calls.items()}
-        if all(_completed(seq, e, calls[rank]) for rank, e in at.items()):
+        found = {rank: by_seq.get(seq) for rank, by_seq in calls.items()}
+        if all(_completed(seq, e, calls[rank]) for rank, e in found.items()):
             continue
         result.stuck_at = seq
-        result.stuck_call = next(e["call"] for e in at.values() if e is not None)
+        result.stuck_call = next(e["call"] for e in found.values() if e is not None)
         result.never_entered = sorted(
-            rank for rank, e in at.items() if e is None and not _completed(seq, e, calls[rank])
+            rank for rank, e in found.items() if e is None and not _completed(seq, e, calls[rank])
         )
         break
     return result

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[s
     }
 
 
-def build(records: list[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
+def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
     """The file of the native records `records` (`_core.flight_records()`), one dump per rank in them;
     `error`, when given, is what ended this process (every rank in it)."""
     dumps: dict[str, Dump] = {}
