@@ -184,6 +184,12 @@ pub trait Backend: Send + Sync {
     /// Worlds that detect dead peers themselves (processes) need not do anything.
     fn leave(&self) {}
 
+    /// This handle's flight recorder (its last calls and totals, `crate::flight`); `None` for a backend
+    /// that records nothing.
+    fn recorder(&self) -> Option<&Arc<crate::flight::Recorder>> {
+        None
+    }
+
     /// `bytes` of memory every member can address (a shared segment), for buffers whose collectives
     /// then move no staging copies. `None` when the backend has no such memory (or none left).
     fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {

@@ -166,3 +166,23 @@ pub(crate) fn cma_forced_by_env() -> Option<bool> {
 pub(crate) fn kernels_from_env() -> Option<String> {
     std::env::var("AXONML_KERNELS").ok().map(|v| v.trim().to_ascii_lowercase())
 }
+
+/// Calls each rank's flight recorder keeps per communicator (`flight`) unless
+/// `AXONML_FLIGHT_RECORDER_ENTRIES` says otherwise: torch's recorder keeps its last calls too, and 64
+/// reach back past a few training steps' buckets.
+pub const FLIGHT_RECORDER_ENTRIES: usize = 64;
+/// The most `AXONML_FLIGHT_RECORDER_ENTRIES` may ask for: every communicator allocates its ring up
+/// front (an entry is about 100 bytes).
+pub const FLIGHT_RECORDER_MAX: usize = 1 << 16;
+
+/// `AXONML_FLIGHT_RECORDER_ENTRIES`: calls each flight recorder keeps (0 keeps none, only the totals;
+/// capped at [`FLIGHT_RECORDER_MAX`]; read once).
+pub(crate) fn flight_recorder_entries() -> usize {
+    static ENTRIES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ENTRIES.get_or_init(|| {
+        std::env::var("AXONML_FLIGHT_RECORDER_ENTRIES")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map_or(FLIGHT_RECORDER_ENTRIES, |n| n.min(FLIGHT_RECORDER_MAX))
+    })
+}

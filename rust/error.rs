@@ -52,7 +52,7 @@ pub enum Error {
 
     /// A peer left the world while this rank was waiting for it, by some other way than its process
     /// ending (see [`Error::PeerExited`]): it closed its rendezvous connection, or its thread left.
-    #[error("peer rank {peer} died during {op}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    #[error("peer rank {peer} died during {op}{}{progress}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
     PeerDied {
         /// Global rank of the dead peer.
         peer: usize,
@@ -60,12 +60,15 @@ pub enum Error {
         op: String,
         /// How it left, when known.
         detail: Option<String>,
+        /// Where each member is ("; where each rank is: rank 0 completed #2 all_reduce, ..."), when the
+        /// engine added it, else empty.
+        progress: String,
     },
 
     /// A peer's process ended while this rank was waiting for it; how it ended, when this rank can
     /// tell. (The same message start as [`Error::PeerDied`]: the launcher's error files find the rank
     /// it blames by it.)
-    #[error("peer rank {peer} died during {op} (pid {pid} {status})")]
+    #[error("peer rank {peer} died during {op} (pid {pid} {status}){progress}")]
     PeerExited {
         /// Global rank of the dead peer.
         peer: usize,
@@ -75,15 +78,19 @@ pub enum Error {
         op: String,
         /// Its exit code or the signal that killed it, or why that is unknown.
         status: ExitStatus,
+        /// Where each member is, when the engine added it (as for [`Error::PeerDied`]), else empty.
+        progress: String,
     },
 
     /// The world was aborted by a rank (an error on that rank, a timeout, a mismatch, or an explicit abort).
-    #[error("the world was aborted by rank {by}: {reason}")]
+    #[error("the world was aborted by rank {by}: {reason}{progress}")]
     Aborted {
         /// The rank that aborted the world.
         by: usize,
         /// Why it did.
         reason: String,
+        /// Where each member is, when the engine added it (as for [`Error::PeerDied`]), else empty.
+        progress: String,
     },
 
     /// The wait was interrupted by a signal (Ctrl-C); the world is aborted.
@@ -132,6 +139,24 @@ impl Error {
         group: Vec<usize>,
     ) -> Self {
         Error::Timeout { rank, op: op.into(), waited, missing, group, progress: String::new() }
+    }
+
+    /// An [`Error::Aborted`] with no progress report yet.
+    pub fn aborted(by: usize, reason: impl Into<String>) -> Self {
+        Error::Aborted { by, reason: reason.into(), progress: String::new() }
+    }
+
+    /// The progress report of the errors that carry one (timeouts, peer failures): where each member
+    /// of the group was, which the engine adds where it knows it. A mismatch needs none: it names every
+    /// member's call, all at the same sequence number, so each completed the one before.
+    pub fn progress_mut(&mut self) -> Option<&mut String> {
+        match self {
+            Error::Timeout { progress, .. }
+            | Error::PeerDied { progress, .. }
+            | Error::PeerExited { progress, .. }
+            | Error::Aborted { progress, .. } => Some(progress),
+            _ => None,
+        }
     }
 
     /// An [`Error::Os`] with what we were doing.

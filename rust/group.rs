@@ -46,6 +46,12 @@ impl ProcessGroup {
         Ok(ProcessGroup { backend, comm, ranks, timeout })
     }
 
+    /// This rank's flight recorder on the group (`crate::flight`): `None` on a non-member, or when its
+    /// backend records nothing.
+    pub fn recorder(&self) -> Option<&Arc<crate::flight::Recorder>> {
+        self.comm.as_ref()?.recorder()
+    }
+
     /// The world backend this group was made from.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend

@@ -16,7 +16,8 @@
 //!                     queue calls); data movement per collective (oneshot, direct, staged, pairwise,
 //!                     cma over process_vm) and the route choice, one owner: route (with route_times)
 //! work     call       queued calls; one call's checks, turned into a Call (its signature and buffers)
-//! signature           a call's fingerprint and the mismatch and progress reports built from it
+//! signature  flight   a call's fingerprint and the mismatch and progress reports built from it; the
+//!                     flight recorder (each handle's last calls and totals, recorded by the engine)
 //! reduce              operators, their dtype rules, Horovod's scaling, the kernels
 //! dtype               element types and type-erased buffer views
 //! rendezvous          how a job's ranks meet through a key-value store and prove they belong to it
@@ -59,6 +60,7 @@ pub mod config;
 pub mod dtype;
 mod engine;
 pub mod error;
+pub mod flight;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;

@@ -30,8 +30,12 @@ READERS: dict[str, Callable[[], Any]] = {
     "AXONML_JOB_ID": settings.job_id,
     "AXONML_JOB_SECRET": settings.job_secret,
     "AXONML_ERROR_FILE": settings.error_file,
+    "AXONML_FLIGHT_RECORD_FILE": settings.flight_record_file,
     "AXONML_LAUNCHER_PID": settings.launched_by_axonml_run,
     "AXONML_SHM_ARENA_MB": settings.shm_arena_bytes,
+    "AXONML_HOST_ID": settings.host_id,
+    "AXONML_HOSTS_FLAT_BELOW": settings.hosts_flat_below,
+    "AXONML_HOSTS_SEGMENT_KIB": settings.hosts_segment_bytes,
 }
 # What each reader gives when its variable is unset or empty (the docs' defaults).
 DEFAULTS = {name: None for name in READERS} | {"MASTER_ADDR": "127.0.0.1", "AXONML_LAUNCHER_PID": False}
@@ -67,7 +71,11 @@ VALID = [
     ("MASTER_PORT", "65535", 65535),
     ("AXONML_JOB_ID", "0123abcd", "0123abcd"),
     ("AXONML_ERROR_FILE", "/tmp/x/rank-0.json", "/tmp/x/rank-0.json"),
+    ("AXONML_FLIGHT_RECORD_FILE", "/tmp/x/flight-rank-0.json", "/tmp/x/flight-rank-0.json"),
     ("AXONML_SHM_ARENA_MB", "1", 1 << 20),
+    ("AXONML_HOST_ID", "rack4-node17", "rack4-node17"),
+    ("AXONML_HOSTS_FLAT_BELOW", "0", 0),
+    ("AXONML_HOSTS_SEGMENT_KIB", "4", 4 << 10),
     ("AXONML_SHM_ARENA_MB", "256", 256 << 20),
     # Hex digits decoded: either case, surrounding whitespace ignored, 16 bytes the shortest.
     ("AXONML_JOB_SECRET", SECRET.hex(), SECRET),
@@ -85,6 +93,8 @@ def test_valid_values(name: str, text: str, expected: Any, monkeypatch: pytest.M
 
 INVALID = [
     ("RANK", "-1", "RANK must be a whole number of at least 0"),
+    ("AXONML_HOSTS_SEGMENT_KIB", "2", "AXONML_HOSTS_SEGMENT_KIB must be a whole number of at least 4"),
+    ("AXONML_HOSTS_FLAT_BELOW", "64k", "AXONML_HOSTS_FLAT_BELOW must be a whole number"),
     ("RANK", "one", "RANK must be a whole number"),
     ("RANK", "1.0", "RANK must be a whole number"),
     ("WORLD_SIZE", "0", "WORLD_SIZE must be a whole number of at least 1"),

@@ -5,7 +5,8 @@ in-process world of threads (`spawn`, `ThreadBackend`), a shared-memory world of
 (`init_process_group("shm")` under `axonml-run`), or MPI (`init_process_group("mpi")` under mpiexec);
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules; Horovod's
 `broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts;
-object collectives (`broadcast_object` ...) through a restricted codec, never pickle.
+object collectives (`broadcast_object` ...) through a restricted codec, never pickle; a flight recorder
+of every rank's last calls, always on (`dump_flight_recorder`, `python -m axonml_distributed.trace`).
 """
 
 from axonml_distributed._core import (
@@ -73,6 +74,7 @@ from axonml_distributed.objects import (
 )
 from axonml_distributed.sampler import DistributedSampler
 from axonml_distributed.spawn import spawn
+from axonml_distributed.trace import dump_flight_recorder
 
 __all__ = [
     "Backend",
@@ -108,6 +110,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "destroy_process_group",
+    "dump_flight_recorder",
     "gather_object",
     "gather_tensor",
     "get_default_group",

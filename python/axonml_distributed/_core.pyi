@@ -97,6 +97,11 @@ SEGMENT_MAGIC: int
 SEGMENT_VERSION: int
 SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid", "creator" -> (offset, bytes)
 
+def flight_records() -> list[dict[str, Any]]:
+    """Every flight recorder of this process (one per rank and communicator it is a member of): "rank",
+    "world_size", "ranks", "occurrence", "index", "world", "world_ordinal", and "entries", its last
+    calls, oldest first."""
+
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
@@ -193,6 +198,9 @@ class ProcessGroup:
     def size(self) -> int: ...
     def ranks(self) -> list[int]: ...
     def sequence_number(self) -> int: ...
+    # This rank's totals per collective kind it called on the group: {"all_reduce": {"calls", "failed",
+    # "bytes", "wait_s", "move_s", "routes": {"oneshot": n, ...}}, ...}; {} on a non-member.
+    def stats(self) -> dict[str, dict[str, Any]]: ...
     def contains(self, rank: int) -> bool: ...
     def group_rank(self, rank: int) -> int: ...
     def new_group(self, ranks: Sequence[int], timeout: float | timedelta | None = None) -> ProcessGroup: ...
@@ -383,6 +391,7 @@ __all__ = [
     "Work",
     "World",
     "check_op",
+    "flight_records",
     "check_job_secret",
     "checked_timeout",
     "layout_mismatch_error",

@@ -44,16 +44,26 @@ def record_of(rank: int, kind: type[BaseException], value: BaseException, tb: Tr
         ranks: list[int] = list(getattr(value, "ranks", None) or [])
         blames = ranks[0] if len(ranks) == 1 else None
     text = "".join(traceback.format_exception(kind, value, tb))
-    return Record(rank, kind.__name__, str(value), text, time.time(), blames, reported=False)
+    # The message without where each rank was (its traceback keeps it): the launcher's summary groups
+    # the ranks that failed alike by their messages.
+    message, progress = str(value), getattr(value, "progress", None)
+    if progress and message.endswith(progress):
+        message = message[: -len(progress)].rstrip("; ")
+    return Record(rank, kind.__name__, message, text, time.time(), blames, reported=False)
 
 
 def write(path: str, record: Record) -> None:
     """Replace the file at `path` with `record` atomically, so that a reader never sees half of it."""
-    directory, name = os.path.split(path)
+    write_json(path, asdict(record))
+
+
+def write_json(path: str | os.PathLike[str], content: object) -> None:
+    """Replace the file at `path` with `content` as JSON, atomically (the flight records use it too)."""
+    directory, name = os.path.split(os.fspath(path))
     fd, partial = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.")
     try:
         with os.fdopen(fd, "w") as out:
-            json.dump(asdict(record), out)
+            json.dump(content, out)
         os.replace(partial, path)
     except BaseException:
         os.unlink(partial)

@@ -12,10 +12,11 @@ Bad arguments raise `TypeError` (dtype) or `ValueError` (layout, ranks, sizes).
 The facts a message tells are attributes too, so a program need not parse the text: `rank` (the rank
 that raised it), `ranks` (the ranks it is about: those that never arrived, the dead or aborting peer,
 those whose call differs), `call` (the call, as the message names it), `seq` (that call's sequence
-number in its group: 1 for the group's first collective), `group` (the group's global ranks), and
-per class `calls`, `waited`, `pid`, `exit_code`, `signal`. A fact the error does not know is None
-(`ranks`: empty). The native worlds set them in one place (`rust/bindings/exceptions.rs`, from the core's
-error); the MPI backend sets the ones it knows.
+number in its group: 1 for the group's first collective), `group` (the group's global ranks), `progress`
+(where each rank of the group was, as the message ends: "where each rank is: rank 0 completed #2 barrier
+and waits in #3 all_reduce, ..."), and per class `calls`, `waited`, `pid`, `exit_code`, `signal`. A fact
+the error does not know is None (`ranks`: empty). The native worlds set them in one place
+(`rust/bindings/exceptions.rs`, from the core's error); the MPI backend sets the ones it knows.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ class DistributedError(RuntimeError):
         call: str | None = None,
         seq: int | None = None,
         group: Iterable[int] | None = None,
+        progress: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.progress = progress
         self.rank = rank
         self.ranks = tuple(ranks)
         self.call = call

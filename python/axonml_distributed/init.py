@@ -140,8 +140,9 @@ def install_excepthook(group: Any = None) -> None:
     even if the process lingers (a non-daemon thread keeps it alive), and report it as before. Under
     axonml-run it first leaves an error file (see `error_file`), from which the launcher names the rank
     that failed first. ``group``: the world's group (default: the default group); the torch backend
-    passes its own. MPI needs none: its jobs run under ``python -m mpi4py``, which aborts the job."""
-    from axonml_distributed import error_file
+    passes its own. MPI needs none: its jobs run under ``python -m mpi4py``, which aborts the job. Under
+    axonml-run it also dumps this process's flight records (see `trace`), which the launcher merges."""
+    from axonml_distributed import error_file, trace
 
     global _excepthooks, _hook_group
     _hook_group = group
@@ -158,6 +159,10 @@ def install_excepthook(group: Any = None) -> None:
             with contextlib.suppress(Exception):
                 record = error_file.record_of(pg.rank(), kind, value, tb)
                 error_file.write(path, record)  # before the abort: the peers' records come after it
+        flights = settings.flight_record_file()
+        if flights is not None:
+            with contextlib.suppress(Exception):
+                trace.dump_flight_recorder(flights, error=f"{kind.__name__}: {value}")
 
         def abort() -> None:
             if pg is not None:

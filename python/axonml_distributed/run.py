@@ -24,7 +24,7 @@ from typing import IO
 
 from axonml_distributed import settings
 from axonml_distributed.shm import segment_path
-from axonml_distributed.supervise import Worker, signal_running, supervise
+from axonml_distributed.supervise import Worker, say, signal_running, supervise
 
 # Every worker runs in its own process group (see `_spawn`), so the signals a terminal sends to its
 # foreground group (Ctrl-C, Ctrl-\, hangup) reach the workers only through the launcher: forward them all.
@@ -48,6 +48,7 @@ environment of each worker (torchrun-compatible):
                             prove to each other at the rendezvous that they belong to this job
   AXONML_ERROR_FILE         a path of this rank's own in a private directory of the job: an exception
                             that ends a worker's main thread after init_process_group is recorded there
+  AXONML_FLIGHT_RECORD_FILE beside it: such a worker dumps its flight records there (see below)
   AXONML_LAUNCHER_PID       the launcher's pid: a process whose parent it names is a worker of the job
                             (the demo tells from it whether to train or to launch)
   OMP_NUM_THREADS           1 if unset and N > 1 (as torchrun does), so N workers do not oversubscribe cores
@@ -68,6 +69,13 @@ failure summary:
   because that rank aborted the world). It decides from the error files, not from the order in which
   processes happen to exit. The launcher reaps a worker as it exits, so on Linux 6.15 and later the
   kernel tells its exit status to its peers, whose PeerFailureError names it.
+
+flight record:
+  Each failed worker dumps its flight records (its last calls on each group: AXONML_FLIGHT_RECORDER_
+  ENTRIES, default 64). The launcher merges them into one file (--flight-record, or a new file in the
+  temporary directory), prints where it is and what it says first; `python -m
+  axonml_distributed.trace analyze FILE` says which rank was where and the first call at which ranks
+  diverged.
 
 exit status:
   0 when every worker exits 0, 1 when a worker fails; a signalled launcher dies by that same signal.
@@ -99,7 +107,10 @@ def launch(argv: Sequence[str] | None = None) -> int:
         if args.prefix_output:
             for rank, worker in enumerate(workers):
                 pumps += _start_pumps(worker, rank)
-        return supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
+        status = supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
+        if status == 1:
+            _collect_flight_records(errors, nproc, args.flight_record, job_id)
+        return status
     finally:
         # The normal paths have reaped every worker; this only matters if the launcher itself failed.
         signal_running(workers, signal.SIGKILL, range(len(workers)))
@@ -171,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 3)",
     )
     parser.add_argument(
+        "--flight-record",
+        type=Path,
+        metavar="FILE",
+        help="where a failed job's merged flight records go (default: a new file in the temporary "
+        "directory, named for the job)",
+    )
+    parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run like 'python -m SCRIPT'"
     )
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
@@ -239,6 +257,7 @@ def _spawn(
         settings.RANK: str(rank),
         settings.LOCAL_RANK: str(rank),
         settings.ERROR_FILE: str(errors / f"rank-{rank}.json"),
+        settings.FLIGHT_RECORD_FILE: str(errors / f"flight-rank-{rank}.json"),
     }
     return subprocess.Popen(
         command,
@@ -249,6 +268,30 @@ def _spawn(
         start_new_session=True,
         preexec_fn=_die_with_launcher(os.getpid()),
     )
+
+
+def _collect_flight_records(errors: Path, nproc: int, destination: Path | None, job_id: str) -> None:
+    """Merge the flight records the failed workers dumped into one file; say where it is and what it
+    says first."""
+    from axonml_distributed import error_file, trace
+
+    found = []
+    for rank in range(nproc):
+        with contextlib.suppress(OSError, ValueError):
+            found.append(trace.read(errors / f"flight-rank-{rank}.json"))
+    if not found:
+        say("no worker left a flight record")
+        return
+    merged = trace.merge(found, nproc)
+    path = destination or Path(tempfile.gettempdir()) / f"axonml-flight-{job_id[:12]}.json"
+    try:
+        error_file.write_json(path, merged)
+    except OSError as e:
+        say(f"could not write the flight record to {path}: {e}")
+        return
+    ranks = ", ".join(sorted(merged["ranks"], key=int))
+    say(f"flight record of ranks {ranks} in {path}: {trace.analyze(merged).summary()}")
+    say(f"for each rank's last calls: python -m axonml_distributed.trace analyze {path}")
 
 
 def _die_with_launcher(launcher: int) -> Callable[[], None] | None:

@@ -27,6 +27,7 @@ GROUP_RANK = "GROUP_RANK"
 JOB_ID = "AXONML_JOB_ID"
 JOB_SECRET = "AXONML_JOB_SECRET"
 ERROR_FILE = "AXONML_ERROR_FILE"
+FLIGHT_RECORD_FILE = "AXONML_FLIGHT_RECORD_FILE"
 LAUNCHER_PID = "AXONML_LAUNCHER_PID"
 SHM_ARENA_MB = "AXONML_SHM_ARENA_MB"
 # Several hosts (see `axonml_distributed.hosts`).
@@ -88,6 +89,12 @@ def error_file() -> str | None:
     """AXONML_ERROR_FILE: where this rank records the exception that ends it (see `error_file`); None
     when unset."""
     return _value(ERROR_FILE)
+
+
+def flight_record_file() -> str | None:
+    """AXONML_FLIGHT_RECORD_FILE: where this rank dumps its flight records when an exception ends it
+    (see `trace`); None when unset."""
+    return _value(FLIGHT_RECORD_FILE)
 
 
 def launched_by_axonml_run() -> bool:

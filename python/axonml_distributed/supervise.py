@@ -85,7 +85,7 @@ def _note_failures(workers: list[Worker], failed_at: dict[int, float]) -> list[i
 def _forward(workers: list[Worker], signum: int, grace: float) -> int:
     sig = signal.Signals(signum)
     ranks = signal_running(workers, sig, range(len(workers)))
-    _say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
+    say(f"received {sig.name}" + (f"; forwarded it to {_ranks(ranks)}" if ranks else ""))
     _reap(workers, ranks, sig, grace)
     return 128 + sig
 
@@ -154,18 +154,18 @@ def _summarize(
 ) -> None:
     """Name the root cause with its traceback, then the secondary failures, grouped by how they failed."""
     codes = [worker.wait() for worker in workers]
-    _say(
+    say(
         f"rank {root} failed first ({_describe(codes[root])})"
         + (f"; terminated {_ranks(sorted(terminated))}" if terminated else "")
     )
     if codes[root] == -signal.SIGKILL:
-        _say(
+        say(
             "SIGKILL is sent by kill -9, and by the kernel's OOM killer when memory runs out "
             "('dmesg' or 'journalctl -k' name the processes it killed)"
         )
     record = records.get(root)
     if record is not None:
-        _say(f"traceback of rank {root}, the first to fail:\n{record.traceback.rstrip()}")
+        say(f"traceback of rank {root}, the first to fail:\n{record.traceback.rstrip()}")
     # Secondary: every other rank that failed on its own, before the launcher signalled it.
     groups: dict[str, list[int]] = {}
     for rank in sorted((set(failed_at) | set(records)) - {root}):
@@ -173,7 +173,7 @@ def _summarize(
         how = f"({_describe(codes[rank])})" + (f": {other.type}: {other.message}" if other else "")
         groups.setdefault(how, []).append(rank)
     for how, ranks in groups.items():
-        _say(f"secondary: {_ranks(ranks)} failed {how}")
+        say(f"secondary: {_ranks(ranks)} failed {how}")
 
 
 def _reap(
@@ -186,10 +186,10 @@ def _reap(
         time.sleep(_POLL_INTERVAL)
     stubborn = signal_running(workers, signal.SIGKILL, ranks)
     if stubborn:
-        _say(f"{_ranks(stubborn)} still running {grace:g} s after {sent.name}; sent SIGKILL")
+        say(f"{_ranks(stubborn)} still running {grace:g} s after {sent.name}; sent SIGKILL")
     stubborn = signal_running(workers, signal.SIGKILL, spared)
     if stubborn:
-        _say(f"{_ranks(stubborn)} (spared {sent.name}) still running {grace:g} s later; sent SIGKILL")
+        say(f"{_ranks(stubborn)} (spared {sent.name}) still running {grace:g} s later; sent SIGKILL")
     for rank in [*ranks, *spared]:
         workers[rank].wait()
 
@@ -220,7 +220,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     # After SIGHUP, stderr may be a terminal that is gone; the teardown must go on regardless.
     with contextlib.suppress(OSError):
         print(f"axonml-run: {message}", file=sys.stderr, flush=True)

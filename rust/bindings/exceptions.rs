@@ -96,9 +96,16 @@ fn mismatch_facts(group: Vec<usize>, calls: Vec<(usize, String)>) -> Facts {
     facts
 }
 
+/// Where each member was, when the error says it ("where each rank is: rank 0 completed #2 ...").
+fn progress_fact(progress: &str) -> Option<(&'static str, Fact)> {
+    let text = progress.trim_start_matches("; ");
+    (!text.is_empty()).then(|| ("progress", Fact::Text(text.to_string())))
+}
+
 impl From<Error> for PyErr {
-    fn from(e: Error) -> PyErr {
+    fn from(mut e: Error) -> PyErr {
         let msg = e.to_string();
+        let progress = e.progress_mut().and_then(|p| progress_fact(p));
         match e {
             Error::InvalidArgument(_) => PyValueError::new_err(msg),
             Error::UnsupportedDtype(_) => PyTypeError::new_err(msg),
@@ -111,14 +118,16 @@ impl From<Error> for PyErr {
                 facts.push(("ranks", Fact::Ints(missing)));
                 facts.push(("group", Fact::Ints(group)));
                 facts.push(("waited", Fact::Seconds(waited.as_secs_f64())));
+                facts.extend(progress);
                 raise::<CollectiveTimeoutError>(msg, facts)
             }
             Error::PeerDied { peer, op, .. } => {
                 let mut facts = vec![("ranks", Fact::Ints(vec![peer]))];
                 facts.extend(call_facts(op));
+                facts.extend(progress);
                 raise::<PeerFailureError>(msg, facts)
             }
-            Error::PeerExited { peer, pid, op, status } => {
+            Error::PeerExited { peer, pid, op, status, .. } => {
                 let mut facts = vec![("ranks", Fact::Ints(vec![peer])), ("pid", Fact::Int(pid.into()))];
                 facts.extend(call_facts(op));
                 match status {
@@ -126,12 +135,15 @@ impl From<Error> for PyErr {
                     ExitStatus::Killed { signal, .. } => facts.push(("signal", Fact::Int(signal.into()))),
                     ExitStatus::Unknown(_) => {}
                 }
+                facts.extend(progress);
                 raise::<PeerFailureError>(msg, facts)
             }
             // `by` is usize::MAX when the aborting rank is unknown.
             Error::Aborted { by, .. } => {
                 let by = (by != usize::MAX).then_some(by);
-                raise::<PeerFailureError>(msg, vec![("ranks", Fact::Ints(by.into_iter().collect()))])
+                let mut facts = vec![("ranks", Fact::Ints(by.into_iter().collect()))];
+                facts.extend(progress);
+                raise::<PeerFailureError>(msg, facts)
             }
             Error::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
             Error::OutOfMemory(_) => PyMemoryError::new_err(msg),

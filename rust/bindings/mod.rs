@@ -7,6 +7,7 @@ mod buckets;
 mod check;
 mod collectives;
 mod exceptions;
+mod flight;
 mod group;
 mod op;
 mod python_group;
@@ -56,6 +57,8 @@ mod _core {
     use super::backend::{PyBackend, PyThreadBackend};
     #[pymodule_export]
     use super::buckets::{assign_buckets, BucketMemory, PyGradientBucket};
+    #[pymodule_export]
+    use super::flight::flight_records;
     #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]

@@ -12,6 +12,7 @@ use crate::collective::Collective;
 use crate::config::LEAVE_GRACE;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
+use crate::flight::Recorder;
 use crate::work::Lanes;
 
 /// A public backend type that is an [`Engine`] over its world's store; every such type is a
@@ -105,5 +106,8 @@ impl<T: AsEngine> Backend for T {
     }
     fn alloc(&self, bytes: usize) -> Result<Option<SharedMem>> {
         self.engine().store.alloc(bytes)
+    }
+    fn recorder(&self) -> Option<&Arc<Recorder>> {
+        Some(self.engine().recorder())
     }
 }

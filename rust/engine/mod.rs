@@ -39,6 +39,10 @@
 //! (`buffers_may_be_in_use`) so the bindings keep the buffers alive for good. The one-shot and staged
 //! paths need no drain: peers read only one-shot and staging buffers, which outlive the call.
 //!
+//! Every numbered call is recorded once, here, in the handle's flight recorder (`flight`): scheduled
+//! when numbered, started when every member arrived, completed or failed when it returns, with the
+//! route its data took; the same record keeps each kind's totals (`ProcessGroup::stats`).
+//!
 //! Pages and one-shot buffers alternate so that a member publishing call k+1 never overwrites what a
 //! slower peer still reads for call k: to reach k+2 every peer must have arrived at k+1, which it does
 //! only after finishing k.
@@ -51,6 +55,7 @@ pub(crate) mod wire;
 
 use std::cell::RefCell;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering, Ordering::*};
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -64,6 +69,7 @@ use crate::algo::{self, pairwise, spans, staged::Staged};
 use crate::call::{self, Call};
 use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
+use crate::flight::{self, Names, Recorder};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, mismatch_error, CollKind, Progress, Signature};
 use crate::sync::wait::{current_cpu, leave_core, Stop};
@@ -100,6 +106,8 @@ struct Local {
     seq: u64,
     /// Pipeline rounds run on this communicator (`algo::staged`).
     round: u64,
+    /// How the current call moved its data, once `Engine::run` knows (for the flight recorder).
+    route: Option<flight::Route>,
 }
 
 /// One rank's handle on one communicator of a world: the protocol above, over the world's store.
@@ -111,16 +119,30 @@ pub(crate) struct Engine<S> {
     lanes: Lanes,
     /// Group index of the member an any-source receive tries first (round robin).
     any_next: AtomicUsize,
+    /// This handle's flight recorder (`flight`).
+    flight: Arc<Recorder>,
+    /// How this rank names its communicators in the records, shared by the world's and its splits.
+    names: Arc<Names>,
 }
 
 impl<S: Store> Engine<S> {
-    pub(crate) fn new(store: S) -> Self {
-        Engine::with_lanes(store, Lanes::default())
+    /// The handle of a rank on the world's communicator, in the process's world `world`
+    /// (`flight::next_world`: the records tell worlds apart by it).
+    pub(crate) fn new(store: S, world: u32) -> Self {
+        Engine::with_lanes(store, Lanes::default(), Arc::new(Names::new(world)))
     }
 
-    fn with_lanes(store: S, lanes: Lanes) -> Self {
+    fn with_lanes(store: S, lanes: Lanes, names: Arc<Names>) -> Self {
         let any_next = AtomicUsize::new(0);
-        Engine { store, local: Mutex::default(), undrained: AtomicBool::new(false), lanes, any_next }
+        let members = store.members().to_vec();
+        let flight = Recorder::new(S::NAME, store.rank(), store.world_size(), members, names.clone());
+        let undrained = AtomicBool::new(false);
+        Engine { store, local: Mutex::default(), undrained, lanes, any_next, flight, names }
+    }
+
+    /// This handle's flight recorder.
+    pub(crate) fn recorder(&self) -> &Arc<Recorder> {
+        &self.flight
     }
 
     fn check_abort(&self, op: &str, waiting: bool) -> Result<()> {
@@ -176,9 +198,10 @@ impl<S: Store> Engine<S> {
         describe_progress(&at)
     }
 
-    /// Add where each member is to a timeout that does not say it yet.
+    /// Add where each member is (the last call each completed, and the one it is in) to a timeout or
+    /// peer failure that does not say it yet.
     fn with_progress(&self, mut e: Error) -> Error {
-        if let Error::Timeout { progress, .. } = &mut e {
+        if let Some(progress) = e.progress_mut() {
             if progress.is_empty() {
                 *progress = self.progress();
             }
@@ -326,12 +349,33 @@ impl<S: Store> Engine<S> {
         let mut sig = call.sig;
         sig.seq = k;
         let op = sig.to_string();
-        self.check_abort(&op, false)?;
+        self.check_abort(&op, false).map_err(|e| self.with_progress(e))?;
         local.seq = k;
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
         let bytes = call.count * call.dtype.size();
         let (sb, rb) = call.layout.as_ref().map_or_else(|| spans(&sig, n, call.root == Some(me)), |l| l.span);
+        let size = call.dtype.size().max(1);
+        let mut flight = self.flight.begin(&sig, ((sb / size) as u64, (rb / size) as u64));
+        local.route = None;
+        let result = self.meet(&mut local, &call, &sig, &op, (sb, rb), &mut flight);
+        self.flight.end(flight, result.is_ok(), local.route, bytes as u64);
+        result.map_err(|e| self.with_progress(e))
+    }
+
+    /// Steps 1 to 4 of the module docs for call `sig` (numbered), whose buffers span `(sb, rb)` bytes.
+    fn meet(
+        &self,
+        local: &mut Local,
+        call: &Call,
+        sig: &Signature,
+        op: &str,
+        (sb, rb): (usize, usize),
+        flight: &mut flight::Flight,
+    ) -> Result<()> {
+        let (s, k, op) = (&self.store, sig.seq, op);
+        let (n, me) = (s.members().len(), s.index());
+        let bytes = call.count * call.dtype.size();
         let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
         let ctrl = s.ctrl(me);
         if oneshot {
@@ -344,18 +388,21 @@ impl<S: Store> Engine<S> {
             unsafe { std::ptr::copy_nonoverlapping(l.words.as_ptr(), s.layout(me, k), l.words.len()) };
         }
         let page = Published {
-            sig: wire::encode(&sig),
-            send: s.share(call.mine.send, sb, &sig),
-            recv: s.share(call.mine.recv, rb, &sig),
+            sig: wire::encode(sig),
+            send: s.share(call.mine.send, sb, sig),
+            recv: s.share(call.mine.recv, rb, sig),
         };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
         Claims::open(&ctrl.claim, k);
         self.publish(|c| &c.arrive, k, SeqCst);
-        let arrived = self.wait_all(|c| &c.arrive, k, &op, call.timeout);
+        let arrived = self.wait_all(|c| &c.arrive, k, op, call.timeout);
         let everyone = arrived.is_ok();
         let (result, after) = match arrived {
-            Ok(()) => self.run(&mut local, &call, &sig, oneshot, k, &op),
+            Ok(()) => {
+                let started = self.flight.started(flight);
+                self.run(local, call, sig, oneshot, op, started)
+            }
             // `wait_all` aborted the world (or found it aborted): a peer that sees every arrival now
             // re-checks the abort flag before touching our buffers, or else we see its arrival below.
             Err(e) => (Err(e), After::Drain),
@@ -379,7 +426,7 @@ impl<S: Store> Engine<S> {
         fence(SeqCst);
         let seen: Option<Vec<usize>> =
             (!everyone).then(|| (0..n).filter(|&j| s.ctrl(j).arrive.load(SeqCst) >= k).collect());
-        let drained = self.drain(seen.as_deref(), k, &op);
+        let drained = self.drain(seen.as_deref(), k, op);
         let result = match (result, drained) {
             // An interrupted drain reports the interrupt: the signal it consumed must reach Python.
             (_, Err(e @ Error::Interrupted { .. })) | (Ok(()), Err(e)) => Err(e),
@@ -389,16 +436,16 @@ impl<S: Store> Engine<S> {
             (Ok(()), Ok(())) if self.all_moved(k) => Ok(()),
             // A member that failed did not do its share of our buffers; it aborted the world before
             // its done.
-            (Ok(()), Ok(())) => Err(self.store.abort_error(&op, true)),
+            (Ok(()), Ok(())) => Err(self.store.abort_error(op, true)),
             (err, _) => err,
         };
         if let After::DrainTimed(started) = after {
-            self.took(&sig, true, started, &result);
+            self.took(sig, true, started, &result);
         }
         if result.is_ok() {
             ctrl.completed.store(k, Release);
         }
-        result.map_err(|e| self.with_progress(e))
+        result
     }
 
     /// Whether every member stored `moved >= k`: read after their done (`drain`), which publishes it.
@@ -411,18 +458,17 @@ impl<S: Store> Engine<S> {
     /// Returns the outcome and what the caller does next (drain while peers may still touch our
     /// buffers).
     /// Errors found in the pages need no drain: every member reads the same pages and fails alike.
+    /// Every member arrived at `started`: what a route takes counts from there (`algo::route_times`).
     fn run(
         &self,
         local: &mut Local,
         call: &Call,
         sig: &Signature,
         oneshot: bool,
-        k: u64,
         op: &str,
+        started: Instant,
     ) -> (Result<()>, After) {
-        // Every member arrived: what a route takes counts from here (`algo::route_times`).
-        let started = Instant::now();
-        let s = &self.store;
+        let (s, k) = (&self.store, sig.seq);
         let (n, me) = (s.members().len(), s.index());
         let pages: Vec<Published> = (0..n).map(|j| s.ctrl(j).pages[(k % 2) as usize].load()).collect();
         let mut calls = Vec::with_capacity(n);
@@ -444,10 +490,12 @@ impl<S: Store> Engine<S> {
         };
         let bytes = call.count * call.dtype.size();
         if sig.kind == CollKind::Barrier || plan.as_ref().map_or(bytes == 0, Plan::is_empty) {
+            local.route = Some(flight::Route::Nothing);
             return (Ok(()), After::Leave);
         }
         let red = sig.op.unwrap_or(ReduceOp::Sum);
         if oneshot {
+            local.route = Some(flight::Route::OneShot);
             let inputs: Vec<*const u8> = (0..n).map(|j| s.oneshot(j, k).cast_const()).collect();
             // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
             // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
@@ -466,6 +514,12 @@ impl<S: Store> Engine<S> {
         // Members claim tiles (`algo::claims`) on the direct and cma routes; the staged ones step.
         let word = |j: usize| &*s.ctrl(j).claim;
         let claims = Claims::new(&word, n, k, s.spins());
+        local.route = Some(match &route {
+            Route::Direct(_) => flight::Route::Direct,
+            Route::Cma(_) => flight::Route::Cma,
+            Route::Staged { .. } if plan.is_some() => flight::Route::Pairwise,
+            Route::Staged { .. } => flight::Route::Staged,
+        });
         let publish = |step: u64| self.publish(|c| &c.step, step, Release);
         let sync = |step: u64| self.wait_all(|c| &c.step, step, op, None);
         match route {
@@ -578,7 +632,8 @@ impl<S: Store> Engine<S> {
         let members = call::validate_ranks(ranks, self.store.world_size())?;
         let index = call::index_of(&members, self.store.rank(), "the calling")?;
         let timeout = call::checked_timeout(timeout.unwrap_or_else(|| self.store.timeout()))?;
-        Ok(Engine::with_lanes(self.store.split(members, index, timeout)?, self.lanes.child()))
+        let store = self.store.split(members, index, timeout)?;
+        Ok(Engine::with_lanes(store, self.lanes.child(), self.names.clone()))
     }
 
     /// A send or receive: the peer checked, then the world's own point-to-point path.

@@ -22,7 +22,7 @@ const COUNT: usize = 4096;
 fn member1_arrived(theirs: &mut [f32]) -> (ThreadBackend, ThreadStore) {
     let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
     let s1 = ThreadStore::world(&shared, 1);
-    let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0)));
+    let mine = ThreadBackend::wrap(Engine::new(ThreadStore::world(&shared, 0), crate::flight::next_world()));
     let sig = Signature::new(CollKind::AllReduce, 1, COUNT).dtype(DType::F32).op(ReduceOp::Sum);
     let at = s1.share(theirs.as_mut_ptr().cast(), COUNT * 4, &sig);
     s1.ctrl(1).pages[1].store(&Published { sig: wire::encode(&sig), send: at, recv: at });
@@ -142,7 +142,7 @@ fn members_publish_their_core_and_waiters_read_where_peers_are() {
         member0.join().unwrap().unwrap();
     });
     let shared = Arc::new(Shared::new(2, Duration::from_secs(20)));
-    let engine = Engine::new(ThreadStore::world(&shared, 0));
+    let engine = Engine::new(ThreadStore::world(&shared, 0), crate::flight::next_world());
     let peer = &engine.store.ctrl(1).cpu;
     let at = |cpu: u32| {
         peer.store(cpu, SeqCst);

@@ -216,6 +216,7 @@ impl TcpStore {
                  AXONML_JOB_SECRET)",
                 self.name
             )),
+            progress: String::new(),
         };
         let mut s = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let (op, body) = request(&r);

@@ -352,7 +352,7 @@ pub fn abort_wakes_every_waiter_with_the_aborting_rank(w: &impl Worlds) {
     });
     for e in got.into_iter().skip(1) {
         assert!(
-            matches!(e, Some(Error::Aborted { by: 0, ref reason }) if reason.contains("user code raised")),
+            matches!(e, Some(Error::Aborted { by: 0, ref reason, .. }) if reason.contains("user code raised")),
             "{e:?}"
         );
     }

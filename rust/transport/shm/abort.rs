@@ -46,7 +46,7 @@ impl Shared {
                 group: group.to_vec(),
                 progress: String::new(),
             }),
-            _ => Err(Error::Aborted { by, reason }),
+            _ => Err(Error::aborted(by, reason)),
         }
     }
 

@@ -86,7 +86,7 @@ impl Liveness {
     /// error waits up to [`EXIT_STATUS_GRACE`] (until its parent reaps it).
     pub(crate) fn exited(&self, peer: usize, op: &str) -> Error {
         let status = *self.statuses[peer].get_or_init(|| self.exit_status(peer));
-        Error::PeerExited { peer, pid: self.pids[peer], op: op.to_string(), status }
+        Error::PeerExited { peer, pid: self.pids[peer], op: op.to_string(), status, progress: String::new() }
     }
 
     fn exit_status(&self, rank: usize) -> ExitStatus {

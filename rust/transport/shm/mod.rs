@@ -140,7 +140,7 @@ impl ShmBackend {
     /// The world's communicator over a joined segment.
     fn from_joined(joined: Joined, rank: usize, timeout: Duration) -> crate::Result<ShmBackend> {
         let world = Arc::new(Shared::new(joined, rank, timeout)?);
-        Ok(ShmBackend(Engine::new(ShmStore::world(world))))
+        Ok(ShmBackend(Engine::new(ShmStore::world(world), crate::flight::next_world())))
     }
 }
 

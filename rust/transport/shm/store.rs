@@ -209,7 +209,7 @@ impl Store for ShmStore {
             Some(Error::Timeout { rank, op, missing, group, progress, .. }) => {
                 Error::Timeout { rank, op, waited: self.timeout, missing, group, progress }
             }
-            e => e.unwrap_or_else(|| Error::Aborted { by: usize::MAX, reason: String::new() }),
+            e => e.unwrap_or_else(|| Error::aborted(usize::MAX, "")),
         }
     }
     fn abort(&self, reason: &str, cause: Cause<'_>) {

@@ -29,7 +29,8 @@ impl ThreadBackend {
     /// A world of `n` ranks whose waits fail after `timeout` (at most [`MAX_TIMEOUT`]).
     pub fn create_world_with_timeout(n: usize, timeout: Duration) -> Vec<ThreadBackend> {
         let shared = Arc::new(Shared::new(n, timeout.min(MAX_TIMEOUT)));
-        (0..n).map(|r| ThreadBackend(Engine::new(ThreadStore::world(&shared, r)))).collect()
+        let world = crate::flight::next_world();
+        (0..n).map(|r| ThreadBackend(Engine::new(ThreadStore::world(&shared, r), world))).collect()
     }
 
     /// A world of one rank: every collective is a local copy.

@@ -96,7 +96,7 @@ impl Shared {
             return Ok(());
         }
         let (by, reason, _) = lock(&self.reason).clone().unwrap_or((usize::MAX, String::new(), Vec::new()));
-        Err(Error::Aborted { by, reason })
+        Err(Error::aborted(by, reason))
     }
 
     /// Abort the world on behalf of rank `by`, recording the ranks whose absence caused it; the first
@@ -126,6 +126,7 @@ impl Shared {
                 peer: rank,
                 op: op.to_string(),
                 detail: Some("its thread left the world (e.g. its spawn function returned)".into()),
+                progress: String::new(),
             });
         }
         Ok(())
@@ -213,11 +214,7 @@ impl Store for ThreadStore {
         self.shared.aborted.load(SeqCst)
     }
     fn abort_error(&self, op: &str, waiting: bool) -> Error {
-        let err = self
-            .shared
-            .check_abort()
-            .err()
-            .unwrap_or(Error::Aborted { by: usize::MAX, reason: String::new() });
+        let err = self.shared.check_abort().err().unwrap_or_else(|| Error::aborted(usize::MAX, ""));
         let missing = lock(&self.shared.reason).as_ref().map(|r| r.2.clone()).unwrap_or_default();
         if waiting && !missing.is_empty() {
             return Error::timeout(self.rank, op, self.timeout, missing, self.comm.members.clone());

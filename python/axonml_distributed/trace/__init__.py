@@ -1,0 +1,39 @@
+"""The flight recorder, seen from Python: every rank's handle on every group keeps its last calls
+(AXONML_FLIGHT_RECORDER_ENTRIES, default 64) as the native engine records them;
+`dump_flight_recorder(path)` writes this process's records as JSON (`record`), and
+``python -m axonml_distributed.trace analyze DIR_OR_FILE`` says which rank was where and where they
+diverged (`analysis`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from axonml_distributed.error_file import write_json
+from axonml_distributed.trace.analysis import Analysis, GroupAnalysis, analyze
+from axonml_distributed.trace.record import build, load, merge, read
+
+
+def flight_record(error: str | None = None) -> dict[str, Any]:
+    """This process's flight records (every rank it holds, every group), as `dump_flight_recorder`
+    writes them; `error`: what ended the process, when it is failing."""
+    from axonml_distributed import _core
+
+    return build(_core.flight_records(), error)
+
+
+def dump_flight_recorder(path: str | os.PathLike[str], error: str | None = None) -> None:
+    """Write this process's flight records (`flight_record`) to `path` as JSON, atomically."""
+    write_json(path, flight_record(error))
+
+
+__all__ = [
+    "Analysis",
+    "GroupAnalysis",
+    "analyze",
+    "dump_flight_recorder",
+    "flight_record",
+    "load",
+    "merge",
+    "read",
+]

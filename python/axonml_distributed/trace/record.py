@@ -1,0 +1,159 @@
+"""Flight records as JSON: what `dump_flight_recorder` writes, what `axonml-run` merges, what `analyze`
+reads. Never pickle.
+
+A file holds the dumps of one or more ranks: ``{"format": FORMAT, "version": VERSION, "world_size": N,
+"ranks": {"0": DUMP, ...}}``. Each DUMP has the shape of one rank's dump of torch's flight recorder
+(``version``, ``rank``, ``pg_config``, ``entries``), its entries torch's fields where they mean the same
+(``record_id``, ``pg_id``, ``process_group``, ``collective_seq_id``, ``profiling_name``,
+``input_sizes``, ``input_dtypes``, ``output_sizes``, ``output_dtypes``, ``state``, ``time_created_ns``,
+``time_discovered_started_ns``, ``time_discovered_completed_ns``, ``frames``, ...) and ours beside them
+(``call``, ``kind``, ``dtype``, ``count``, ``root``, ``op``, ``route``). Torch's analyzer
+(``torch.distributed.flight_recorder.fr_trace``) loads only pickled dumps, so it cannot open these
+files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested). Standard library only:
+the launcher merges these files (written with `error_file.write_json`, atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+FORMAT = "axonml-flight-recorder"
+VERSION = 1
+# The version of torch's dump format whose fields the entries carry (torch's matcher reads it as
+# "major.minor").
+TORCH_VERSION = "2.10"
+# The communication library in `profiling_name` ("axonml:all_reduce"), as torch writes "nccl:...".
+LIBRARY = "axonml"
+
+# Our dtype names -> torch's ScalarType names, which torch's entries list in input_dtypes/output_dtypes.
+_TORCH_DTYPES = {
+    "float16": "Half",
+    "float32": "Float",
+    "float64": "Double",
+    "bfloat16": "BFloat16",
+    "int8": "Char",
+    "uint8": "Byte",
+    "int16": "Short",
+    "uint16": "UInt16",
+    "int32": "Int",
+    "uint32": "UInt32",
+    "int64": "Long",
+    "uint64": "UInt64",
+    "bool": "Bool",
+    "complex64": "ComplexFloat",
+    "complex128": "ComplexDouble",
+}
+
+Dump = dict[str, Any]
+
+
+def group_name(world: int, ranks: Iterable[int], occurrence: int) -> str:
+    """A communicator's name, alike on every member: its world's ordinal in the process (worlds that
+    live in one process at once differ by it), its ranks and which communicator over those ranks it is
+    (members make them in the same order): "w1:0,1,2#1"."""
+    return f"w{world}:" + ",".join(map(str, ranks)) + f"#{occurrence}"
+
+
+def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[str, Any]:
+    dtype = native["dtype"]
+    dtypes = [_TORCH_DTYPES.get(dtype, dtype)] if dtype is not None else []
+    state = native["state"]
+    return {
+        "record_id": native["record_id"],
+        "pg_id": pg_id,
+        "process_group": list(pg),
+        "collective_seq_id": native["seq"],
+        "p2p_seq_id": 0,
+        "op_id": native["seq"],
+        "profiling_name": f"{LIBRARY}:{native['kind']}",
+        "time_created_ns": native["created_ns"],
+        "time_discovered_started_ns": native["started_ns"],
+        "time_discovered_completed_ns": native["completed_ns"],
+        "input_sizes": [[native["input_elems"]]],
+        "input_dtypes": dtypes,
+        "output_sizes": [[native["output_elems"]]],
+        "output_dtypes": dtypes,
+        "state": state,
+        "retired": state in ("completed", "failed"),
+        "is_p2p": False,
+        "frames": [],
+        "call": native["call"],
+        "kind": native["kind"],
+        "dtype": dtype,
+        "count": native["count"],
+        "root": native["root"],
+        "op": native["op"],
+        "route": native["route"],
+    }
+
+
+def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
+    """The file of the native records `records` (`_core.flight_records()`), one dump per rank in them;
+    `error`, when given, is what ended this process (every rank in it)."""
+    dumps: dict[str, Dump] = {}
+    world_size = 0
+    for record in records:
+        rank = record["rank"]
+        world_size = max(world_size, record["world_size"])
+        dump = dumps.setdefault(
+            str(rank),
+            {
+                "version": TORCH_VERSION,
+                "rank": rank,
+                "host_name": socket.gethostname(),
+                "pid": os.getpid(),
+                "world": record["world"],
+                "error": error,
+                "pg_config": {},
+                "entries": [],
+            },
+        )
+        name = group_name(record["world_ordinal"], record["ranks"], record["occurrence"])
+        desc = "default_pg" if record["index"] == 0 else "undefined"
+        dump["pg_config"][name] = {"name": name, "desc": desc, "ranks": str(list(record["ranks"]))}
+        dump["entries"] += [_entry(e, (name, desc), record["index"]) for e in record["entries"]]
+    for dump in dumps.values():
+        dump["entries"].sort(key=lambda e: e["record_id"])
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size, "ranks": dumps}
+
+
+def read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The flight-record file at `path`; ValueError when it is not one."""
+    content = json.loads(Path(path).read_text())
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a flight record of axonml-distributed (no format {FORMAT!r})")
+    if content.get("version") != VERSION:
+        raise ValueError(f"{path}: flight record version {content.get('version')!r}, this reads {VERSION}")
+    return content
+
+
+def merge(contents: Iterable[Mapping[str, Any]], world_size: int = 0) -> dict[str, Any]:
+    """One file of the dumps of `contents` (a rank in several keeps its last), for a world of at least
+    `world_size` ranks."""
+    dumps: dict[str, Dump] = {}
+    for content in contents:
+        world_size = max(world_size, int(content.get("world_size", 0)))
+        dumps.update(content["ranks"])
+    ordered = dict(sorted(dumps.items(), key=lambda item: int(item[0])))
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size, "ranks": ordered}
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The records of a file, or merged from every flight-record file (``*.json``) in a directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return read(path)
+    contents = []
+    for file in sorted(path.glob("*.json")):
+        try:
+            contents.append(read(file))
+        except ValueError:
+            continue
+    if not contents:
+        raise ValueError(f"{path} holds no flight record")
+    return merge(contents)

@@ -1,0 +1,496 @@
+//! The flight recorder, always on: every rank's handle on a communicator keeps its last calls (a ring
+//! of [`config::flight_recorder_entries`] entries, allocated when the handle is made) and running
+//! totals per collective kind ([`Stats`]). The engine records each call once, from its signature, as
+//! it meets its peers (`engine::Engine::execute`): scheduled when the call is numbered, started when
+//! every member arrived, completed or failed when it returns. After a hang or a failure the records of
+//! every rank say who was where (the Python package dumps them as JSON, in the shape of torch's flight
+//! recorder dumps, and analyses them: `axonml_distributed.trace`).
+//!
+//! Every live recorder of the process is listed ([`all`]), so that one call dumps them all (the thread
+//! world has many ranks in one process).
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::config;
+use crate::dtype::DType;
+use crate::reduce::{ReduceOp, Scale};
+use crate::signature::{CollKind, Signature};
+use crate::sync::lock;
+
+/// Where a recorded call is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum State {
+    /// Numbered and published; waiting for its peers.
+    Scheduled,
+    /// Every member arrived: moving data.
+    Started,
+    /// Returned successfully.
+    Completed,
+    /// Returned an error.
+    Failed,
+}
+
+impl State {
+    /// The name torch's flight recorder gives the state (`failed` is ours: torch never records one).
+    pub const fn name(self) -> &'static str {
+        match self {
+            State::Scheduled => "scheduled",
+            State::Started => "started",
+            State::Completed => "completed",
+            State::Failed => "failed",
+        }
+    }
+}
+
+/// Which way a call moved its data, as the engine learnt it (`algo::route` decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Route {
+    /// Nothing to move (a barrier, an empty call).
+    Nothing = 0,
+    /// Through the one-shot buffers (small all_reduce).
+    OneShot = 1,
+    /// Straight between the members' published buffers (one address space).
+    Direct = 2,
+    /// Straight between processes, copied by the kernel.
+    Cma = 3,
+    /// Pipelined through staging buffers.
+    Staged = 4,
+    /// Pipelined through staging buffers in pairs, by the plan of a collective with per-member sizes.
+    Pairwise = 5,
+}
+
+impl Route {
+    /// Every route, in code order.
+    pub const ALL: [Route; 6] =
+        [Route::Nothing, Route::OneShot, Route::Direct, Route::Cma, Route::Staged, Route::Pairwise];
+
+    /// Its name in records and statistics.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Route::Nothing => "none",
+            Route::OneShot => "oneshot",
+            Route::Direct => "direct",
+            Route::Cma => "cma",
+            Route::Staged => "staged",
+            Route::Pairwise => "pairwise",
+        }
+    }
+}
+
+/// One recorded call.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    /// Position among every call this rank recorded, on any communicator (0 for the first), as
+    /// torch's recorder numbers its entries.
+    pub record_id: u64,
+    /// The call's signature, with its sequence number (the same on every member).
+    pub sig: Signature,
+    /// Elements of this member's input and output buffers.
+    pub elems: (u64, u64),
+    /// Where the call is.
+    pub state: State,
+    /// Wall-clock nanoseconds since the Unix epoch (comparable between the processes of a host): when
+    /// the call was numbered, when every member had arrived, when it returned.
+    pub created_ns: u64,
+    /// See `created_ns`.
+    pub started_ns: Option<u64>,
+    /// See `created_ns`.
+    pub completed_ns: Option<u64>,
+    /// How its data moved, once known.
+    pub route: Option<Route>,
+}
+
+/// Totals of one collective kind on one handle.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KindStats {
+    /// Calls entered (numbered).
+    pub calls: u64,
+    /// Of those, calls that returned an error.
+    pub failed: u64,
+    /// Bytes of the completed calls' messages (a member's part: elements times element size).
+    pub bytes: u64,
+    /// Nanoseconds from numbering until every member had arrived (waiting for peers).
+    pub wait_ns: u64,
+    /// Nanoseconds from every member's arrival until the call returned (moving data).
+    pub move_ns: u64,
+    /// Completed calls per route, by [`Route`] code.
+    pub routes: [u64; Route::ALL.len()],
+}
+
+/// Totals per collective kind, by [`CollKind`] code minus one.
+pub type Stats = [KindStats; CollKind::ALL.len()];
+
+/// The recorder of one rank's handle on one communicator.
+pub struct Recorder {
+    /// Global rank of the recording member.
+    pub rank: usize,
+    /// Ranks in the whole world.
+    pub world_size: usize,
+    /// Global ranks of the communicator's members.
+    pub members: Vec<usize>,
+    /// How many communicators over these same members this rank made before this one, plus one: with
+    /// `members`, names the communicator alike on every member (they must make them in the same order).
+    pub occurrence: u32,
+    /// How many communicators this rank made before this one (0: the world's).
+    pub index: u32,
+    /// The ordinal of its world among those this process made ([`next_world`]).
+    pub world_ordinal: u32,
+    /// The world's transport ("threads", "shm").
+    pub world: &'static str,
+    /// This rank's names and call count, shared by all its communicators.
+    names: Arc<Names>,
+    /// The last calls: record `id` (of this handle's) sits in slot `id % len`.
+    ring: Box<[Slot]>,
+    /// Calls recorded so far (the next record's id), stored once its slot is written.
+    recorded: AtomicU64,
+    totals: [Totals; CollKind::ALL.len()],
+}
+
+/// Words of one entry in a ring slot: record id, seq, count, root, codes (kind, dtype, op, state,
+/// route: a byte each), prescale and postscale bits, input and output elements, the three times.
+const WORDS: usize = 12;
+/// A code word's byte, or a root, for a field that has none.
+const NO_CODE: u64 = 0xFF;
+const NO_ROOT: u64 = u64::MAX;
+/// How often a reader tries a slot its writer keeps rewriting before it leaves it out.
+const READ_TRIES: usize = 1000;
+
+/// One ring slot: an entry's words and a version that is odd while its writer rewrites them (a
+/// seqlock). Only the thread in a call on the communicator writes (the engine's lock of one call at a
+/// time), so the recording thread never waits and takes no lock; a reader retries a slot that changed
+/// under it.
+#[derive(Default)]
+struct Slot {
+    version: AtomicU64,
+    words: [AtomicU64; WORDS],
+}
+
+impl Slot {
+    /// Rewrite the words `f` stores to (the writer's own).
+    fn write(&self, f: impl FnOnce(&[AtomicU64; WORDS])) {
+        let v = self.version.load(Relaxed);
+        self.version.store(v.wrapping_add(1), Relaxed);
+        fence(Release);
+        f(&self.words);
+        self.version.store(v.wrapping_add(2), Release);
+    }
+
+    /// The words as one write left them; `None` if they kept changing.
+    fn read(&self) -> Option<[u64; WORDS]> {
+        for _ in 0..READ_TRIES {
+            let before = self.version.load(Acquire);
+            if before.is_multiple_of(2) {
+                let words = std::array::from_fn(|i| self.words[i].load(Relaxed));
+                fence(Acquire);
+                if self.version.load(Relaxed) == before {
+                    return Some(words);
+                }
+            }
+            std::thread::yield_now();
+        }
+        None
+    }
+}
+
+/// The code word of an entry.
+fn codes(sig: &Signature, state: State, route: Option<Route>) -> u64 {
+    let code = |c: Option<u8>| c.map_or(NO_CODE, u64::from);
+    u64::from(sig.kind as u8)
+        | code(sig.dtype.map(|d| d as u8)) << 8
+        | code(sig.op.map(|o| o as u8)) << 16
+        | (state as u64) << 24
+        | code(route.map(|r| r as u8)) << 32
+}
+
+/// The code word `word` with `state` and `route`.
+fn with_state(word: u64, state: State, route: Option<Route>) -> u64 {
+    let route = route.map_or(NO_CODE, |r| r as u64);
+    (word & 0xFF_FFFF) | (state as u64) << 24 | route << 32
+}
+
+/// The entry a slot's words hold; `None` for words no entry wrote.
+fn decode(w: &[u64; WORDS]) -> Option<Entry> {
+    let byte = |at: u32| u8::try_from(w[4] >> at & 0xFF).unwrap_or(u8::MAX);
+    let sig = Signature {
+        seq: w[1],
+        count: w[2],
+        root: (w[3] != NO_ROOT).then(|| u32::try_from(w[3]).unwrap_or(u32::MAX)),
+        kind: CollKind::from_code(byte(0))?,
+        dtype: DType::from_code(byte(8)),
+        op: ReduceOp::from_code(byte(16)),
+        scale: Scale { pre: f64::from_bits(w[5]), post: f64::from_bits(w[6]) },
+    };
+    let state =
+        [State::Scheduled, State::Started, State::Completed, State::Failed].get(usize::from(byte(24)))?;
+    let at = |ns: u64| (ns != 0).then_some(ns);
+    Some(Entry {
+        record_id: w[0],
+        sig,
+        elems: (w[7], w[8]),
+        state: *state,
+        created_ns: w[9],
+        started_ns: at(w[10]),
+        completed_ns: at(w[11]),
+        route: Route::ALL.get(usize::from(byte(32))).copied(),
+    })
+}
+
+/// One kind's totals, written by the one thread in a call (so without read-modify-write atomics).
+#[derive(Default)]
+struct Totals {
+    calls: AtomicU64,
+    failed: AtomicU64,
+    bytes: AtomicU64,
+    wait_ns: AtomicU64,
+    move_ns: AtomicU64,
+    routes: [AtomicU64; Route::ALL.len()],
+}
+
+/// Add `by` to a counter only one thread writes.
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.store(counter.load(Relaxed).saturating_add(by), Relaxed);
+}
+
+/// The wall clock at one instant, read once: later instants convert to wall-clock time by difference,
+/// so recording reads only the monotonic clock.
+fn anchor() -> &'static (Instant, u64) {
+    static ANCHOR: OnceLock<(Instant, u64)> = OnceLock::new();
+    ANCHOR.get_or_init(|| {
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        (Instant::now(), u64::try_from(wall.as_nanos()).unwrap_or(u64::MAX))
+    })
+}
+
+/// `at` as wall-clock nanoseconds since the Unix epoch.
+pub fn wall_ns(at: Instant) -> u64 {
+    let (base, wall) = *anchor();
+    let since = u64::try_from(at.saturating_duration_since(base).as_nanos()).unwrap_or(u64::MAX);
+    wall.saturating_add(since)
+}
+
+fn ns(from: Instant, to: Instant) -> u64 {
+    u64::try_from(to.saturating_duration_since(from).as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Every live recorder of this process.
+fn registry() -> &'static Mutex<Vec<Weak<Recorder>>> {
+    static RECORDERS: OnceLock<Mutex<Vec<Weak<Recorder>>>> = OnceLock::new();
+    RECORDERS.get_or_init(Mutex::default)
+}
+
+/// Every live recorder of this process, in the order they were made.
+pub fn all() -> Vec<Arc<Recorder>> {
+    lock(registry()).iter().filter_map(Weak::upgrade).collect()
+}
+
+/// A call in flight, as the engine holds it between [`Recorder::begin`] and [`Recorder::end`].
+pub(crate) struct Flight {
+    id: u64,
+    kind: CollKind,
+    created: Instant,
+    started: Option<Instant>,
+}
+
+impl Recorder {
+    /// A recorder for `rank`'s handle on the communicator over `members`, listed for [`all`].
+    pub(crate) fn new(
+        world: &'static str,
+        rank: usize,
+        world_size: usize,
+        members: Vec<usize>,
+        names: Arc<Names>,
+    ) -> Arc<Self> {
+        anchor();
+        let (occurrence, index) = names.next(&members);
+        let world_ordinal = names.world;
+        let ring = (0..config::flight_recorder_entries()).map(|_| Slot::default()).collect();
+        let recorder = Arc::new(Recorder {
+            rank,
+            world_size,
+            members,
+            occurrence,
+            index,
+            world_ordinal,
+            world,
+            names,
+            ring,
+            recorded: AtomicU64::new(0),
+            totals: Default::default(),
+        });
+        let mut listed = lock(registry());
+        listed.retain(|w| w.strong_count() > 0);
+        listed.push(Arc::downgrade(&recorder));
+        recorder
+    }
+
+    /// The slot of this handle's record `id`; none when the ring has no room at all.
+    fn slot(&self, id: u64) -> Option<&Slot> {
+        let len = u64::try_from(self.ring.len()).ok().filter(|&n| n > 0)?;
+        self.ring.get(usize::try_from(id % len).ok()?)
+    }
+
+    /// Record call `sig` (numbered), whose buffers hold `elems` elements, as scheduled now. The
+    /// recording methods are called by the thread in the call only (the engine's one call at a time).
+    pub(crate) fn begin(&self, sig: &Signature, elems: (u64, u64)) -> Flight {
+        let created = Instant::now();
+        let record_id = self.names.calls.fetch_add(1, Relaxed);
+        let id = self.recorded.load(Relaxed);
+        if let Some(slot) = self.slot(id) {
+            let created_ns = wall_ns(created);
+            slot.write(|w| {
+                let root = sig.root.map_or(NO_ROOT, u64::from);
+                let words = [record_id, sig.seq, sig.count, root, codes(sig, State::Scheduled, None)];
+                for (word, value) in w.iter().zip(words) {
+                    word.store(value, Relaxed);
+                }
+                w[5].store(sig.scale.pre.to_bits(), Relaxed);
+                w[6].store(sig.scale.post.to_bits(), Relaxed);
+                w[7].store(elems.0, Relaxed);
+                w[8].store(elems.1, Relaxed);
+                w[9].store(created_ns, Relaxed);
+                w[10].store(0, Relaxed);
+                w[11].store(0, Relaxed);
+            });
+        }
+        self.recorded.store(id + 1, Release);
+        bump(&self.totals[sig.kind as usize - 1].calls, 1);
+        Flight { id, kind: sig.kind, created, started: None }
+    }
+
+    /// Every member arrived at the call in `flight`, now (returned).
+    pub(crate) fn started(&self, flight: &mut Flight) -> Instant {
+        let now = Instant::now();
+        flight.started = Some(now);
+        if let Some(slot) = self.slot(flight.id) {
+            slot.write(|w| {
+                w[4].store(with_state(w[4].load(Relaxed), State::Started, None), Relaxed);
+                w[10].store(wall_ns(now), Relaxed);
+            });
+        }
+        now
+    }
+
+    /// The call in flight returned (`ok`: successfully), its data moved by `route` (when it got that
+    /// far), `bytes` its message's size.
+    pub(crate) fn end(&self, flight: Flight, ok: bool, route: Option<Route>, bytes: u64) {
+        let now = Instant::now();
+        let state = if ok { State::Completed } else { State::Failed };
+        if let Some(slot) = self.slot(flight.id) {
+            slot.write(|w| {
+                w[4].store(with_state(w[4].load(Relaxed), state, route), Relaxed);
+                w[11].store(wall_ns(now), Relaxed);
+            });
+        }
+        let totals = &self.totals[flight.kind as usize - 1];
+        if !ok {
+            bump(&totals.failed, 1);
+            return;
+        }
+        bump(&totals.bytes, bytes);
+        let started = flight.started.unwrap_or(now);
+        bump(&totals.wait_ns, ns(flight.created, started));
+        bump(&totals.move_ns, ns(started, now));
+        if let Some(r) = route {
+            bump(&totals.routes[r as usize], 1);
+        }
+    }
+
+    /// The recorded calls still in the ring, oldest first (a slot rewritten all the while it was read
+    /// is left out).
+    pub fn entries(&self) -> Vec<Entry> {
+        let recorded = usize::try_from(self.recorded.load(Acquire)).unwrap_or(usize::MAX);
+        let mut entries: Vec<Entry> =
+            self.ring.iter().take(recorded).filter_map(|slot| decode(&slot.read()?)).collect();
+        entries.sort_by_key(|e| e.record_id);
+        entries
+    }
+
+    /// The totals per collective kind.
+    pub fn stats(&self) -> Stats {
+        let mut stats = Stats::default();
+        for (s, t) in stats.iter_mut().zip(&self.totals) {
+            *s = KindStats {
+                calls: t.calls.load(Relaxed),
+                failed: t.failed.load(Relaxed),
+                bytes: t.bytes.load(Relaxed),
+                wait_ns: t.wait_ns.load(Relaxed),
+                move_ns: t.move_ns.load(Relaxed),
+                routes: std::array::from_fn(|i| t.routes[i].load(Relaxed)),
+            };
+        }
+        stats
+    }
+}
+
+/// The ordinal of a new world in this process (1 for the first): the ranks of a thread world share
+/// one; the processes of an shm world each count their own, alike while they make the same worlds in
+/// the same order (one world per process, usually). It tells apart the communicators of worlds that
+/// live in one process at once.
+pub(crate) fn next_world() -> u32 {
+    static WORLDS: AtomicU32 = AtomicU32::new(0);
+    WORLDS.fetch_add(1, Relaxed) + 1
+}
+
+/// How one rank names its communicators for the records (every member makes the communicators over a
+/// given set of ranks in the same order, so the n-th over that set is the same communicator on each),
+/// and numbers its calls on all of them.
+pub struct Names {
+    /// The world's ordinal ([`next_world`]).
+    world: u32,
+    made: Mutex<(u32, HashMap<Vec<usize>, u32>)>,
+    calls: AtomicU64,
+}
+
+impl Names {
+    /// The names of a rank of world `world` ([`next_world`]).
+    pub(crate) fn new(world: u32) -> Self {
+        Names { world, made: Mutex::default(), calls: AtomicU64::new(0) }
+    }
+
+    /// The next communicator over `members`: its occurrence among those over the same ranks (1 for the
+    /// first) and how many this rank made before it.
+    pub(crate) fn next(&self, members: &[usize]) -> (u32, u32) {
+        let mut names = lock(&self.made);
+        let index = names.0;
+        names.0 += 1;
+        let occurrence = names.1.entry(members.to_vec()).or_insert(0);
+        *occurrence += 1;
+        (*occurrence, index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_gives_back_the_entry_written_and_the_ring_keeps_the_last_calls() {
+        let names = Arc::new(Names::new(next_world()));
+        let r = Recorder::new("test", 0, 2, vec![0, 1], names);
+        let n = r.ring.len() as u64 + 3;
+        for seq in 1..=n {
+            let sig = Signature::new(CollKind::Reduce, seq, 5).dtype(DType::F64).op(ReduceOp::Max).root(1);
+            let mut f = r.begin(&sig, (5, 5));
+            r.started(&mut f);
+            r.end(f, seq % 2 == 0, Some(Route::Staged), 40);
+        }
+        let got = r.entries();
+        assert_eq!(got.len(), r.ring.len());
+        let oldest = n - r.ring.len() as u64 + 1;
+        for (e, seq) in got.iter().zip(oldest..) {
+            let want = Signature::new(CollKind::Reduce, seq, 5).dtype(DType::F64).op(ReduceOp::Max).root(1);
+            assert_eq!((e.record_id, e.sig, e.elems), (seq - 1, want, (5, 5)));
+            let state = if seq % 2 == 0 { State::Completed } else { State::Failed };
+            assert_eq!((e.state, e.route), (state, Some(Route::Staged)));
+            assert!(e.created_ns <= e.started_ns.unwrap() && e.started_ns <= e.completed_ns);
+        }
+        let s = r.stats()[CollKind::Reduce as usize - 1];
+        assert_eq!((s.calls, s.failed, s.bytes), (n, n - n / 2, 40 * (n / 2)));
+        assert_eq!(s.routes[Route::Staged as usize], n / 2);
+    }
+}
