@@ -284,8 +284,9 @@ class HostsProcessGroup(dist.ProcessGroup):
 
 
 def _forward(theirs: str) -> Callable[..., Any]:
-    def method(self: HostsProcessGroup, *args: Any) -> Any:
-        return getattr(self._flat, theirs)(*args)
+    # torch calls some by keyword (`group.barrier(opts=opts)`).
+    def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._flat, theirs)(*args, **kwargs)
 
     method.__name__ = theirs
     return method
