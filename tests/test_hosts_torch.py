@@ -9,10 +9,13 @@ up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import re
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,3 +129,184 @@ def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tm
     assert all(m[2] == f"h{int(m[1]) // 2}" for m in done), said(agents)
     assert len({m[3] for m in done}) <= 2, said(agents)  # ranks check different counts (root-only ones)
     assert "HostsProcessGroup" in agents[0].out, said(agents)
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+RAISED = r"rank (\d) raised (\w+): (.*)$"
+
+
+def raised(agents: list[Agent]) -> dict[int, tuple[str, str]]:
+    """Each rank's failure as it reported it: its type and message."""
+    return {int(m[1]): (m[2], m[3]) for m in lines(agents, RAISED)}
+
+
+def shm_left(hosts: SimHosts, where: list[int]) -> dict[int, list[str]]:
+    """What each host's /dev/shm holds (the hosts' own, private)."""
+    return {i: hosts.run(i, ["ls", "-A", "/dev/shm"], timeout=30).stdout.split() for i in where}
+
+
+def wait_for_lines(out_dir: Path, word: str, count: int, agents: list[subprocess.Popen[bytes]]) -> None:
+    """Until the hosts' outputs hold `count` lines with `word` (or an agent ended: the test then fails
+    on what it said)."""
+    while sum(path.read_text().count(word) for path in out_dir.glob("h*.out")) < count:
+        if any(agent.poll() is not None for agent in agents):
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_raises_on_the_other_host_fails_every_rank_naming_it(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    agents = torchrun(hosts, "hosts_faults.py", "raise", out_dir=tmp_path, timeout=120)
+    text = said(agents)
+    assert all(a.code not in (0, None) for a in agents), text
+    assert "never raised" not in text, text
+    failures = raised(agents)
+    assert sorted(failures) == [0, 1, 3], text
+    assert all(kind == "PeerFailureError" for kind, _ in failures.values()), text
+    # Rank 0 exchanges with rank 2 itself; rank 1 with rank 3 (gone with its host's abort), and says
+    # which ranks the other host holds; rank 3 learns it from its host's abort.
+    assert "rank(s) [2]" in failures[0][1], text
+    assert "[3]" in failures[1][1] and "[[2, 3]]" in failures[1][1], text
+    assert "RuntimeError in rank 2: deliberate failure on rank 2" in failures[3][1] or (
+        "[[0, 1]]" in failures[3][1]
+    ), text
+    assert "RuntimeError: deliberate failure on rank 2" in agents[1].out, text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+@pytest.mark.timeout(150)
+def test_a_host_killed_during_all_reduces_fails_the_survivors_naming_its_ranks(
+    hosts_holder: Hosts, tmp_path: Path
+) -> None:
+    hosts = hosts_holder.get()
+    try:
+        agents = start_torchrun(hosts, "hosts_faults.py", "loop", out_dir=tmp_path)
+        wait_for_lines(tmp_path, "looping", 4, agents)
+        hosts.kill(1)
+        done = finish(agents[:1], tmp_path, timeout=100)
+        left = shm_left(hosts, [0])
+    finally:
+        hosts_holder.spoiled()  # the tests after this one get fresh hosts
+    text = said(done)
+    assert done[0].code not in (0, None), text
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1], text
+    for kind, message in failures.values():
+        assert kind in ("PeerFailureError", "CollectiveTimeoutError"), text
+        assert "[[2, 3]]" in message, text  # the missing host's ranks
+    assert left == {0: []}
+
+
+@pytest.mark.timeout(150)
+def test_a_cut_link_fails_every_rank_with_a_timeout_naming_the_other_hosts_ranks(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    agents = start_torchrun(hosts, "hosts_faults.py", "loop", out_dir=tmp_path)
+    wait_for_lines(tmp_path, "looping", 4, agents)
+    hosts.link(1, False)
+    try:
+        # Every rank reports within the group's timeout (10 s) plus the job's own limit (60 s: it then
+        # says "never raised"); torchrun's agents on both sides of the cut hang on their store until
+        # the link is back.
+        wait_for_lines(tmp_path, "failed after", 4, agents)
+    finally:
+        hosts.link(1, True)
+    done = finish(agents, tmp_path, timeout=100)
+    text = said(done)
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1, 2, 3], text
+    for rank, (kind, message) in failures.items():
+        assert kind == "CollectiveTimeoutError", text
+        other = "[[2, 3]]" if rank < 2 else "[[0, 1]]"
+        assert other in message, text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+@pytest.mark.timeout(200)
+def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """Rank 2 all_reduces one element more than the others, or broadcasts while they all_reduce; both
+    jobs run at once on the same hosts."""
+    dirs = {mode: tmp_path / mode for mode in ("mismatch-size", "mismatch-kind")}
+    started = {}
+    for mode, out_dir in dirs.items():
+        out_dir.mkdir()
+        started[mode] = start_torchrun(hosts, "hosts_faults.py", mode, out_dir=out_dir)
+    done = {mode: finish(started[mode], dirs[mode], timeout=150) for mode in dirs}
+    for mode, agents in done.items():
+        text = said(agents)
+        assert "never raised" not in text, text
+        assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) buffer unchanged: True$")) == [0, 1, 2, 3]
+        assert sorted(raised(agents)) == [0, 1, 2, 3], text
+    size = raised(done["mismatch-size"])
+    for kind, message in size.values():
+        assert kind == "CollectiveMismatchError", said(done["mismatch-size"])
+        assert "rank 2 called all_reduce(SUM, 300004 x float32" in message, message
+        assert "rank 0 called all_reduce(SUM, 300003 x float32" in message, message
+    # A broadcast against the all_reduces' signature exchange: both are gloo calls on the flat group,
+    # which gloo cannot tell apart; every rank times out (the group's 10 s), none changes its buffer.
+    for kind, _ in raised(done["mismatch-kind"]).values():
+        assert kind in ("CollectiveMismatchError", "CollectiveTimeoutError", "RuntimeError"), said(
+            done["mismatch-kind"]
+        )
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# ---- hosts found honestly ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """AXONML_HOST_ID alike on both hosts: the candidates' proof (a /dev/shm object of the lowest rank
+    that the others read back) splits them; each host then holds one segment of its own, which only
+    its own ranks map (the same object on both of them, on their host's /dev/shm), and all_reduce is
+    right."""
+    agents = torchrun(
+        hosts, "hosts_identity.py", out_dir=tmp_path, env={"AXONML_HOST_ID": "one-host"}, timeout=120
+    )
+    text = said(agents)
+    assert [a.code for a in agents] == [0, 0], text
+    facts = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) facts (.*)$")}
+    assert sorted(facts) == [0, 1, 2, 3], text
+    for rank, seen in facts.items():
+        assert seen["hosts"] == [[0, 1], [2, 3]], text
+    devices = {rank: seen["shm_device"] for rank, seen in facts.items()}
+    assert devices[0] == devices[1] != devices[2] == devices[3], text  # each host its own /dev/shm
+    maps = {rank: set(seen["maps"]) for rank, seen in facts.items()}
+    assert maps[0] == maps[1] and maps[2] == maps[3] and len(maps[0]) == len(maps[2]) == 1, text
+    for rank, mapped in maps.items():
+        assert all(m.split()[0] == devices[rank] for m in mapped), text  # never the other host's
+    for rank, seen in facts.items():  # nothing of the other host's (the segment itself is unlinked)
+        assert seen["listing"] == [], text
+    assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) all_reduce right$")) == [0, 1, 2, 3], text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# ---- elastic restart ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHosts, tmp_path: Path) -> None:
+    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    (torch 2.15's second round dials the live store)."""
+    agents = torchrun(
+        hosts,
+        "hosts_elastic.py",
+        out_dir=tmp_path,
+        nnodes="1:2",
+        torchrun_args=("--max-restarts", "1"),
+        timeout=170,
+    )
+    text = said(agents)
+    assert [a.code for a in agents] == [0, 0], text
+    assert "RuntimeError: rank 2 fails once" in agents[1].out, text
+    done = lines(agents, r"rank (\d) of 4: all_reduce right after 1 restart\(s\)$")
+    assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], text

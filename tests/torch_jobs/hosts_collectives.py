@@ -107,7 +107,9 @@ def all_reduces(rank: int, world: int) -> None:
         dist.all_reduce(first)
         dist.all_reduce(again)
         name = f"all_reduce random float32 n={n}"
-        inputs = [torch.rand(n, generator=torch.Generator().manual_seed(99 + r)) * 2 - 1 for r in range(world)]
+        inputs = [
+            torch.rand(n, generator=torch.Generator().manual_seed(99 + r)) * 2 - 1 for r in range(world)
+        ]
         check(name, torch.allclose(first, sum(inputs), rtol=1e-5, atol=1e-6))
         check(f"{name} run to run", torch.equal(first, again))
         identical_everywhere(name, first)
@@ -127,7 +129,9 @@ def collectives(rank: int, world: int) -> None:
         same(f"broadcast n={n}", b, data(2, n, dtype, 1))
         gathered = [torch.empty(n, dtype=dtype) for _ in range(world)]
         dist.all_gather(gathered, data(rank, n, dtype, 2))
-        same(f"all_gather n={n}", torch.cat(gathered), torch.cat([data(r, n, dtype, 2) for r in range(world)]))
+        same(
+            f"all_gather n={n}", torch.cat(gathered), torch.cat([data(r, n, dtype, 2) for r in range(world)])
+        )
         into = torch.empty(world * n, dtype=dtype)
         dist.all_gather_into_tensor(into, data(rank, n, dtype, 3))
         same(f"all_gather_into_tensor n={n}", into, torch.cat([data(r, n, dtype, 3) for r in range(world)]))
@@ -142,7 +146,9 @@ def collectives(rank: int, world: int) -> None:
         red = data(rank, n, dtype, 5)
         dist.reduce(red, dst=3, op=dist.ReduceOp.MAX)
         if rank == 3:
-            same(f"reduce n={n}", red, torch.stack([data(r, n, dtype, 5) for r in range(world)]).max(0).values)
+            same(
+                f"reduce n={n}", red, torch.stack([data(r, n, dtype, 5) for r in range(world)]).max(0).values
+            )
         got = [torch.empty(n, dtype=dtype) for _ in range(world)] if rank == 1 else None
         dist.gather(data(rank, n, dtype, 6), got, dst=1)
         if got is not None:
@@ -154,7 +160,11 @@ def collectives(rank: int, world: int) -> None:
         # all_to_all: rank r sends piece p to rank p; piece (r, p) made from both.
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
         dist.all_to_all(outs, [data(r_p(rank, p), n, dtype, 8) for p in range(world)])
-        same(f"all_to_all n={n}", torch.cat(outs), torch.cat([data(r_p(s, rank), n, dtype, 8) for s in range(world)]))
+        same(
+            f"all_to_all n={n}",
+            torch.cat(outs),
+            torch.cat([data(r_p(s, rank), n, dtype, 8) for s in range(world)]),
+        )
     # all_to_all_single, uneven: rank s sends (s + p + 1) elements to rank p.
     send = [s + p + 1 for s in range(world) for p in range(world)]
     splits_out = [rank + p + 1 for p in range(world)]
@@ -232,7 +242,11 @@ def groups(rank: int, world: int) -> None:
         gathered = [torch.empty(4) for _ in members]
         dist.all_gather(gathered, data(rank, 4, torch.float32, 32), group=group)
         order = [dist.get_global_rank(group, i) for i in range(len(members))]
-        same(f"new_group {name} all_gather", torch.cat(gathered), torch.cat([data(r, 4, torch.float32, 32) for r in order]))
+        same(
+            f"new_group {name} all_gather",
+            torch.cat(gathered),
+            torch.cat([data(r, 4, torch.float32, 32) for r in order]),
+        )
     # By host (2 ranks each: [0, 1], [2, 3]) and across hosts ([0, 2], [1, 3]).
     mine, _ = dist.new_subgroups(group_size=2)
     across, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
@@ -243,7 +257,11 @@ def groups(rank: int, world: int) -> None:
         for n in SIZES:
             t = data(rank, n, torch.float32, 40)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            same(f"{name} all_reduce n={n}", t, torch.stack([data(r, n, torch.float32, 40) for r in members]).max(0).values)
+            same(
+                f"{name} all_reduce n={n}",
+                t,
+                torch.stack([data(r, n, torch.float32, 40) for r in members]).max(0).values,
+            )
     dist.barrier()
 
 
@@ -267,8 +285,11 @@ def ddp(rank: int, world: int) -> None:
             opt.step()
         finals[name] = [p.detach().clone() for p in model.parameters()]
     for i, (ours, theirs) in enumerate(zip(finals["axonml"], finals["gloo"])):
-        check(f"ddp param {i} axonml ~ gloo", torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6),
-              lambda: f"max diff {(ours - theirs).abs().max()}")
+        check(
+            f"ddp param {i} axonml ~ gloo",
+            torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6),
+            lambda: f"max diff {(ours - theirs).abs().max()}",
+        )
     bitwise = all(torch.equal(a, b) for a, b in zip(finals["axonml"], finals["gloo"]))
     print(f"rank {rank}: ddp bitwise equal to gloo: {bitwise}", flush=True)
     flat = torch.cat([p.view(-1) for p in finals["axonml"]])
@@ -283,7 +304,9 @@ def main() -> int:
     print(f"rank {rank}: default group {pg}", flush=True)
     for part in (all_reduces, collectives, point_to_point, groups, ddp):
         part(rank, world)
-    print(f"rank {rank} of {world} on {socket.gethostname()}: {checks} checks, {len(wrong)} wrong", flush=True)
+    print(
+        f"rank {rank} of {world} on {socket.gethostname()}: {checks} checks, {len(wrong)} wrong", flush=True
+    )
     dist.destroy_process_group()
     return 1 if wrong else 0
 

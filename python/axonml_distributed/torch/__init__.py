@@ -45,7 +45,13 @@ from axonml_distributed._core import Backend, DistributedError, ProcessGroup, Th
 from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
-from axonml_distributed.torch.hosts import HostsProcessGroup, join_host, local_group, store_all_gather
+from axonml_distributed.torch.hosts import (
+    HostRank,
+    HostsProcessGroup,
+    join_host,
+    local_group,
+    store_all_gather,
+)
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch_entry import register
 
@@ -72,7 +78,7 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
             group: dist.ProcessGroup = HostsProcessGroup(
                 opts.store, _hosts, every, _world, _hosts, opts.timeout
             )
-            install_excepthook(ProcessGroup(_world))
+            install_excepthook(HostRank(_world, opts.group_rank))
             return group
         _world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         native = ProcessGroup(_world)

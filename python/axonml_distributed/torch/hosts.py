@@ -30,7 +30,12 @@ import torch.distributed as dist
 
 from axonml_distributed import settings
 from axonml_distributed._core import Backend, ProcessGroup, ReduceOp, ThreadBackend
-from axonml_distributed.exceptions import CollectiveTimeoutError, DistributedError, PeerFailureError
+from axonml_distributed.exceptions import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
+    PeerFailureError,
+)
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.rendezvous import join_world
@@ -50,6 +55,12 @@ _TWO_LEVEL = {
     dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
     dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
 }
+# A two-level call's signature, exchanged over the flat group before any data moves (see `_Signature`):
+# dtypes by their place here (-1: another).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+_DTYPES += (torch.int8, torch.uint8, torch.int16, torch.bool)
+_KINDS = tuple(_TWO_LEVEL)
+_CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
 _FORWARDED = {
     "broadcast": "broadcast",
@@ -151,6 +162,7 @@ class HostsProcessGroup(dist.ProcessGroup):
                 local, settings.hosts_segment_bytes() or DEFAULT_SEGMENT_BYTES
             )
             self._local = local
+            self._host_ranks = world.local_ranks
         self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="axonml-hosts")
         self._two_level_calls = 0
         self._completer: Completer | None = None
@@ -206,7 +218,10 @@ class HostsProcessGroup(dist.ProcessGroup):
         factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else None
         post = _divide_by(self.size()) if kind == dist.ReduceOp.AVG else None
         self._two_level_calls += 1
-        started = self._lane.submit(self._run_two_level, tensors, local_op, cross_op, factor, post)
+        # Started here, on the calling thread, so it takes its place among the flat group's calls in
+        # program order; the lane waits for it before touching a buffer.
+        signature = _Signature(kind, tensors, self._flat, self.size())
+        started = self._lane.submit(self._run_two_level, signature, tensors, local_op, cross_op, factor, post)
         work = Work([_Done(started)], tensors, None, self._get_completer)
         if getattr(opts, "asyncOp", True) is False:
             work.wait()
@@ -235,6 +250,7 @@ class HostsProcessGroup(dist.ProcessGroup):
 
     def _run_two_level(
         self,
+        signature: _Signature,
         tensors: list[torch.Tensor],
         local_op: ReduceOp,
         cross_op: Any,
@@ -242,6 +258,13 @@ class HostsProcessGroup(dist.ProcessGroup):
         post: Callable[[torch.Tensor], object] | None,
     ) -> None:
         assert self._two_level is not None
+        try:
+            signature.check(self._ranks)
+        except CollectiveMismatchError:
+            raise  # every rank saw the same signatures and raises alike: nothing to abort
+        except Exception as e:
+            # Any rank of the group may be the one gone: gloo names a socket, not a rank.
+            raise self._failed(e, [r for r in self._ranks if r != self._layout.rank], "the group") from e
         opts = dist.AllreduceOptions()
         opts.reduceOp = cross_op
 
@@ -255,21 +278,34 @@ class HostsProcessGroup(dist.ProcessGroup):
             try:
                 self._two_level(flat, local_op, cross, post)
             except Exception as e:
-                raise self._failed(e) from e
+                peers = [r for r in self._cross_ranks if r != self._layout.rank]
+                raise self._failed(e, peers, "this rank's peers on the other hosts") from e
 
-    def _failed(self, e: Exception) -> DistributedError:
-        """A two-level call failed: stop this host's ranks at once and say which hosts' ranks failed."""
-        others = [r for r in self._cross_ranks if r != self._layout.rank]
+    def _failed(self, e: Exception, peers: list[int], who: str) -> DistributedError:
+        """A two-level call failed: stop this host's ranks at once and say which ranks failed, by their
+        global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the engine
+        (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are."""
+        me = self._layout.rank
         if isinstance(e, DistributedError):
             self._local.backend().abort(str(e))
-            return e
+            host = self._host_ranks
+            named = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+            kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
+            return kind(
+                f"rank {me}: all_reduce failed inside this host (host ranks to global ranks: {named}): {e}",
+                rank=me,
+                ranks=[host[r] for r in e.ranks if 0 <= r < len(host)],
+                call="all_reduce",
+                group=self._ranks,
+            )
         text = str(e)
+        hosts = [list(ranks) for ranks in self._layout.hosts if me not in ranks]
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
         error = kind(
-            f"all_reduce across hosts failed between rank {self._layout.rank} and rank(s) {others} "
-            f"(same local rank on the other hosts): {text}",
-            rank=self._layout.rank,
-            ranks=others,
+            f"rank {me}: all_reduce across hosts failed with rank(s) {peers} ({who}; the other hosts "
+            f"hold ranks {hosts}): {text}",
+            rank=me,
+            ranks=peers,
             call="all_reduce",
             group=self._ranks,
         )
@@ -295,6 +331,60 @@ def _forward(theirs: str) -> Callable[..., Any]:
 # Methods of the class (torch's C++ finds overrides on the type, not on the instance).
 for _ours, _theirs in _FORWARDED.items():
     setattr(HostsProcessGroup, _ours, _forward(_theirs))
+
+
+class HostRank:
+    """This host's world as the excepthook sees it (`install_excepthook`): under this process's global
+    rank, so the abort it sends names the rank that failed as every host knows it."""
+
+    def __init__(self, world: Backend, rank: int) -> None:
+        self._world, self._rank = world, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def backend(self) -> Backend:
+        return self._world
+
+
+class _Signature:
+    """Every rank's two-level call (op, dtype, element count, tensor count), all-gathered over the flat
+    group: a call that differs across hosts is refused on every rank before any buffer changes (inside a
+    host the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
+    mismatched bytes or waits for the timeout)."""
+
+    FIELDS = 4
+
+    def __init__(self, kind: Any, tensors: list[torch.Tensor], flat: Any, size: int) -> None:
+        dtype = tensors[0].dtype
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
+        count = sum(t.numel() for t in tensors)
+        self._mine = torch.tensor([_KINDS.index(kind), code, count, len(tensors)], dtype=torch.int64)
+        self._all = torch.empty(size * self.FIELDS, dtype=torch.int64)
+        self._work = flat._allgather_base(self._all, self._mine)
+
+    def check(self, ranks: list[int]) -> None:
+        self._work.wait()
+        rows = self._all.view(-1, self.FIELDS).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        calls = {ranks[i]: _describe(row) for i, row in enumerate(rows)}
+        odd = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
+        theirs = "; ".join(f"rank {ranks[i]} called {_describe(rows[i])}" for i in range(len(rows)))
+        raise CollectiveMismatchError(
+            f"collective mismatch across hosts in group {ranks}: {theirs}; no buffer was changed",
+            calls=calls,
+            ranks=odd,
+            call="all_reduce",
+            group=ranks,
+        )
+
+
+def _describe(row: list[int]) -> str:
+    kind, code, count, tensors = row
+    op = str(_KINDS[kind]).rsplit(".", 1)[-1] if 0 <= kind < len(_KINDS) else f"op {kind}"
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
+    return f"all_reduce({op}, {count} x {dtype} in {tensors} tensor(s))"
 
 
 class _Done:
