@@ -57,8 +57,8 @@ _TWO_LEVEL = {
 }
 # A two-level call's signature, exchanged over the flat group before any data moves (see `_Signature`):
 # dtypes by their place here (-1: another).
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-_DTYPES += (torch.int8, torch.uint8, torch.int16, torch.bool)
+_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPES += (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
 _KINDS = tuple(_TWO_LEVEL)
 _CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
@@ -142,8 +142,10 @@ class HostsProcessGroup(dist.ProcessGroup):
         host_world: Backend,
         world: HostLayout,
         timeout: datetime.timedelta,
+        note: FailureNote,
     ) -> None:
         rank, size = ranks.index(layout.rank), len(ranks)
+        self._note = note
         super().__init__(rank, size)
         self._ranks = ranks
         self._layout = layout
@@ -299,6 +301,9 @@ class HostsProcessGroup(dist.ProcessGroup):
                 group=self._ranks,
             )
         text = str(e)
+        noted = self._note.read()
+        if noted is not None:
+            text = f"{text} (the job's first failure: {noted})"
         hosts = [list(ranks) for ranks in self._layout.hosts if me not in ranks]
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
         error = kind(
@@ -333,18 +338,64 @@ for _ours, _theirs in _FORWARDED.items():
     setattr(HostsProcessGroup, _ours, _forward(_theirs))
 
 
+class FailureNote:
+    """The job's first failure, noted in torch's Store (the default group's): ranks on other hosts learn
+    of a failure from their engine (gloo) as a closed socket or a timeout, which names no rank; they read
+    the note to name it. Store calls are bounded (`NOTE_SECONDS`): across a cut link they would hang."""
+
+    KEY = "axonml/hosts/first-failure"
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def write(self, text: str) -> None:
+        """Keeps the first note written: a later failure is usually a consequence of it."""
+        _bounded(lambda: self._store.compare_set(self.KEY, "", text))
+
+    def read(self) -> str | None:
+        def get() -> str | None:
+            return self._store.get(self.KEY).decode() if self._store.check([self.KEY]) else None
+
+        return _bounded(get)
+
+
+# How long a failing rank waits on the Store for a note, at most.
+NOTE_SECONDS = 2.0
+
+
+def _bounded(call: Callable[[], Any]) -> Any:
+    """`call()` on a daemon thread, waited for `NOTE_SECONDS` at most (None then, or if it raised)."""
+    result: list[Any] = [None]
+
+    def run() -> None:
+        try:
+            result[0] = call()
+        except Exception:  # noqa: BLE001 (a note is best effort: the failure it explains is raised anyway)
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="axonml-hosts-note")
+    thread.start()
+    thread.join(NOTE_SECONDS)
+    return result[0]
+
+
 class HostRank:
     """This host's world as the excepthook sees it (`install_excepthook`): under this process's global
-    rank, so the abort it sends names the rank that failed as every host knows it."""
+    rank, so the abort it sends names the rank that failed as every host knows it; the abort also
+    leaves the job's failure note for the ranks of other hosts."""
 
-    def __init__(self, world: Backend, rank: int) -> None:
-        self._world, self._rank = world, rank
+    def __init__(self, world: Backend, rank: int, note: FailureNote) -> None:
+        self._world, self._rank, self._note = world, rank, note
 
     def rank(self) -> int:
         return self._rank
 
-    def backend(self) -> Backend:
-        return self._world
+    def backend(self) -> HostRank:
+        return self
+
+    def abort(self, reason: str) -> None:
+        self._world.abort(reason)
+        self._note.write(reason)
 
 
 class _Signature:
