@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from models import ToyModel  # the jobs' directory is on sys.path: they run as scripts
+from output import say
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # No import of ours: torch loads "axonml" through the package's entry point, as for any user script.
+
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int32, torch.int64]
@@ -39,7 +41,7 @@ def check(name: str, ok: bool, what: Callable[[], str] = lambda: "") -> None:
     checks += 1
     if not ok:
         wrong.append(name)
-        print(f"WRONG {name}: {what()}", flush=True)
+        say(f"WRONG {name}: {what()}")
 
 
 def same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -294,7 +296,7 @@ def ddp(rank: int, world: int) -> None:
             lambda diff=diff: f"max difference {diff}",
         )
     bitwise = all(torch.equal(a, b) for a, b in pairs)
-    print(f"rank {rank}: ddp bitwise equal to gloo: {bitwise}", flush=True)
+    say(f"rank {rank}: ddp bitwise equal to gloo: {bitwise}")
     flat = torch.cat([p.view(-1) for p in finals["axonml"]])
     identical_everywhere("ddp parameters", flat)
 
@@ -304,12 +306,10 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, world
     pg = type(dist.group.WORLD).__name__
-    print(f"rank {rank}: default group {pg}", flush=True)
+    say(f"rank {rank}: default group {pg}")
     for part in (all_reduces, collectives, point_to_point, groups, ddp):
         part(rank, world)
-    print(
-        f"rank {rank} of {world} on {socket.gethostname()}: {checks} checks, {len(wrong)} wrong", flush=True
-    )
+    say(f"rank {rank} of {world} on {socket.gethostname()}: {checks} checks, {len(wrong)} wrong")
     dist.destroy_process_group()
     return 1 if wrong else 0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from output import say  # the jobs' directory is on sys.path: they run as scripts
 
 BACKEND = sys.argv[1]
 MARKER = Path(f"/tmp/axonml-hosts-elastic-{BACKEND}-failed-once")
@@ -23,6 +24,6 @@ if rank == 2 and not MARKER.exists():
     MARKER.touch()
     raise RuntimeError("rank 2 fails once")
 dist.barrier()
-print(f"rank {rank} of {world}: all_reduce {'right' if right else 'WRONG'}", flush=True)
+say(f"rank {rank} of {world}: all_reduce {'right' if right else 'WRONG'}")
 dist.destroy_process_group()
 sys.exit(0 if right else 1)

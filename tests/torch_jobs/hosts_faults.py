@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from output import say  # the jobs' directory is on sys.path: they run as scripts
 
 N = 300_003  # above the two-level cut
 mode = sys.argv[1]
@@ -28,8 +29,8 @@ rank = dist.get_rank()
 
 def report(e: BaseException, started: float) -> None:
     first = str(e).replace("\n", " | ")
-    print(f"rank {rank} raised {type(e).__name__}: {first}", flush=True)
-    print(f"rank {rank} failed after {time.monotonic() - started:.1f} s", flush=True)
+    elapsed = time.monotonic() - started
+    say(f"rank {rank} raised {type(e).__name__}: {first}\nrank {rank} failed after {elapsed:.1f} s")
 
 
 t = torch.ones(N)
@@ -46,12 +47,12 @@ if mode.startswith("mismatch"):
             dist.broadcast(mine, src=0)
         else:
             dist.all_reduce(mine)
-        print(f"rank {rank} never raised", flush=True)
+        say(f"rank {rank} never raised")
     except Exception as e:  # noqa: BLE001 (every failure is reported)
         report(e, started)
-    print(f"rank {rank} buffer unchanged: {torch.equal(mine, before)}", flush=True)
+    say(f"rank {rank} buffer unchanged: {torch.equal(mine, before)}")
     sys.exit(1)
-print(f"rank {rank} looping", flush=True)
+say(f"rank {rank} looping")
 try:
     while time.monotonic() - started < 60:
         dist.all_reduce(t)
@@ -59,5 +60,5 @@ try:
 except Exception as e:  # noqa: BLE001
     report(e, started)
     sys.exit(1)
-print(f"rank {rank} never raised", flush=True)
+say(f"rank {rank} never raised")
 sys.exit(2)

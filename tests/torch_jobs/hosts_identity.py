@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from output import say  # the jobs' directory is on sys.path: they run as scripts
 
 import axonml_distributed.torch as axonml_torch
 
@@ -32,13 +33,13 @@ facts = {
     "listing": sorted(os.listdir("/dev/shm")),
     "maps": mapped,
 }
-print(f"rank {rank} facts {json.dumps(facts)}", flush=True)
+say(f"rank {rank} facts {json.dumps(facts)}")
 right = True
 for n in (1_000, 300_003):
     t = torch.arange(n, dtype=torch.float32) % 17 * (rank + 1)
     dist.all_reduce(t)
     right &= torch.equal(t, torch.arange(n, dtype=torch.float32) % 17 * sum(range(1, world + 1)))
-print(f"rank {rank} all_reduce {'right' if right else 'WRONG'}", flush=True)
+say(f"rank {rank} all_reduce {'right' if right else 'WRONG'}")
 dist.barrier()  # nobody leaves (and removes the segment) before every rank has looked
 dist.destroy_process_group()
 sys.exit(0 if right else 1)

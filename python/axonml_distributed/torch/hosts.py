@@ -55,11 +55,12 @@ _TWO_LEVEL = {
     dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
     dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
 }
-# A two-level call's signature, exchanged over the flat group before any data moves (see `_Signature`):
-# dtypes by their place here (-1: another).
+# A call's signature, exchanged over the flat group before any data moves (see `_Signature`): ops and
+# dtypes by their place here (-1: another), other collectives by their place in `_FORWARDED`'s values.
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DTYPES += (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
-_KINDS = tuple(_TWO_LEVEL)
+_OPS = (*_TWO_LEVEL, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+_OTHER_CALLS = 100
 _CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
 _FORWARDED = {
@@ -89,6 +90,9 @@ _FORWARDED = {
     "recv_anysource": "recv_anysource",
     "monitored_barrier": "monitored_barrier",
 }
+# Point to point pairs two ranks, not the group; monitored_barrier reports the ranks that never came.
+_UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
+_CALLS = sorted(set(_FORWARDED.values()))
 
 
 def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
@@ -209,20 +213,21 @@ class HostsProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         op = opts.reduceOp
         kind = op.op if hasattr(op, "op") else op
+        # Started here, on the calling thread, so it takes its place among the flat group's calls in
+        # program order; nothing touches a buffer before it is checked.
+        signature = _Signature(_all_reduce_row(kind, tensors), self._flat, self.size())
         if (
             self._two_level is None
             or kind not in _TWO_LEVEL
             or any(t.is_sparse or not t.is_contiguous() for t in tensors)
             or sum(t.nbytes for t in tensors) < self._flat_below
         ):
+            self._check(signature, "all_reduce")
             return self._flat_allreduce(tensors, opts, kind)
         local_op, cross_op = _TWO_LEVEL[kind]
         factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else None
         post = _divide_by(self.size()) if kind == dist.ReduceOp.AVG else None
         self._two_level_calls += 1
-        # Started here, on the calling thread, so it takes its place among the flat group's calls in
-        # program order; the lane waits for it before touching a buffer.
-        signature = _Signature(kind, tensors, self._flat, self.size())
         started = self._lane.submit(self._run_two_level, signature, tensors, local_op, cross_op, factor, post)
         work = Work([_Done(started)], tensors, None, self._get_completer)
         if getattr(opts, "asyncOp", True) is False:
@@ -260,13 +265,7 @@ class HostsProcessGroup(dist.ProcessGroup):
         post: Callable[[torch.Tensor], object] | None,
     ) -> None:
         assert self._two_level is not None
-        try:
-            signature.check(self._ranks)
-        except CollectiveMismatchError:
-            raise  # every rank saw the same signatures and raises alike: nothing to abort
-        except Exception as e:
-            # Any rank of the group may be the one gone: gloo names a socket, not a rank.
-            raise self._failed(e, [r for r in self._ranks if r != self._layout.rank], "the group") from e
+        self._check(signature, "all_reduce")
         opts = dist.AllreduceOptions()
         opts.reduceOp = cross_op
 
@@ -283,39 +282,52 @@ class HostsProcessGroup(dist.ProcessGroup):
                 peers = [r for r in self._cross_ranks if r != self._layout.rank]
                 raise self._failed(e, peers, "this rank's peers on the other hosts") from e
 
-    def _failed(self, e: Exception, peers: list[int], who: str) -> DistributedError:
-        """A two-level call failed: stop this host's ranks at once and say which ranks failed, by their
-        global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the engine
-        (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are."""
+    def _check(self, signature: _Signature, call: str) -> None:
+        """Every rank of the group made the same call, or this raises before any buffer changes."""
+        try:
+            signature.check(self._ranks)
+        except CollectiveMismatchError:
+            raise  # every rank saw the same signatures and raises alike: nothing to abort
+        except Exception as e:
+            # Any rank of the group may be the one gone: gloo names a socket, not a rank.
+            others = [r for r in self._ranks if r != self._layout.rank]
+            raise self._failed(e, others, "the group", call) from e
+
+    def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
+        """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
+        by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
+        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
+        say which ranks the other hosts hold (a host peer that never came may be waiting on them) and
+        the job's first failure where one was noted."""
         me = self._layout.rank
-        if isinstance(e, DistributedError):
-            self._local.backend().abort(str(e))
+        if self._two_level is not None:  # the host's ranks first: reading the note may take a moment
+            self._local.backend().abort(f"rank {me}: {call} failed: {e}")
+        hosts = [list(ranks) for ranks in self._layout.hosts if me not in ranks]
+        noted = self._note.read()
+        context = f"the other hosts hold ranks {hosts}"
+        if noted is not None:
+            context += f"; the job's first failure: {noted}"
+        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
             host = self._host_ranks
             named = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
             kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
             return kind(
-                f"rank {me}: all_reduce failed inside this host (host ranks to global ranks: {named}): {e}",
+                f"rank {me}: {call} failed inside this host (host ranks to global ranks: {named}; "
+                f"{context}): {e}",
                 rank=me,
                 ranks=[host[r] for r in e.ranks if 0 <= r < len(host)],
-                call="all_reduce",
+                call=call,
                 group=self._ranks,
             )
         text = str(e)
-        noted = self._note.read()
-        if noted is not None:
-            text = f"{text} (the job's first failure: {noted})"
-        hosts = [list(ranks) for ranks in self._layout.hosts if me not in ranks]
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
-        error = kind(
-            f"rank {me}: all_reduce across hosts failed with rank(s) {peers} ({who}; the other hosts "
-            f"hold ranks {hosts}): {text}",
+        return kind(
+            f"rank {me}: {call} across hosts failed with rank(s) {peers} ({who}; {context}): {text}",
             rank=me,
             ranks=peers,
-            call="all_reduce",
+            call=call,
             group=self._ranks,
         )
-        self._local.backend().abort(str(error))
-        return error
 
     def _get_completer(self) -> Completer:
         with self._lock:
@@ -327,6 +339,10 @@ class HostsProcessGroup(dist.ProcessGroup):
 def _forward(theirs: str) -> Callable[..., Any]:
     # torch calls some by keyword (`group.barrier(opts=opts)`).
     def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if theirs not in _UNSIGNED:
+            self._check(
+                _Signature(_forwarded_row(theirs, [*args, *kwargs.values()]), self._flat, self.size()), theirs
+            )
         return getattr(self._flat, theirs)(*args, **kwargs)
 
     method.__name__ = theirs
@@ -399,18 +415,15 @@ class HostRank:
 
 
 class _Signature:
-    """Every rank's two-level call (op, dtype, element count, tensor count), all-gathered over the flat
-    group: a call that differs across hosts is refused on every rank before any buffer changes (inside a
-    host the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
-    mismatched bytes or waits for the timeout)."""
+    """Every rank's call (what, dtype, element count, one more fact), all-gathered over the flat group:
+    a call that differs across hosts is refused on every rank before any buffer changes (inside a host
+    the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
+    mismatched bytes or waits for the timeout). Started when the call is made; `check` waits."""
 
     FIELDS = 4
 
-    def __init__(self, kind: Any, tensors: list[torch.Tensor], flat: Any, size: int) -> None:
-        dtype = tensors[0].dtype
-        code = _DTYPES.index(dtype) if dtype in _DTYPES else -1
-        count = sum(t.numel() for t in tensors)
-        self._mine = torch.tensor([_KINDS.index(kind), code, count, len(tensors)], dtype=torch.int64)
+    def __init__(self, row: list[int], flat: Any, size: int) -> None:
+        self._mine = torch.tensor(row, dtype=torch.int64)
         self._all = torch.empty(size * self.FIELDS, dtype=torch.int64)
         self._work = flat._allgather_base(self._all, self._mine)
 
@@ -421,21 +434,53 @@ class _Signature:
             return
         calls = {ranks[i]: _describe(row) for i, row in enumerate(rows)}
         odd = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
-        theirs = "; ".join(f"rank {ranks[i]} called {_describe(rows[i])}" for i in range(len(rows)))
+        theirs = "; ".join(f"rank {rank} called {call}" for rank, call in calls.items())
         raise CollectiveMismatchError(
             f"collective mismatch across hosts in group {ranks}: {theirs}; no buffer was changed",
             calls=calls,
             ranks=odd,
-            call="all_reduce",
+            call=calls[ranks[0]],
             group=ranks,
         )
 
 
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _all_reduce_row(kind: Any, tensors: list[torch.Tensor]) -> list[int]:
+    """all_reduce: the op, the first tensor's dtype, the element count, the tensor count."""
+    op = _OPS.index(kind) if kind in _OPS else -1
+    return [op, _dtype_code(tensors[0].dtype), sum(t.numel() for t in tensors), len(tensors)]
+
+
+def _forwarded_row(theirs: str, args: list[Any]) -> list[int]:
+    """Another collective: which, its first tensor's dtype and the root where it has one (element
+    counts may differ by rank: gather, scatter, all_to_all)."""
+    tensors = _tensors_in(args)
+    roots = [a.rootRank for a in args if hasattr(a, "rootRank")]
+    dtype = tensors[0].dtype if tensors else None
+    return [_OTHER_CALLS + _CALLS.index(theirs), _dtype_code(dtype), 0, roots[0] if roots else -1]
+
+
+def _tensors_in(args: list[Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, list | tuple):
+            found += _tensors_in(list(a))
+    return found
+
+
 def _describe(row: list[int]) -> str:
-    kind, code, count, tensors = row
-    op = str(_KINDS[kind]).rsplit(".", 1)[-1] if 0 <= kind < len(_KINDS) else f"op {kind}"
+    what, code, count, fact = row
     dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
-    return f"all_reduce({op}, {count} x {dtype} in {tensors} tensor(s))"
+    if what >= _OTHER_CALLS:
+        name = _CALLS[what - _OTHER_CALLS] if what - _OTHER_CALLS < len(_CALLS) else f"call {what}"
+        return f"{name}({dtype}" + (f", root {fact})" if fact >= 0 else ")")
+    op = str(_OPS[what]).rsplit(".", 1)[-1] if 0 <= what < len(_OPS) else f"op {what}"
+    return f"all_reduce({op}, {count} x {dtype} in {fact} tensor(s))"
 
 
 class _Done:
