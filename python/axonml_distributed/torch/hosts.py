@@ -5,14 +5,22 @@
 scatter in the host through the host's shared-memory world, all-reduce of each shard with the same local
 rank of every other host through a gloo group of those ranks (one per local rank index, so every link is
 busy), all-gather in the host. Every other collective, point to point, and the small all_reduces go to
-one gloo group over all the group's ranks, as they would under gloo, with gloo's semantics and errors.
-The groups are made from the Store torch hands the backend, under keys of their own.
+one gloo group over all the group's ranks, as they would under gloo, with gloo's semantics. The groups
+are made from the Store torch hands the backend, under keys of their own.
+
+Mismatches: every collective (not point to point) first all-gathers a small signature over that flat
+group (which call, dtype, root; for all_reduce the op and element count), so ranks on different hosts
+that call different collectives all raise CollectiveMismatchError before any buffer changes (gloo itself
+would move mismatched bytes or wait for the timeout). It costs one small gloo call per collective.
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
 (an asynchronous all_reduce) overlaps with the rest of the backward pass. A failure in either level
 aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
-CollectiveTimeoutError (gloo's error chained) naming the ranks of the other hosts involved.
+CollectiveTimeoutError (gloo's error chained) naming the ranks involved by their global ranks and the
+ranks of the other hosts. gloo reports a dead peer as a closed socket, naming no rank, so a rank whose
+process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it.
+Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 """
 
 # mypy: disable-error-code="override"
