@@ -49,6 +49,7 @@ from axonml_distributed.torch.hosts import (
     FailureNote,
     HostRank,
     HostsProcessGroup,
+    init_prefix,
     join_host,
     local_group,
     store_all_gather,
@@ -63,23 +64,26 @@ __all__ = ["BACKEND", "AxonmlProcessGroup", "create", "register"]
 _world: Backend | None = None
 _hosts: HostLayout | None = None
 _note: FailureNote | None = None
+_prefix = ""  # this init's keys in torch's stores (`init_prefix`)
 
 
 def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     """torch's creator (extended API; `register` hands torch a stub that imports this module first): the
     default group finds the job's hosts and joins this host's world; subgroups split it, with gloo
     between hosts when they span several (see `axonml_distributed.torch.hosts`)."""
-    global _world, _hosts, _note
+    global _world, _hosts, _note, _prefix
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
-        gather = store_all_gather(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        _prefix = init_prefix(opts.store, opts.group_size)
+        store = dist.PrefixStore(_prefix, opts.store)
+        gather = store_all_gather(store, opts.group_rank, opts.group_size, opts.timeout)
         _hosts = find_hosts(opts.group_rank, opts.group_size, gather)
         if len(_hosts.hosts) > 1:
-            _world = join_host(opts.store, _hosts, opts.timeout)
+            _world = join_host(store, _hosts, opts.timeout)
             every = list(range(opts.group_size))
-            _note = FailureNote(opts.store)
+            _note = FailureNote(store)
             group: dist.ProcessGroup = HostsProcessGroup(
-                opts.store, _hosts, every, _world, _hosts, opts.timeout, _note
+                store, _hosts, every, _world, _hosts, opts.timeout, _note
             )
             install_excepthook(HostRank(_world, opts.group_rank, _note))
             return group
@@ -97,8 +101,9 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
     elif len(_hosts.within(ranks).hosts) > 1:
         assert _note is not None  # set with the hosts of a job over several
+        store = dist.PrefixStore(_prefix, opts.store)
         within = _hosts.within(ranks)
-        return HostsProcessGroup(opts.store, within, ranks, _world, _hosts, opts.timeout, _note)
+        return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note)
     else:
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)

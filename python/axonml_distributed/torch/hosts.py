@@ -103,6 +103,13 @@ _UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
 _CALLS = sorted(set(_FORWARDED.values()))
 
 
+def init_prefix(store: dist.Store, size: int) -> str:
+    """A key prefix of this init's own (collective: every rank of the job calls it once per init). A job
+    may destroy its group and init again over the same store, whose keys stay: read again, the last
+    init's proofs and gloo addresses would be stale. Each rank's `add` settles which init this is."""
+    return f"axonml/init/{(store.add('axonml/inits', 1) - 1) // size}/"
+
+
 def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
     """`find_hosts`'s exchange over torch's Store: each round under keys of its own."""
     rounds = iter(range(1 << 30))
