@@ -296,16 +296,16 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
 
 @pytest.mark.timeout(200)
 def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHosts, tmp_path: Path) -> None:
-    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts. torch 2.15 still needs
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, for gloo itself too: the agents' shared store keeps the first
-    round's keys, and the second round's gloo dials the first round's dead ports (connectFullMesh:
-    connection refused), so the job fails; with it, each round has a store of its own."""
+    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts, as torchrun runs by default: the agents
+    share one store across rounds, whose keys stay. On torch 2.15 gloo alone fails there (its second
+    round dials the first round's dead ports: connectFullMesh, connection refused) unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; "axonml" needs no such setting, since each init's keys,
+    gloo's groups between hosts included, are under a prefix of its own (with it set, it works too)."""
     agents = torchrun(
         hosts,
         "hosts_elastic.py",
         "axonml",
         out_dir=tmp_path,
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         nnodes="1:2",
         torchrun_args=("--max-restarts", "1"),
         timeout=170,
