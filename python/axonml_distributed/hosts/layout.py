@@ -4,9 +4,10 @@ hostnames; vLLM and DeepSpeed both shipped shared memory chosen across nodes tha
 Two ranks are candidates for one host when their identities agree: hostname, kernel boot id, machine
 id, IPC namespace and the /dev/shm file system they see (or AXONML_HOST_ID, where set). Candidates then
 prove it: the lowest rank of each candidate host creates a random object in /dev/shm (0600, random
-contents) and the others open and read it back. A rank that cannot is a host of its own; ranks of
-different candidates never try one another's memory. The exchange is a function `all_gather(item) ->
-items` of fixed-size bytes over whatever the job already has (torch's Store, an MPI communicator).
+contents) and the others open and read it back; those that cannot prove among themselves in a next
+round, so a claim that two hosts share still yields two hosts. Ranks of different candidates never try
+one another's memory. The exchange is a function `all_gather(item) -> items` of fixed-size bytes over
+whatever the job already has (torch's Store, an MPI communicator).
 """
 
 from __future__ import annotations
@@ -91,19 +92,28 @@ def find_hosts(rank: int, size: int, all_gather: AllGather) -> HostLayout:
     candidates: dict[bytes, list[int]] = {}
     for r, claim in enumerate(claims):
         candidates.setdefault(claim, []).append(r)
-    mine = candidates[claims[rank]]
-    proof = _Proof.create() if mine[0] == rank else None
-    try:
-        offers = all_gather(proof.offer if proof else bytes(ITEM_BYTES))
-        proven = proof is not None or _Proof.check(offers[mine[0]])
-        verdicts = all_gather((b"\1" if proven else b"\0") * ITEM_BYTES)
-    finally:
-        if proof is not None:
-            proof.remove()
+    # Rounds of proof: in each, the lowest unproven rank of each candidate group offers an object and
+    # the group's other unproven ranks try it; those that read it share its host. Every rank sees every
+    # verdict, so all run the same rounds; each round settles at least each group's offerer.
     hosts: list[tuple[int, ...]] = []
-    for ranks in candidates.values():
-        hosts.append(tuple(r for r in ranks if verdicts[r][0]))
-        hosts += [(r,) for r in ranks if not verdicts[r][0]]
+    unproven = list(candidates.values())
+    while unproven:
+        mine = next((group for group in unproven if rank in group), None)
+        offering = mine is not None and mine[0] == rank
+        proof = _Proof.create() if offering else None
+        try:
+            offers = all_gather(proof.offer if proof else bytes(ITEM_BYTES))
+            proven = offering or (mine is not None and _Proof.check(offers[mine[0]]))
+            verdicts = all_gather((b"\1" if proven else b"\0") * ITEM_BYTES)
+        finally:
+            if proof is not None:
+                proof.remove()
+        groups, unproven = unproven, []
+        for group in groups:
+            hosts.append(tuple(r for r in group if verdicts[r][0]))
+            rest = [r for r in group if not verdicts[r][0]]
+            if rest:
+                unproven.append(rest)
     return HostLayout(tuple(sorted(hosts, key=min)), rank)
 
 

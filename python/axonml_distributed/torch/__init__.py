@@ -45,7 +45,15 @@ from axonml_distributed._core import Backend, DistributedError, ProcessGroup, Th
 from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
-from axonml_distributed.torch.hosts import HostsProcessGroup, join_host, local_group, store_all_gather
+from axonml_distributed.torch.hosts import (
+    FailureNote,
+    HostRank,
+    HostsProcessGroup,
+    init_prefix,
+    join_host,
+    local_group,
+    store_all_gather,
+)
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch_entry import register
 
@@ -55,24 +63,29 @@ __all__ = ["BACKEND", "AxonmlProcessGroup", "create", "register"]
 # the job's hosts when it spans several.
 _world: Backend | None = None
 _hosts: HostLayout | None = None
+_note: FailureNote | None = None
+_prefix = ""  # this init's keys in torch's stores (`init_prefix`)
 
 
 def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     """torch's creator (extended API; `register` hands torch a stub that imports this module first): the
     default group finds the job's hosts and joins this host's world; subgroups split it, with gloo
     between hosts when they span several (see `axonml_distributed.torch.hosts`)."""
-    global _world, _hosts
+    global _world, _hosts, _note, _prefix
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
-        gather = store_all_gather(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        _prefix = init_prefix(opts.store, opts.group_size)
+        store = dist.PrefixStore(_prefix, opts.store)
+        gather = store_all_gather(store, opts.group_rank, opts.group_size, opts.timeout)
         _hosts = find_hosts(opts.group_rank, opts.group_size, gather)
         if len(_hosts.hosts) > 1:
-            _world = join_host(opts.store, _hosts, opts.timeout)
+            _world = join_host(store, _hosts, opts.timeout)
             every = list(range(opts.group_size))
+            _note = FailureNote(store)
             group: dist.ProcessGroup = HostsProcessGroup(
-                opts.store, _hosts, every, _world, _hosts, opts.timeout
+                store, _hosts, every, _world, _hosts, opts.timeout, _note
             )
-            install_excepthook(ProcessGroup(_world))
+            install_excepthook(HostRank(_world, opts.group_rank, _note))
             return group
         _world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         native = ProcessGroup(_world)
@@ -87,7 +100,10 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
         native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
     elif len(_hosts.within(ranks).hosts) > 1:
-        return HostsProcessGroup(opts.store, _hosts.within(ranks), ranks, _world, _hosts, opts.timeout)
+        assert _note is not None  # set with the hosts of a job over several
+        store = dist.PrefixStore(_prefix, opts.store)
+        within = _hosts.within(ranks)
+        return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note)
     else:
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)

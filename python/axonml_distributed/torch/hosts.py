@@ -5,14 +5,22 @@
 scatter in the host through the host's shared-memory world, all-reduce of each shard with the same local
 rank of every other host through a gloo group of those ranks (one per local rank index, so every link is
 busy), all-gather in the host. Every other collective, point to point, and the small all_reduces go to
-one gloo group over all the group's ranks, as they would under gloo, with gloo's semantics and errors.
-The groups are made from the Store torch hands the backend, under keys of their own.
+one gloo group over all the group's ranks, as they would under gloo, with gloo's semantics. The groups
+are made from the Store torch hands the backend, under keys of their own.
+
+Mismatches: every collective (not point to point) first all-gathers a small signature over that flat
+group (which call, dtype, root; for all_reduce the op and element count), so ranks on different hosts
+that call different collectives all raise CollectiveMismatchError before any buffer changes (gloo itself
+would move mismatched bytes or wait for the timeout). It costs one small gloo call per collective.
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
 (an asynchronous all_reduce) overlaps with the rest of the backward pass. A failure in either level
 aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
-CollectiveTimeoutError (gloo's error chained) naming the ranks of the other hosts involved.
+CollectiveTimeoutError (gloo's error chained) naming the ranks involved by their global ranks and the
+ranks of the other hosts. gloo reports a dead peer as a closed socket, naming no rank, so a rank whose
+process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it.
+Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 """
 
 # mypy: disable-error-code="override"
@@ -30,7 +38,12 @@ import torch.distributed as dist
 
 from axonml_distributed import settings
 from axonml_distributed._core import Backend, ProcessGroup, ReduceOp, ThreadBackend
-from axonml_distributed.exceptions import CollectiveTimeoutError, DistributedError, PeerFailureError
+from axonml_distributed.exceptions import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
+    PeerFailureError,
+)
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.rendezvous import join_world
@@ -50,6 +63,13 @@ _TWO_LEVEL = {
     dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
     dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
 }
+# A call's signature, exchanged over the flat group before any data moves (see `_Signature`): ops and
+# dtypes by their place here (-1: another), other collectives by their place in `_FORWARDED`'s values.
+_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPES += (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
+_OPS = (*_TWO_LEVEL, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+_OTHER_CALLS = 100
+_CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
 _FORWARDED = {
     "broadcast": "broadcast",
@@ -78,6 +98,16 @@ _FORWARDED = {
     "recv_anysource": "recv_anysource",
     "monitored_barrier": "monitored_barrier",
 }
+# Point to point pairs two ranks, not the group; monitored_barrier reports the ranks that never came.
+_UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
+_CALLS = sorted(set(_FORWARDED.values()))
+
+
+def init_prefix(store: dist.Store, size: int) -> str:
+    """A key prefix of this init's own (collective: every rank of the job calls it once per init). A job
+    may destroy its group and init again over the same store, whose keys stay: read again, the last
+    init's proofs and gloo addresses would be stale. Each rank's `add` settles which init this is."""
+    return f"axonml/init/{(store.add('axonml/inits', 1) - 1) // size}/"
 
 
 def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
@@ -131,8 +161,10 @@ class HostsProcessGroup(dist.ProcessGroup):
         host_world: Backend,
         world: HostLayout,
         timeout: datetime.timedelta,
+        note: FailureNote,
     ) -> None:
         rank, size = ranks.index(layout.rank), len(ranks)
+        self._note = note
         super().__init__(rank, size)
         self._ranks = ranks
         self._layout = layout
@@ -151,6 +183,7 @@ class HostsProcessGroup(dist.ProcessGroup):
                 local, settings.hosts_segment_bytes() or DEFAULT_SEGMENT_BYTES
             )
             self._local = local
+            self._host_ranks = world.local_ranks
         self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="axonml-hosts")
         self._two_level_calls = 0
         self._completer: Completer | None = None
@@ -195,18 +228,22 @@ class HostsProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         op = opts.reduceOp
         kind = op.op if hasattr(op, "op") else op
+        # Started here, on the calling thread, so it takes its place among the flat group's calls in
+        # program order; nothing touches a buffer before it is checked.
+        signature = _Signature(_all_reduce_row(kind, tensors), self._flat, self.size())
         if (
             self._two_level is None
             or kind not in _TWO_LEVEL
             or any(t.is_sparse or not t.is_contiguous() for t in tensors)
             or sum(t.nbytes for t in tensors) < self._flat_below
         ):
+            self._check(signature, "all_reduce")
             return self._flat_allreduce(tensors, opts, kind)
         local_op, cross_op = _TWO_LEVEL[kind]
         factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else None
         post = _divide_by(self.size()) if kind == dist.ReduceOp.AVG else None
         self._two_level_calls += 1
-        started = self._lane.submit(self._run_two_level, tensors, local_op, cross_op, factor, post)
+        started = self._lane.submit(self._run_two_level, signature, tensors, local_op, cross_op, factor, post)
         work = Work([_Done(started)], tensors, None, self._get_completer)
         if getattr(opts, "asyncOp", True) is False:
             work.wait()
@@ -235,6 +272,7 @@ class HostsProcessGroup(dist.ProcessGroup):
 
     def _run_two_level(
         self,
+        signature: _Signature,
         tensors: list[torch.Tensor],
         local_op: ReduceOp,
         cross_op: Any,
@@ -242,6 +280,7 @@ class HostsProcessGroup(dist.ProcessGroup):
         post: Callable[[torch.Tensor], object] | None,
     ) -> None:
         assert self._two_level is not None
+        self._check(signature, "all_reduce")
         opts = dist.AllreduceOptions()
         opts.reduceOp = cross_op
 
@@ -255,26 +294,55 @@ class HostsProcessGroup(dist.ProcessGroup):
             try:
                 self._two_level(flat, local_op, cross, post)
             except Exception as e:
-                raise self._failed(e) from e
+                peers = [r for r in self._cross_ranks if r != self._layout.rank]
+                raise self._failed(e, peers, "this rank's peers on the other hosts") from e
 
-    def _failed(self, e: Exception) -> DistributedError:
-        """A two-level call failed: stop this host's ranks at once and say which hosts' ranks failed."""
-        others = [r for r in self._cross_ranks if r != self._layout.rank]
-        if isinstance(e, DistributedError):
-            self._local.backend().abort(str(e))
-            return e
+    def _check(self, signature: _Signature, call: str) -> None:
+        """Every rank of the group made the same call, or this raises before any buffer changes."""
+        try:
+            signature.check(self._ranks)
+        except CollectiveMismatchError:
+            raise  # every rank saw the same signatures and raises alike: nothing to abort
+        except Exception as e:
+            # Any rank of the group may be the one gone: gloo names a socket, not a rank.
+            others = [r for r in self._ranks if r != self._layout.rank]
+            raise self._failed(e, others, "the group", call) from e
+
+    def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
+        """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
+        by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
+        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
+        say which ranks the other hosts hold (a host peer that never came may be waiting on them) and
+        the job's first failure where one was noted."""
+        me = self._layout.rank
+        if self._two_level is not None:  # the host's ranks first: reading the note may take a moment
+            self._local.backend().abort(f"rank {me}: {call} failed: {e}")
+        hosts = [list(ranks) for ranks in self._layout.hosts if me not in ranks]
+        noted = self._note.read()
+        context = f"the other hosts hold ranks {hosts}"
+        if noted is not None:
+            context += f"; the job's first failure: {noted}"
+        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
+            host = self._host_ranks
+            named = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+            kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
+            return kind(
+                f"rank {me}: {call} failed inside this host (host ranks to global ranks: {named}; "
+                f"{context}): {e}",
+                rank=me,
+                ranks=[host[r] for r in e.ranks if 0 <= r < len(host)],
+                call=call,
+                group=self._ranks,
+            )
         text = str(e)
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
-        error = kind(
-            f"all_reduce across hosts failed between rank {self._layout.rank} and rank(s) {others} "
-            f"(same local rank on the other hosts): {text}",
-            rank=self._layout.rank,
-            ranks=others,
-            call="all_reduce",
+        return kind(
+            f"rank {me}: {call} across hosts failed with rank(s) {peers} ({who}; {context}): {text}",
+            rank=me,
+            ranks=peers,
+            call=call,
             group=self._ranks,
         )
-        self._local.backend().abort(str(error))
-        return error
 
     def _get_completer(self) -> Completer:
         with self._lock:
@@ -284,8 +352,13 @@ class HostsProcessGroup(dist.ProcessGroup):
 
 
 def _forward(theirs: str) -> Callable[..., Any]:
-    def method(self: HostsProcessGroup, *args: Any) -> Any:
-        return getattr(self._flat, theirs)(*args)
+    # torch calls some by keyword (`group.barrier(opts=opts)`).
+    def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if theirs not in _UNSIGNED:
+            self._check(
+                _Signature(_forwarded_row(theirs, [*args, *kwargs.values()]), self._flat, self.size()), theirs
+            )
+        return getattr(self._flat, theirs)(*args, **kwargs)
 
     method.__name__ = theirs
     return method
@@ -294,6 +367,135 @@ def _forward(theirs: str) -> Callable[..., Any]:
 # Methods of the class (torch's C++ finds overrides on the type, not on the instance).
 for _ours, _theirs in _FORWARDED.items():
     setattr(HostsProcessGroup, _ours, _forward(_theirs))
+
+
+class FailureNote:
+    """The job's first failure, noted in torch's Store (the default group's): ranks on other hosts learn
+    of a failure from their engine (gloo) as a closed socket or a timeout, which names no rank; they read
+    the note to name it. Store calls are bounded (`NOTE_SECONDS`): across a cut link they would hang."""
+
+    KEY = "axonml/hosts/first-failure"
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def write(self, text: str) -> None:
+        """Keeps the first note written: a later failure is usually a consequence of it."""
+        _bounded(lambda: self._store.compare_set(self.KEY, "", text))
+
+    def read(self) -> str | None:
+        def get() -> str | None:
+            return self._store.get(self.KEY).decode() if self._store.check([self.KEY]) else None
+
+        return _bounded(get)
+
+
+# How long a failing rank waits on the Store for a note, at most.
+NOTE_SECONDS = 2.0
+
+
+def _bounded(call: Callable[[], Any]) -> Any:
+    """`call()` on a daemon thread, waited for `NOTE_SECONDS` at most (None then, or if it raised)."""
+    result: list[Any] = [None]
+
+    def run() -> None:
+        try:
+            result[0] = call()
+        except Exception:  # noqa: BLE001 (a note is best effort: the failure it explains is raised anyway)
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="axonml-hosts-note")
+    thread.start()
+    thread.join(NOTE_SECONDS)
+    return result[0]
+
+
+class HostRank:
+    """This host's world as the excepthook sees it (`install_excepthook`): under this process's global
+    rank, so the abort it sends names the rank that failed as every host knows it; the abort also
+    leaves the job's failure note for the ranks of other hosts."""
+
+    def __init__(self, world: Backend, rank: int, note: FailureNote) -> None:
+        self._world, self._rank, self._note = world, rank, note
+
+    def rank(self) -> int:
+        return self._rank
+
+    def backend(self) -> HostRank:
+        return self
+
+    def abort(self, reason: str) -> None:
+        self._world.abort(reason)
+        self._note.write(reason)
+
+
+class _Signature:
+    """Every rank's call (what, dtype, element count, one more fact), all-gathered over the flat group:
+    a call that differs across hosts is refused on every rank before any buffer changes (inside a host
+    the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
+    mismatched bytes or waits for the timeout). Started when the call is made; `check` waits."""
+
+    FIELDS = 4
+
+    def __init__(self, row: list[int], flat: Any, size: int) -> None:
+        self._mine = torch.tensor(row, dtype=torch.int64)
+        self._all = torch.empty(size * self.FIELDS, dtype=torch.int64)
+        self._work = flat._allgather_base(self._all, self._mine)
+
+    def check(self, ranks: list[int]) -> None:
+        self._work.wait()
+        rows = self._all.view(-1, self.FIELDS).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        calls = {ranks[i]: _describe(row) for i, row in enumerate(rows)}
+        odd = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
+        theirs = "; ".join(f"rank {rank} called {call}" for rank, call in calls.items())
+        raise CollectiveMismatchError(
+            f"collective mismatch across hosts in group {ranks}: {theirs}; no buffer was changed",
+            calls=calls,
+            ranks=odd,
+            call=calls[ranks[0]],
+            group=ranks,
+        )
+
+
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _all_reduce_row(kind: Any, tensors: list[torch.Tensor]) -> list[int]:
+    """all_reduce: the op, the first tensor's dtype, the element count, the tensor count."""
+    op = _OPS.index(kind) if kind in _OPS else -1
+    return [op, _dtype_code(tensors[0].dtype), sum(t.numel() for t in tensors), len(tensors)]
+
+
+def _forwarded_row(theirs: str, args: list[Any]) -> list[int]:
+    """Another collective: which, its first tensor's dtype and the root where it has one (element
+    counts may differ by rank: gather, scatter, all_to_all)."""
+    tensors = _tensors_in(args)
+    roots = [a.rootRank for a in args if hasattr(a, "rootRank")]
+    dtype = tensors[0].dtype if tensors else None
+    return [_OTHER_CALLS + _CALLS.index(theirs), _dtype_code(dtype), 0, roots[0] if roots else -1]
+
+
+def _tensors_in(args: list[Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, list | tuple):
+            found += _tensors_in(list(a))
+    return found
+
+
+def _describe(row: list[int]) -> str:
+    what, code, count, fact = row
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
+    if what >= _OTHER_CALLS:
+        name = _CALLS[what - _OTHER_CALLS] if what - _OTHER_CALLS < len(_CALLS) else f"call {what}"
+        return f"{name}({dtype}" + (f", root {fact})" if fact >= 0 else ")")
+    op = str(_OPS[what]).rsplit(".", 1)[-1] if 0 <= what < len(_OPS) else f"op {what}"
+    return f"all_reduce({op}, {count} x {dtype} in {fact} tensor(s))"
 
 
 class _Done:

@@ -1,0 +1,317 @@
+"""The "axonml" torch backend across simulated hosts (2 hosts x 2 ranks under torchrun, c10d rendezvous):
+every collective against torch's reference, DDP against gloo's, faults (a rank that raises on the other
+host, a host killed, a link cut, a mismatch across hosts), hosts found honestly, an elastic restart.
+
+One pair of hosts serves the module (bringing hosts up costs seconds); a test that kills a host brings
+up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from axonml_distributed.simhosts import SimHosts
+from simhosts_fixture import MISSING, needs_simhosts, new_sim_hosts
+
+pytestmark = needs_simhosts
+torch = pytest.importorskip("torch")
+
+JOBS = Path(__file__).parent / "torch_jobs"
+_ports = itertools.count(29411)
+
+
+class Hosts:
+    """The module's simulated hosts, brought up again after a test took one down."""
+
+    def __init__(self) -> None:
+        self.sim: SimHosts | None = None
+
+    def get(self) -> SimHosts:
+        if self.sim is None:
+            self.sim = new_sim_hosts().up()
+        return self.sim
+
+    def spoiled(self) -> None:
+        if self.sim is not None:
+            self.sim.down()
+            self.sim = None
+
+
+@pytest.fixture(scope="module")
+def hosts_holder() -> Iterator[Hosts]:
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    holder = Hosts()
+    try:
+        yield holder
+    finally:
+        holder.spoiled()
+
+
+@pytest.fixture
+def hosts(hosts_holder: Hosts) -> SimHosts:
+    return hosts_holder.get()
+
+
+@dataclass
+class Agent:
+    """One host's torchrun: its exit code and everything it and its workers printed."""
+
+    host: int
+    code: int | None
+    out: str
+
+
+def start_torchrun(
+    hosts: SimHosts,
+    job: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    nnodes: str = "2",
+    torchrun_args: tuple[str, ...] = (),
+    out_dir: Path,
+) -> list[subprocess.Popen[bytes]]:
+    port = next(_ports)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}"]
+    cmd += ["--rdzv-id", f"job{secrets.token_hex(4)}", *torchrun_args, str(JOBS / job), *args]
+    agents = []
+    for i in range(2):
+        with open(out_dir / f"h{i}.out", "wb") as out:
+            agents.append(hosts.popen(i, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return agents
+
+
+def finish(agents: list[subprocess.Popen[bytes]], out_dir: Path, timeout: float) -> list[Agent]:
+    codes: list[int | None] = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            codes.append(None)
+    return [Agent(i, code, (out_dir / f"h{i}.out").read_text()) for i, code in enumerate(codes)]
+
+
+def torchrun(hosts: SimHosts, job: str, *args: str, out_dir: Path, timeout: float = 150, **kw) -> list[Agent]:  # type: ignore[no-untyped-def]
+    return finish(start_torchrun(hosts, job, *args, out_dir=out_dir, **kw), out_dir, timeout)
+
+
+def said(agents: list[Agent]) -> str:
+    return "\n".join(f"--- h{a.host} (exit {a.code}) ---\n{a.out[-8000:]}" for a in agents)
+
+
+def lines(agents: list[Agent], pattern: str) -> list[re.Match[str]]:
+    found = (re.match(pattern, line) for a in agents for line in a.out.splitlines())
+    return [m for m in found if m]
+
+
+@pytest.mark.timeout(240)
+def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tmp_path: Path) -> None:
+    agents = torchrun(
+        hosts, "hosts_collectives.py", out_dir=tmp_path, env={"AXONML_HOSTS_SEGMENT_KIB": "64"}, timeout=200
+    )
+    assert [a.code for a in agents] == [0, 0], said(agents)
+    done = lines(agents, r"rank (\d) of 4 on (h\d): (\d+) checks, 0 wrong$")
+    assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], said(agents)
+    assert all(m[2] == f"h{int(m[1]) // 2}" for m in done), said(agents)
+    assert all(int(m[3]) > 180 for m in done), said(agents)  # every part ran (roots check a few more)
+    assert "HostsProcessGroup" in agents[0].out, said(agents)
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+RAISED = r"rank (\d) raised (\w+): (.*)$"
+
+
+def raised(agents: list[Agent]) -> dict[int, tuple[str, str]]:
+    """Each rank's failure as it reported it: its type and message."""
+    return {int(m[1]): (m[2], m[3]) for m in lines(agents, RAISED)}
+
+
+def shm_left(hosts: SimHosts, where: list[int]) -> dict[int, list[str]]:
+    """What each host's /dev/shm holds (the hosts' own, private)."""
+    return {i: hosts.run(i, ["ls", "-A", "/dev/shm"], timeout=30).stdout.split() for i in where}
+
+
+def wait_for_lines(
+    out_dir: Path, word: str, count: int, agents: list[subprocess.Popen[bytes]], limit: float = 90
+) -> None:
+    """Until the hosts' outputs hold `count` lines with `word`, every agent ended, or `limit` seconds
+    passed (the test then fails on what the jobs said)."""
+    deadline = time.monotonic() + limit
+    while sum(path.read_text().count(word) for path in out_dir.glob("h*.out")) < count:
+        if all(agent.poll() is not None for agent in agents) or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_raises_on_the_other_host_fails_every_rank_naming_it(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    agents = torchrun(hosts, "hosts_faults.py", "raise", out_dir=tmp_path, timeout=120)
+    text = said(agents)
+    assert all(a.code not in (0, None) for a in agents), text
+    assert "never raised" not in text, text
+    failures = raised(agents)
+    assert sorted(failures) == [0, 1, 3], text
+    assert all(kind == "PeerFailureError" for kind, _ in failures.values()), text
+    # Every rank names rank 2 and its error: rank 3 from its host's abort, the ranks on h0 from the
+    # job's failure note (gloo itself tells them only of a closed socket); they also say which ranks
+    # the other host holds.
+    for _, message in failures.values():
+        assert "RuntimeError in rank 2: deliberate failure on rank 2" in message, text
+    for rank in (0, 1):
+        assert "[[2, 3]]" in failures[rank][1], text
+    assert "RuntimeError: deliberate failure on rank 2" in agents[1].out, text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+@pytest.mark.timeout(150)
+def test_a_host_killed_during_all_reduces_fails_the_survivors_naming_its_ranks(
+    hosts_holder: Hosts, tmp_path: Path
+) -> None:
+    hosts = hosts_holder.get()
+    try:
+        agents = start_torchrun(hosts, "hosts_faults.py", "loop", out_dir=tmp_path)
+        wait_for_lines(tmp_path, "looping", 4, agents)
+        hosts.kill(1)
+        done = finish(agents[:1], tmp_path, timeout=100)
+        left = shm_left(hosts, [0])
+    finally:
+        hosts_holder.spoiled()  # the tests after this one get fresh hosts
+    text = said(done)
+    assert done[0].code not in (0, None), text
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1], text
+    for kind, message in failures.values():
+        assert kind in ("PeerFailureError", "CollectiveTimeoutError"), text
+        assert "the other hosts hold ranks [[2, 3]]" in message, text  # the missing host's ranks
+    assert left == {0: []}
+
+
+@pytest.mark.timeout(150)
+def test_a_cut_link_fails_every_rank_with_a_timeout_naming_the_other_hosts_ranks(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    agents = start_torchrun(hosts, "hosts_faults.py", "loop", out_dir=tmp_path)
+    wait_for_lines(tmp_path, "looping", 4, agents)
+    hosts.link(1, False)
+    try:
+        # Every rank reports within the group's timeout (10 s; the job's own limit is 60 s: it then
+        # says "never raised"). The link stays cut until all four have: h0's agent, which serves the
+        # store, exits once its workers failed, and h1's agent stops its workers as soon as it hears.
+        wait_for_lines(tmp_path, "failed after", 4, agents)
+    finally:
+        hosts.link(1, True)
+    done = finish(agents, tmp_path, timeout=100)
+    text = said(done)
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1, 2, 3], text
+    for rank, (kind, message) in failures.items():
+        assert kind == "CollectiveTimeoutError", text
+        other = "[[2, 3]]" if rank < 2 else "[[0, 1]]"
+        assert f"the other hosts hold ranks {other}" in message, text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+@pytest.mark.timeout(200)
+def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """Rank 2 all_reduces one element more than the others, or broadcasts while they all_reduce; both
+    jobs run at once on the same hosts."""
+    dirs = {mode: tmp_path / mode for mode in ("mismatch-size", "mismatch-kind")}
+    started = {}
+    for mode, out_dir in dirs.items():
+        out_dir.mkdir()
+        started[mode] = start_torchrun(hosts, "hosts_faults.py", mode, out_dir=out_dir)
+    done = {mode: finish(started[mode], dirs[mode], timeout=150) for mode in dirs}
+    for agents in done.values():
+        text = said(agents)
+        assert "never raised" not in text, text
+        assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) buffer unchanged: True$")) == [0, 1, 2, 3]
+        assert sorted(raised(agents)) == [0, 1, 2, 3], text
+    size = raised(done["mismatch-size"])
+    for kind, message in size.values():
+        assert kind == "CollectiveMismatchError", said(done["mismatch-size"])
+        assert "rank 2 called all_reduce(SUM, 300004 x float32" in message, message
+        assert "rank 0 called all_reduce(SUM, 300003 x float32" in message, message
+    kinds = raised(done["mismatch-kind"])
+    for kind, message in kinds.values():
+        assert kind == "CollectiveMismatchError", said(done["mismatch-kind"])
+        assert "rank 2 called broadcast(float32, root 0)" in message, message
+        assert "rank 3 called all_reduce(SUM, 300003 x float32" in message, message
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# ---- hosts found honestly ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """AXONML_HOST_ID alike on both hosts: the candidates' proof (a /dev/shm object of the lowest rank
+    that the others read back) splits them; each host then holds one segment of its own, which only
+    its own ranks map (the same object on both of them, on their host's /dev/shm), and all_reduce is
+    right."""
+    agents = torchrun(
+        hosts, "hosts_identity.py", out_dir=tmp_path, env={"AXONML_HOST_ID": "one-host"}, timeout=120
+    )
+    text = said(agents)
+    assert [a.code for a in agents] == [0, 0], text
+    facts = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) facts (.*)$")}
+    assert sorted(facts) == [0, 1, 2, 3], text
+    for seen in facts.values():
+        assert seen["hosts"] == [[0, 1], [2, 3]], text
+    devices = {rank: seen["shm_device"] for rank, seen in facts.items()}
+    assert devices[0] == devices[1] != devices[2] == devices[3], text  # each host its own /dev/shm
+    maps = {rank: set(seen["maps"]) for rank, seen in facts.items()}
+    assert maps[0] == maps[1] and maps[2] == maps[3] and len(maps[0]) == len(maps[2]) == 1, text
+    for rank, mapped in maps.items():
+        assert all(m.split()[0] == devices[rank] for m in mapped), text  # never the other host's
+    for seen in facts.values():  # nothing of the other host's (the segment itself is unlinked)
+        assert seen["listing"] == [], text
+    assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) all_reduce right$")) == [0, 1, 2, 3], text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# ---- elastic restart ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHosts, tmp_path: Path) -> None:
+    """torchrun --nnodes 1:2 --max-restarts 1 on both hosts, as torchrun runs by default: the agents
+    share one store across rounds, whose keys stay. On torch 2.15 gloo alone fails there (its second
+    round dials the first round's dead ports: connectFullMesh, connection refused) unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; "axonml" needs no such setting, since each init's keys,
+    gloo's groups between hosts included, are under a prefix of its own (with it set, it works too)."""
+    agents = torchrun(
+        hosts,
+        "hosts_elastic.py",
+        "axonml",
+        out_dir=tmp_path,
+        nnodes="1:2",
+        torchrun_args=("--max-restarts", "1"),
+        timeout=170,
+    )
+    text = said(agents)
+    assert [a.code for a in agents] == [0, 0], text
+    assert "RuntimeError: rank 2 fails once" in agents[1].out, text
+    done = lines(agents, r"rank (\d) of 4: all_reduce right$")
+    assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], text
