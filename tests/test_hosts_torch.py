@@ -85,6 +85,10 @@ def start_torchrun(
     port = next(_ports)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}"]
+    # torchrun's agent ends a failed worker's siblings at its next look (every 0.1 s by default): on a
+    # loaded machine, before they report what they raised. A slower look lets the fault jobs report.
+    if job == "hosts_faults.py":
+        cmd += ["--monitor-interval", "5"]
     cmd += ["--rdzv-id", f"job{secrets.token_hex(4)}", *torchrun_args, str(JOBS / job), *args]
     agents = []
     for i in range(2):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
 from axonml_distributed.exceptions import CollectiveTimeoutError
+from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.profiling import enabled as _profiling
 from axonml_distributed.torch.profiling import profiled
 from axonml_distributed.torch.sparse import all_reduce_sparse
@@ -147,44 +148,19 @@ def _none(*_: Any, **__: Any) -> Sequence[torch.Tensor]:
     return ()
 
 
-class AxonmlProcessGroup(dist.ProcessGroup):
+class AxonmlProcessGroup(NamedGroup):
     """torch's ProcessGroup interface over a native `ProcessGroup`: torch passes group ranks, the core
     takes global ones."""
 
     def __init__(self, native: ProcessGroup, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, native.ranks())
         self._native: Any = native  # takes CPU tensors where its stub says arrays
-        self._ranks = native.ranks()
         self._rank = rank
         self._completers: dict[Any, Completer] = {}
         self._lock = threading.Lock()
         # Looked up once: `allreduce`'s short way pays for no lookup it can avoid.
         self._all_reduce = native.all_reduce
         self._coll = self._completer("coll")
-        self._group_name = ""
-        self._group_desc = ""
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return BACKEND
-
-    # torch names every group (destroy_process_group(g), functional collectives and DeviceMesh look
-    # groups up by name) through methods that only reach registered C++ backends: keep them here.
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    @property
-    def group_desc(self) -> str:
-        return self._group_desc
-
-    def size(self) -> int:
-        return len(self._ranks)
 
     def _get_sequence_number_for_group(self) -> int:
         """The engine's number of the last collective this rank entered on the group: equal on every
@@ -193,13 +169,6 @@ class AxonmlProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"AxonmlProcessGroup(rank={self.rank()}, ranks={self._ranks})"
-
-    def _get_backend(self, device: Any) -> AxonmlProcessGroup:
-        """This group is its own CPU backend: torch asks for it (batch_isend_irecv does, and a Python
-        ProcessGroup has none registered), and a RuntimeError means none, as torch expects."""
-        if torch.device(device).type != "cpu":
-            raise RuntimeError(f"the axonml backend has no backend for device {device} (CPU only)")
-        return self
 
     # -- plumbing -----------------------------------------------------------------------------------
 

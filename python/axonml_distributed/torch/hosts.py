@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,9 +48,9 @@ from axonml_distributed.exceptions import (
 )
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
-from axonml_distributed.torch_entry import BACKEND
 
 # Below this many bytes an all_reduce across hosts is one gloo call over every rank: measured with
 # `python -m axonml_distributed.bench --hosts 2` (README, "Several hosts").
@@ -149,7 +151,7 @@ def local_group(
     return ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
 
 
-class HostsProcessGroup(dist.ProcessGroup):
+class HostsProcessGroup(NamedGroup):
     """torch's ProcessGroup over several hosts (see the module docs). `ranks`: the group's global
     ranks; `layout`: them sorted into hosts, as this rank sees them."""
 
@@ -165,8 +167,7 @@ class HostsProcessGroup(dist.ProcessGroup):
     ) -> None:
         rank, size = ranks.index(layout.rank), len(ranks)
         self._note = note
-        super().__init__(rank, size)
-        self._ranks = ranks
+        super().__init__(rank, ranks)
         self._layout = layout
         self._flat = gloo(store, "axonml/flat/", rank, size, timeout)
         below = settings.hosts_flat_below()
@@ -184,43 +185,16 @@ class HostsProcessGroup(dist.ProcessGroup):
             )
             self._local = local
             self._host_ranks = world.local_ranks
-        self._lane = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="axonml-hosts")
+        self._lane = _Lane()
         self._two_level_calls = 0
         self._completer: Completer | None = None
         self._lock = threading.Lock()
-        self._group_name = ""
-        self._group_desc = ""
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return BACKEND
-
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    @property
-    def group_desc(self) -> str:
-        return self._group_desc
-
-    def size(self) -> int:
-        return len(self._ranks)
 
     def _get_sequence_number_for_group(self) -> int:
         return self._flat._get_sequence_number_for_group() + self._two_level_calls
 
     def __repr__(self) -> str:
         return f"HostsProcessGroup(rank={self.rank()}, hosts={list(map(list, self._layout.hosts))})"
-
-    def _get_backend(self, device: Any) -> HostsProcessGroup:
-        if torch.device(device).type != "cpu":
-            raise RuntimeError(f"the axonml backend has no backend for device {device} (CPU only)")
-        return self
 
     # -- all_reduce -----------------------------------------------------------------------------------
 
@@ -496,6 +470,34 @@ def _describe(row: list[int]) -> str:
         return f"{name}({dtype}" + (f", root {fact})" if fact >= 0 else ")")
     op = str(_OPS[what]).rsplit(".", 1)[-1] if 0 <= what < len(_OPS) else f"op {what}"
     return f"all_reduce({op}, {count} x {dtype} in {fact} tensor(s))"
+
+
+class _Lane:
+    """Runs a group's two-level calls in program order on one daemon thread (a thread pool's would be
+    joined at exit: a call still waiting on a vanished host would hold the interpreter until its
+    timeout)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[None], Callable[[], None]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="axonml-hosts", daemon=True).start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue.put((future, partial(fn, *args)))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, call = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                call()
+            except BaseException as e:  # the caller's wait() raises it
+                future.set_exception(e)
+            else:
+                future.set_result(None)
 
 
 class _Done:
