@@ -91,6 +91,8 @@ def start_torchrun(
         cmd += ["--monitor-interval", "5"]
     cmd += ["--rdzv-id", f"job{secrets.token_hex(4)}", *torchrun_args, str(JOBS / job), *args]
     agents = []
+    # The jobs' tensors are small: every all_reduce of 64 KiB or more takes both levels.
+    env = {"AXONML_HOSTS_FLAT_BELOW": "65536", **(env or {})}
     for i in range(2):
         with open(out_dir / f"h{i}.out", "wb") as out:
             agents.append(hosts.popen(i, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))

@@ -22,9 +22,14 @@ import numpy as np
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
 
-# Pipeline segment: large enough that each engine call moves a shard worth its latency, small enough
-# that the levels overlap on a 64 MiB message (measured: `python -m axonml_distributed.bench --hosts 2`).
-DEFAULT_SEGMENT_BYTES = 8 << 20
+# Measured with `python -m axonml_distributed.bench --hosts 2` (2 simulated hosts x 2 ranks on 2 cores,
+# 10 Gbit/s links, README "Several hosts"): each engine call between hosts costs milliseconds there, so
+# pipeline segments pay only when large (64 MiB: 1.07-1.20x flat gloo with 32-64 MiB segments, 0.95-0.99x
+# with 8-16 MiB), and below 32 MiB one flat call over every rank was as fast or faster. Where the links,
+# not the cores, are the bottleneck, smaller values of both pay: AXONML_HOSTS_SEGMENT_KIB and
+# AXONML_HOSTS_FLAT_BELOW set them.
+DEFAULT_SEGMENT_BYTES = 32 << 20
+DEFAULT_FLAT_BELOW = 32 << 20
 
 
 class Waitable(Protocol):

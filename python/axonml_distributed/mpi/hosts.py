@@ -57,17 +57,18 @@ from axonml_distributed._core import (
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import DistributedError
 from axonml_distributed.hosts.layout import ITEM_BYTES, HostLayout, find_hosts
-from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce, split
+from axonml_distributed.hosts.two_level import (
+    DEFAULT_FLAT_BELOW,
+    DEFAULT_SEGMENT_BYTES,
+    TwoLevelAllReduce,
+    split,
+)
 from axonml_distributed.mpi.args import checkable, finish_result, prescale
 from axonml_distributed.mpi.check import check_signatures, signature
 from axonml_distributed.mpi.group import MpiProcessGroup
 from axonml_distributed.mpi.queue import MpiWork, abort_job, complete_or_abort
 from axonml_distributed.tensors import like, numpy_view
 
-# Below this many bytes an all_reduce across hosts is one MPI call over every rank: the two levels cost
-# four calls and a signature check more, worth it once the bytes on the hosts' links dominate. The
-# torch backend's cut (measured there with gloo); AXONML_HOSTS_FLAT_BELOW sets it (rank 0's counts).
-DEFAULT_FLAT_BELOW = 64 << 10
 INTEGERS = [(kind, bits) for kind in ("int", "uint") for bits in (8, 16, 32, 64)]
 # The dtypes that go through both levels: MPI reduces them as they are (float16 and bfloat16 would widen
 # to float32 on one level and not the other), and MIN/MAX/PRODUCT are elementwise (not on complex).

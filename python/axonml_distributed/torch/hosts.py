@@ -47,14 +47,11 @@ from axonml_distributed.exceptions import (
     PeerFailureError,
 )
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
-from axonml_distributed.hosts.two_level import DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
 
-# Below this many bytes an all_reduce across hosts is one gloo call over every rank: measured with
-# `python -m axonml_distributed.bench --hosts 2` (README, "Several hosts").
-DEFAULT_FLAT_BELOW = 64 << 10
 # Ops both levels carry (AVG as SUM and one division, PREMUL_SUM as a scaling and SUM); gloo has no
 # AVG or PREMUL_SUM of its own, so a flat call does the same around gloo's SUM.
 _TWO_LEVEL = {
