@@ -59,6 +59,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -86,16 +87,16 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def _launch(cmd: list[str], env: dict[str, str]) -> Results | str:
-    """Run one peer's workers; its rank 0 prints the results as one JSON line. A string says why not."""
+def launch_workers(cmd: list[str], env: dict[str, str]) -> Any:
+    """Run one launch of bench workers; its rank 0 prints the results as one JSON line (returned as it
+    decodes). A string says why there are none."""
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         return "timed out after 1800 s"
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
-            result: Results = json.loads(line[len(RESULT) :])
-            return result
+            return json.loads(line[len(RESULT) :])
     return f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
 
 
@@ -195,7 +196,7 @@ def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespac
                 hog = _hog() if mode == "busy" else None
                 try:
                     loads[mode].append(os.getloadavg()[0])
-                    got = _launch(cmd, env)
+                    got = launch_workers(cmd, env)
                 finally:
                     if hog is not None:
                         hog.kill()

@@ -18,19 +18,17 @@ blocks still compare the code. ``--ranks 1`` measures the layers alone, with no 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from axonml_distributed.bench.common import human
+from axonml_distributed.bench.procs import launch_workers
 
 WORKER = str(Path(__file__).with_name("torch_calls_worker.py"))
 # The worker's names (not imported: importing the worker imports torch).
-RESULT = "BENCH-RESULT "
 MODES = {"blocking": "dist.all_reduce(t)", "async": "dist.all_reduce(t, async_op=True).wait()"}
 STATS = {
     "median": "median block",
@@ -41,20 +39,6 @@ TARGET_US = 1.5
 Launch = dict[str, dict[str, dict[str, list[float]]]]
 # label -> stat -> mode -> contender -> seconds per call, per size (the median over launches)
 Results = dict[str, Launch]
-
-
-def _launch(cmd: list[str]) -> Launch | str:
-    """One launch's rank-0 result, or why there is none."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        return "timed out after 1800 s"
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            result: Launch = json.loads(line[len(RESULT) :])
-            return result
-    return f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
 
 
 def _us(t: float | None) -> str:
@@ -119,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for label, python in pythons.items():  # in turns, so a burst of load hits both builds alike
                 loads.append(os.getloadavg()[0])
                 cmd = [python, "-m", "axonml_distributed.run", "--nproc-per-node", str(n), WORKER, *job]
-                got = _launch(cmd)
+                got = launch_workers(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
                 if isinstance(got, str):
                     print(f"[bench --torch-calls] {label} launch failed: {got}", file=sys.stderr)
                     continue
