@@ -121,6 +121,24 @@ def all_reduces(rank: int, world: int) -> None:
     for i, (w, t) in enumerate(zip(works, tensors, strict=True)):
         w.wait()
         same(f"async all_reduce #{i}", t, sum(data(r, 50_000, torch.float32, 70 + i) for r in range(world)))
+    # A two-level all_reduce still in flight, then a call that goes to gloo: it waits for it (program
+    # order), so the broadcast sends the reduced values.
+    pending = data(rank, 50_000, torch.float32, 80)
+    work = dist.all_reduce(pending, async_op=True)
+    dist.broadcast(pending, src=1)
+    work.wait()
+    same(
+        "broadcast after a pending async all_reduce",
+        pending,
+        sum(data(r, 50_000, torch.float32, 80) for r in range(world)),
+    )
+    # A dtype gloo cannot carry between hosts: the same TypeError on every rank, and the group goes on.
+    try:
+        dist.all_reduce(torch.ones(8, dtype=torch.int16))
+        check("int16 across hosts refused", False, lambda: "no error")
+    except TypeError as e:
+        said = str(e)
+        check("int16 across hosts refused", "gloo carries no torch.int16" in said, lambda: said)
 
 
 def collectives(rank: int, world: int) -> None:

@@ -100,7 +100,8 @@ def find_hosts(rank: int, size: int, all_gather: AllGather) -> HostLayout:
     while unproven:
         mine = next((group for group in unproven if rank in group), None)
         offering = mine is not None and mine[0] == rank
-        proof = _Proof.create() if offering else None
+        # An offerer that cannot make its object (no /dev/shm, or full) still settles, as a host of its own.
+        proof = _Proof.try_create() if offering else None
         try:
             offers = all_gather(proof.offer if proof else bytes(ITEM_BYTES))
             proven = offering or (mine is not None and _Proof.check(offers[mine[0]]))
@@ -126,6 +127,13 @@ class _Proof:
     @staticmethod
     def path(name: bytes) -> Path:
         return Path(SEGMENT_DIR) / f"{_PROOF_PREFIX}{os.geteuid()}-{name.hex()}"
+
+    @classmethod
+    def try_create(cls) -> _Proof | None:
+        try:
+            return cls.create()
+        except OSError:
+            return None
 
     @classmethod
     def create(cls) -> _Proof:

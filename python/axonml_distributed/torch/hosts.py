@@ -167,8 +167,13 @@ class HostsProcessGroup(NamedGroup):
         super().__init__(rank, ranks)
         self._layout = layout
         self._flat = gloo(store, "axonml/flat/", rank, size, timeout)
-        below = settings.hosts_flat_below()
-        self._flat_below = DEFAULT_FLAT_BELOW if below is None else below
+        # Rank 0's cut and segment for every member: ranks that chose different paths (or shards) would
+        # meet in different engines and wait for the timeout.
+        below, segment = settings.hosts_flat_below(), settings.hosts_segment_bytes()
+        if rank == 0:
+            mine = [DEFAULT_FLAT_BELOW if below is None else below, segment or DEFAULT_SEGMENT_BYTES]
+            store.set("axonml/tuning", ",".join(map(str, mine)))
+        self._flat_below, segment = (int(v) for v in store.get("axonml/tuning").decode().split(","))
         self._two_level: TwoLevelAllReduce | None = None
         self._cross: Any = None
         if layout.uniform and len(layout.local_ranks) > 1:
@@ -177,9 +182,7 @@ class HostsProcessGroup(NamedGroup):
                 store, f"axonml/cross/{layout.local_rank}/", layout.host, len(layout.hosts), timeout
             )
             self._cross_ranks = layout.peers()
-            self._two_level = TwoLevelAllReduce(
-                local, settings.hosts_segment_bytes() or DEFAULT_SEGMENT_BYTES
-            )
+            self._two_level = TwoLevelAllReduce(local, segment)
             self._local = local
             self._host_ranks = world.local_ranks
         self._lane = _Lane()
@@ -204,11 +207,14 @@ class HostsProcessGroup(NamedGroup):
         signature = _Signature(_all_reduce_row(kind, tensors), self._flat, self.size())
         if (
             self._two_level is None
+            or any(t.dtype in _NOT_GLOO for t in tensors)
             or kind not in _TWO_LEVEL
             or any(t.is_sparse or not t.is_contiguous() for t in tensors)
             or sum(t.nbytes for t in tensors) < self._flat_below
         ):
             self._check(signature, "all_reduce")
+            _refuse_not_gloo(tensors, "all_reduce")
+            self._lane.drain()
             return self._flat_allreduce(tensors, opts, kind)
         local_op, cross_op = _TWO_LEVEL[kind]
         factor = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else None
@@ -329,6 +335,9 @@ def _forward(theirs: str) -> Callable[..., Any]:
             self._check(
                 _Signature(_forwarded_row(theirs, [*args, *kwargs.values()]), self._flat, self.size()), theirs
             )
+        _refuse_not_gloo(_tensors_in([*args, *kwargs.values()]), theirs)
+        # gloo runs a group's calls in order: so do we, after the two-level all_reduces before it.
+        self._lane.drain()
         return getattr(self._flat, theirs)(*args, **kwargs)
 
     method.__name__ = theirs
@@ -479,10 +488,19 @@ class _Lane:
         self._queue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="axonml-hosts", daemon=True).start()
 
+        self._last: concurrent.futures.Future[None] | None = None
+
     def submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._queue.put((future, partial(fn, *args)))
+        self._last = future
         return future
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has ended (its own Work reports how)."""
+        last = self._last
+        if last is not None and not last.done():
+            concurrent.futures.wait([last])
 
     def _serve(self) -> None:
         while True:
@@ -508,6 +526,21 @@ class _Done:
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+# What gloo cannot carry (torch 2.15: "Invalid scalar type"); the core can, on one host.
+_NOT_GLOO = (torch.int16, torch.uint16, torch.uint32, torch.uint64)
+
+
+def _refuse_not_gloo(tensors: list[torch.Tensor], call: str) -> None:
+    """Refuse, alike on every rank (after the signature check agreed on the dtype), a dtype that gloo
+    cannot carry between hosts."""
+    odd = sorted({str(t.dtype) for t in tensors if t.dtype in _NOT_GLOO})
+    if odd:
+        raise TypeError(
+            f"{call} across hosts: gloo carries no {', '.join(odd)} between hosts (one host takes them); "
+            "use int32, int64 or a floating dtype"
+        )
 
 
 def _divide_by(n: int) -> Callable[[torch.Tensor], object]:
