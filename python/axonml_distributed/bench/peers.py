@@ -200,8 +200,18 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         out = {"ranks": n, "load": os.getloadavg()[0], "median_s": results, "skipped": skipped}
         print(_RESULT + json.dumps(out), flush=True)
+    _remove_deepspeed_buffers(rank)
     dist.destroy_process_group()
     return 0
+
+
+def _remove_deepspeed_buffers(rank: int) -> None:
+    """DeepSpeed never unlinks its shared-memory buffers (``deepspeed_allreduce_buffer_*_<addr>_<port>_
+    <rank>``, 66 MiB each): each rank removes its own, which this run made (its address and port)."""
+    mine = f"_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        if path.endswith(mine):
+            os.unlink(path)
 
 
 # --- the launcher -------------------------------------------------------------------------------------------
