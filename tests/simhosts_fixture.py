@@ -10,6 +10,7 @@ removed after the test however it ends; a run that a killed test process left is
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +23,13 @@ MISSING = missing_requirements()
 needs_simhosts = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
-def mpich_across(hosts: SimHosts, per_host: int, mpiexec: str) -> list[str]:
+def mpich_across(hosts: SimHosts, per_host: int, mpiexec: str, script: str, *args: str) -> list[str]:
     """MPICH's mpiexec (hydra), run on the ctl node, starting its proxies on every host through the fake
-    ssh: `per_host` ranks on each, over the hosts' own network (the command, before `-n N PROGRAM`)."""
+    ssh: `per_host` ranks on each, over the hosts' own network, each running `script` under
+    ``python -m mpi4py`` (an exception on any rank ends the job)."""
     placed = ",".join(f"{hosts.name(i)}:{per_host}" for i in range(hosts.n))
-    return [mpiexec, "-launcher", "ssh", "-launcher-exec", hosts.ssh, "-iface", "eth0", "-hosts", placed]
+    cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", hosts.ssh, "-iface", "eth0", "-hosts", placed]
+    return [*cmd, "-n", str(per_host * hosts.n), sys.executable, "-m", "mpi4py", script, *args]
 
 
 def new_sim_hosts(n: int = 2) -> SimHosts:

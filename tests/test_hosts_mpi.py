@@ -8,7 +8,6 @@ shared-memory segment of ours left on any host after any of them.
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -40,16 +39,7 @@ def mpiexec(
     """`script` from tests/mpi_jobs as 2 ranks on each host under `python -m mpi4py`; then no segment or
     proof of ours is left in any host's /dev/shm."""
     assert MPIEXEC is not None
-    cmd = [
-        *mpich_across(hosts, 2, MPIEXEC),
-        "-n",
-        "4",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOBS / script),
-        *args,
-    ]
+    cmd = mpich_across(hosts, 2, MPIEXEC, str(JOBS / script), *args)
     done = hosts.run("ctl", cmd, timeout=150, cwd=str(JOBS), env={**job_env(), **(env or {})})
     for i in range(hosts.n):
         listed = hosts.run(i, ["ls", "-a", SEGMENT_DIR], timeout=30).stdout.split()

@@ -172,15 +172,7 @@ def test_mpich_all_reduce_across_2_hosts_x_2_ranks_under_mpiexec(sim_hosts: SimH
     if open_mpi():
         pytest.skip("the launcher flags here are MPICH's (hydra)")
     assert MPIEXEC is not None
-    cmd = [
-        *mpich_across(sim_hosts, 2, MPIEXEC),
-        "-n",
-        "4",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(JOBS / "across_hosts.py"),
-    ]
+    cmd = mpich_across(sim_hosts, 2, MPIEXEC, str(JOBS / "across_hosts.py"))
     done = sim_hosts.run("ctl", cmd, timeout=100, cwd=str(JOBS), env=job_env())
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     for rank in range(4):
