@@ -275,7 +275,9 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
     """AXONML_HOST_ID alike on both hosts: the candidates' proof (a /dev/shm object of the lowest rank
     that the others read back) splits them; each host then holds one segment of its own, which only
     its own ranks map (the same object on both of them, on their host's /dev/shm), and all_reduce is
-    right."""
+    right. destroy_process_group then ends every thread the group started (gloo's and its lane): a gloo
+    group left to the interpreter's exit could abort the process as it finished ("terminate called
+    without an active exception", SIGABRT after the job's last line)."""
     agents = torchrun(
         hosts, "hosts_identity.py", out_dir=tmp_path, env={"AXONML_HOST_ID": "one-host"}, timeout=120
     )
@@ -294,6 +296,10 @@ def test_hosts_claiming_one_identity_are_split_by_the_proof_and_share_no_memory(
     for seen in facts.values():  # nothing of the other host's (the segment itself is unlinked)
         assert seen["listing"] == [], text
     assert sorted(int(m[1]) for m in lines(agents, r"rank (\d) all_reduce right$")) == [0, 1, 2, 3], text
+    threads = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) threads (.*)$")}
+    assert sorted(threads) == [0, 1, 2, 3], text
+    for seen in threads.values():
+        assert "pt_gloo_runloop" in seen["during"] and seen["after"] == seen["before"], text
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
 
 

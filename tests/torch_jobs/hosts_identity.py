@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,13 @@ from output import say  # the jobs' directory is on sys.path: they run as script
 
 import axonml_distributed.torch as axonml_torch
 
+def threads() -> list[str]:
+    """The names of this process's threads."""
+    tasks = Path("/proc/self/task")
+    return sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+
+
+before = threads()
 dist.init_process_group("axonml")
 rank, world = dist.get_rank(), dist.get_world_size()
 layout = axonml_torch._hosts
@@ -41,5 +49,7 @@ for n in (1_000, 300_003):
     right &= torch.equal(t, torch.arange(n, dtype=torch.float32) % 17 * sum(range(1, world + 1)))
 say(f"rank {rank} all_reduce {'right' if right else 'WRONG'}")
 dist.barrier()  # nobody leaves (and removes the segment) before every rank has looked
+during = threads()
 dist.destroy_process_group()
+say(f"rank {rank} threads {json.dumps({'before': before, 'during': during, 'after': threads()})}")
 sys.exit(0 if right else 1)

@@ -27,10 +27,12 @@ Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -186,12 +188,27 @@ class HostsProcessGroup(NamedGroup):
             self._local = local
             self._host_ranks = world.local_ranks
         self._lane = _Lane()
+        self._timeout = timeout
+        _LIVE.add(self)
         self._two_level_calls = 0
         self._completer: Completer | None = None
         self._lock = threading.Lock()
 
     def _get_sequence_number_for_group(self) -> int:
         return self._flat._get_sequence_number_for_group() + self._two_level_calls
+
+    def shutdown(self) -> None:
+        """torch's `destroy_process_group` (and the interpreter's exit, for a group never destroyed):
+        end the group's lane and let go of its gloo groups while the interpreter is whole. A gloo group
+        left to the interpreter's teardown may still hold a finished call's tensors on one of its
+        threads, whose release then takes the GIL of an interpreter going away, and the process aborts
+        ("terminate called without an active exception"). Let go of here, torch destroys it with the
+        GIL released, joining its threads. Calls after this raise."""
+        if isinstance(self._flat, _ShutDown):
+            return
+        self._lane.close(self._timeout.total_seconds())
+        self._two_level = None
+        self._flat = self._cross = _ShutDown(repr(self))
 
     def __repr__(self) -> str:
         return f"HostsProcessGroup(rank={self.rank()}, hosts={list(map(list, self._layout.hosts))})"
@@ -484,10 +501,10 @@ class _Lane:
     timeout)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[None], Callable[[], None]]]
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[None], Callable[[], None]] | None]
         self._queue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="axonml-hosts", daemon=True).start()
-
+        self._thread = threading.Thread(target=self._serve, name="axonml-hosts", daemon=True)
+        self._thread.start()
         self._last: concurrent.futures.Future[None] | None = None
 
     def submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
@@ -502,17 +519,43 @@ class _Lane:
         if last is not None and not last.done():
             concurrent.futures.wait([last])
 
+    def close(self, timeout: float) -> None:
+        """End the thread once the calls submitted so far have run (waiting `timeout` at most: a call
+        stuck on a vanished host keeps its thread, a daemon)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
     def _serve(self) -> None:
-        while True:
-            future, call = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                call()
-            except BaseException as e:  # the caller's wait() raises it
-                future.set_exception(e)
-            else:
-                future.set_result(None)
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    call()
+                except BaseException as e:  # the caller's wait() raises it
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
+            del item, future, call  # an idle thread holds no call's group or tensors
+
+
+class _ShutDown:
+    """Stands for a shut-down group's gloo groups: any use says so."""
+
+    def __init__(self, group: str) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"{self._group} was shut down (destroy_process_group): no call can use it")
+
+
+# Groups not yet shut down, shut down at exit if the job never destroyed them (see `shutdown`).
+_LIVE: weakref.WeakSet[HostsProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_live_groups() -> None:
+    for group in list(_LIVE):
+        group.shutdown()
 
 
 class _Done:
