@@ -24,6 +24,7 @@ BUSBW_NOTE = (
     "busbw as nccl-tests: algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather / reduce_scatter / "
     "all_to_all, x 1 for broadcast"
 )
+DPI = 110  # pixels per inch of the saved PNGs
 _STYLE = {"ours": "-", "peer": "--", "bound": ":"}
 
 
@@ -46,7 +47,7 @@ def save(fig: Any, path: Path) -> None:
     """Write the figure as a PNG (its parent directory made as needed) and release it."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, format="png")
+    fig.savefig(path, dpi=DPI, format="png")
     pyplot().close(fig)
 
 
