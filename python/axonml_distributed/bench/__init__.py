@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     status, curves = run(given)
     if args.plot is not None:
         if curves:
-            plot.draw_sweep(curves, args.plot, title)
+            # Figures of a shared machine compare within one run only: the chart says how busy it was.
+            load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end"
+            plot.draw_sweep(curves, args.plot, f"{title}; {load}")
             print(f"chart: {args.plot}")
         else:
             print("no chart: nothing was measured", file=sys.stderr)

@@ -40,12 +40,13 @@ def pyplot() -> Any:
 
 def subplots(rows: int, cols: int, width: float, height: float) -> tuple[Any, Any]:
     """A new figure of rows x cols panels, `width` x `height` inches each; axes always a 2-D array."""
-    return pyplot().subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    # Constrained layout leaves room for a figure title of several lines, which tight_layout does not.
+    size = (width * cols, height * rows)
+    return pyplot().subplots(rows, cols, figsize=size, squeeze=False, layout="constrained")
 
 
 def save(fig: Any, path: Path) -> None:
     """Write the figure as a PNG (its parent directory made as needed) and release it."""
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI, format="png")
     pyplot().close(fig)
