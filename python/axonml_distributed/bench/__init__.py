@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             # Figures of a shared machine compare within one run only: the chart says how busy it was.
             load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end"
             plot.draw_sweep(curves, args.plot, f"{title}; {load}")
-            print(f"chart: {args.plot}")
+            print(f"chart: {args.plot}", file=sys.stderr)  # stderr: stdout may end in --json's object
         else:
             print("no chart: nothing was measured", file=sys.stderr)
     return status

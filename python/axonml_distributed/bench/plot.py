@@ -67,24 +67,28 @@ def sweep_figure(curves: Sequence[Curve], title: str) -> Any:
     if not groups:
         raise ValueError("nothing measured to plot")
     fig, axes = subplots(len(groups), 2, 6.0, 3.6)
+    ticker: Any = importlib.import_module("matplotlib.ticker")
     for (bw, lat), members in zip(axes, groups.values(), strict=True):
         for c in members:
             style = _STYLE[c.kind]
             line = bw.plot(c.sizes, c.busbw_gbps(), style, marker="o", ms=3, label=c.label)[0]
-            lat.plot(c.sizes, [t * 1e6 for t in c.seconds], style, marker="o", ms=3, label=c.label)
-            lat.lines[-1].set_color(line.get_color())
+            us = [t * 1e6 for t in c.seconds]
+            lat.plot(c.sizes, us, style, marker="o", ms=3, label=c.label, color=line.get_color())
         head = _group_title(members[0])
         bw.set_title(f"{head}: bus bandwidth")
         bw.set_ylabel("busbw (GB/s)")
         lat.set_title(f"{head}: latency")
         lat.set_ylabel("time per call (us)")
         lat.set_yscale("log")
+        # Plain numbers (6, 20, 1e+04) rather than 6x10^0 on a range of less than a decade.
+        lat.yaxis.set_major_formatter(ticker.LogFormatter())
+        lat.yaxis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))
         sizes = sorted({s for c in members for s in c.sizes})
         for ax in (bw, lat):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes, [human(s) for s in sizes], rotation=30, fontsize="small")
             ax.tick_params(axis="x", which="minor", bottom=False)
-            ax.set_xlabel("message size per rank")
+            ax.set_xlabel("message size (the larger buffer, as nccl-tests count it)")
             ax.grid(True, which="major", alpha=0.3)
         bw.legend(fontsize="small")
     fig.suptitle(f"{title}\n{BUSBW_NOTE}", fontsize="medium")
