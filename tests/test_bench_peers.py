@@ -15,7 +15,7 @@ from axonml_distributed.bench import peers
 
 def test_the_torch_flag_with_peers_runs_the_peers_bench(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
-    monkeypatch.setattr(peers, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(peers, "run", lambda argv: (seen.append(argv), (0, []))[1])
     assert bench.main(["--torch", "--peers", "vllm,gloo", "--sizes", "4096"]) == 0
     assert seen == [["--torch", "--peers", "vllm,gloo", "--sizes", "4096"]]
 

@@ -29,7 +29,6 @@ through TCP as well as the link's rate.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,16 +173,12 @@ def report(args: argparse.Namespace, results: dict[str, float], plot: Path | Non
 
 
 def draw(model: Model, path: Path) -> None:
-    # By name: matplotlib is optional (the `plot` extra), so there are no types to check against.
-    try:
-        matplotlib: Any = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")  # no display needed
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise SystemExit('--plot needs matplotlib: pip install "axonml-distributed[plot]"') from None
+    from axonml_distributed.bench import plot
+
     hosts = np.unique(np.geomspace(2, 1000, 60).astype(int))
     p, s = PREDICT_PER_HOST, PREDICT_BYTES
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plot.subplots(1, 1, 7, 4.5)
+    ax = axes[0][0]
     curves: tuple[tuple[str, Any, str], ...] = (
         ("flat ring over all ranks", model.flat, "-"),
         ("flat ring, step as flat gloo measured", model.flat_measured, "-."),
@@ -202,7 +197,4 @@ def draw(model: Model, path: Path) -> None:
     ax.set_title(f"{s / 1e6:g} MB all_reduce: the cost model fitted on simulated hosts")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot.save(fig, path)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed.bench.common import DEFAULT_SIZES, human
+from axonml_distributed.bench.common import DEFAULT_SIZES, Curve, busbw_factor, human
 
 # Launchers set these in every rank's environment: MPICH's hydra (PMI_*), Open MPI and PMIx-based ones.
 MPI_JOB_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -58,14 +58,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# What each timed call is, for the chart: label and kind (see `bench.common.Curve`).
+VARIANTS = {
+    "raw": ("mpi4py Allreduce", "peer"),
+    "checked": ("axonml MPI, signature check on", "ours"),
+    "unchecked": ("axonml MPI, signature check off", "ours"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    return run(argv)[0]
+
+
+def run(argv: list[str] | None = None) -> tuple[int, list[Curve]]:
+    """`main`, also returning what was measured, for the chart (nothing inside a job)."""
     args = parse(argv)
     if any(v in os.environ for v in MPI_JOB_VARIABLES):
         report = run_in_job(args)
         if report is not None and args.report is not None:
             args.report.write_text(json.dumps(report))
-        return 0
-    return launch_jobs(args)
+        return 0, []
+    code, rows = launch_jobs(args)
+    return code, curves(rows)
+
+
+def curves(rows: list[dict[str, Any]]) -> list[Curve]:
+    """The report's rows (one per world size and size) as one curve per world size and variant."""
+    out = []
+    for n in dict.fromkeys(r["ranks"] for r in rows):
+        mine = [r for r in rows if r["ranks"] == n]
+        sizes = [int(r["bytes"]) for r in mine]
+        for name, (label, kind) in VARIANTS.items():
+            out.append(Curve(label, kind, "all_reduce", n, sizes, [r[f"{name}_s"] for r in mine]))
+    return out
 
 
 # --- outside MPI: one mpiexec job per rank count ------------------------------------------------------
@@ -84,7 +109,7 @@ def launcher_flags(mpiexec: str) -> list[str]:
     return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 
 
-def launch_jobs(args: argparse.Namespace) -> int:
+def launch_jobs(args: argparse.Namespace) -> tuple[int, list[dict[str, Any]]]:
     mpiexec = find_mpiexec()
     if importlib.util.find_spec("mpi4py") is None or mpiexec is None:
         missing = "mpiexec" if mpiexec is None else "mpi4py"
@@ -92,7 +117,7 @@ def launch_jobs(args: argparse.Namespace) -> int:
             f"the MPI benchmark needs mpi4py and mpiexec; {missing} was not found: {INSTALL_HINT}",
             file=sys.stderr,
         )
-        return 2
+        return 2, []
     flags = launcher_flags(mpiexec)
     rows: list[dict[str, Any]] = []
     header: dict[str, Any] = {}
@@ -105,13 +130,13 @@ def launch_jobs(args: argparse.Namespace) -> int:
             code = run_job([mpiexec, *flags, "-n", str(n), *python, *job_args, "--report", str(report)], args)
             if code != 0:
                 print(f"the {n}-rank MPI job failed (exit {code})", file=sys.stderr)
-                return 1
+                return 1, rows
             result = json.loads(report.read_text())
             rows.extend(result.pop("all_reduce"))
             header = result
     if args.json:
         print(json.dumps({**header, "all_reduce": rows}))
-    return 0
+    return 0, rows
 
 
 def run_job(cmd: list[str], args: argparse.Namespace) -> int:
@@ -238,7 +263,7 @@ def report_row(n: int, nbytes: int, seconds: dict[str, np.ndarray]) -> dict[str,
         algbw = nbytes / t / 1e9
         row[f"{name}_s"] = t
         row[f"{name}_algbw_gbps"] = algbw
-        row[f"{name}_busbw_gbps"] = algbw * 2 * (n - 1) / n
+        row[f"{name}_busbw_gbps"] = algbw * busbw_factor("all_reduce", n)
     row["checked_over_raw"] = float(np.median(seconds["checked"] / seconds["raw"]))
     row["unchecked_over_raw"] = float(np.median(seconds["unchecked"] / seconds["raw"]))
     row["check_cost_s"] = float(np.median(seconds["checked"] - seconds["unchecked"]))

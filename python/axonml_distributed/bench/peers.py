@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axonml_distributed.bench.common import human
+from axonml_distributed.bench.common import Curve, human, progress
 
 PEERS = ("vllm", "deepspeed", "gloo")
 OURS = ("axonml", "native")
@@ -232,9 +232,30 @@ def _row(dtn: str, size: int, med: dict[str, float]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep once per world size (module docs); returns 0, or 1 when a run produced nothing."""
+    return run(argv)[0]
+
+
+def curves(report: dict[str, Any]) -> list[Curve]:
+    """`run`'s report ({ranks: the worker's result}) as one curve per world size, dtype and
+    implementation; a size an implementation skipped is left out of its curve."""
+    out = []
+    for result in report.values():
+        per_size = [(key.split("/"), med) for key, med in result["median_s"].items()]
+        for dtype in dict.fromkeys(dt for (dt, _), _ in per_size):
+            rows = [(int(size), med) for (dt, size), med in per_size if dt == dtype]
+            for impl in dict.fromkeys(k for _, med in rows for k in med):
+                done = [(s, med[impl]) for s, med in rows if impl in med]
+                kind = "ours" if impl in OURS else "peer"
+                sizes, seconds = [s for s, _ in done], [t for _, t in done]
+                out.append(Curve(impl, kind, "all_reduce", result["ranks"], sizes, seconds, dtype=dtype))
+    return out
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
+    """`main`, also returning what was measured, for the chart."""
     args = _args(argv)
     if args.worker:
-        return _worker(args)
+        return _worker(args), []
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
     # DeepSpeed's build runs `ninja`, which a venv installs beside its Python, not always on PATH.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -252,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # stderr to a file: DeepSpeed's first build writes much there, which a pipe read after stdout
         # would let fill up and stall the workers.
-        with tempfile.TemporaryFile("w+") as errors:
+        rows = len(args.dtypes) * len(args.sizes)
+        with tempfile.TemporaryFile("w+") as errors, progress(rows, f"bench (peers, {n} ranks)") as bar:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
             result = None
             assert proc.stdout is not None
@@ -261,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result = json.loads(line[len(_RESULT) :])
                 else:
                     print(line, end="", flush=True)
+                    bar.update(line.lstrip().split(" ", 1)[0] in args.dtypes)  # a row: one (dtype, size) done
             proc.wait()
             errors.seek(0)
             err = errors.read()
@@ -274,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[str(n)] = result
     if args.json:
         print(json.dumps(report))
-    return status
+    return status, curves(report)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed import settings
-from axonml_distributed.bench.common import human
+from axonml_distributed.bench.common import Curve, human, progress
 from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, PAIRWISE, RESULT, busbw_factor
 
 WORKER = str(Path(__file__).with_name("procs_worker.py"))
@@ -119,7 +119,12 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark and print tables per world size (see the module docs); returns 0.
+    """Run the benchmark and print tables per world size (see the module docs); returns 0."""
+    return run(argv)[0]
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
+    """`main`, also returning what was measured, for the chart.
 
     Also the target of ``python -m axonml_distributed.bench --backend shm``, which passes its whole
     command line: ``--backend``, ``--ranks``, ``--sizes`` and ``--json`` are understood, its DDP options
@@ -152,7 +157,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {n: _compare(n, sizes, colls, args) for n in args.ranks}
     if args.json:
         print(json.dumps({"sizes": sizes, "results": report}))
-    return 0
+    return 0, curves(sizes, report)
+
+
+def curves(sizes: list[int], report: dict[int, Results]) -> list[Curve]:
+    """`run`'s medians per world size as curves; a busy run's labels are "busy:<label>"."""
+    out = []
+    for n, medians in report.items():
+        for key, per in medians.items():
+            busy, label = key.startswith("busy:"), key.removeprefix("busy:")
+            kind = "ours" if label.startswith(("shm", "base")) else "bound" if label == COPY else "peer"
+            for coll, times in per.items():
+                done = [(s, t) for s, t in zip(sizes, times, strict=True) if t == t]  # nan: not measured
+                setting = "beside a CPU-bound process" if busy else ""
+                out.append(
+                    Curve(label, kind, coll, n, [s for s, _ in done], [t for _, t in done], setting=setting)
+                )
+    return out
 
 
 def _launches(n: int, sizes: list[int], colls: list[str], args: argparse.Namespace) -> dict[str, list[str]]:
@@ -190,23 +211,26 @@ def _compare(n: int, sizes: list[int], colls: list[str], args: argparse.Namespac
     runs: dict[str, dict[str, dict[str, list[list[float]]]]] = {"quiet": {}, "busy": {}}
     loads: dict[str, list[float]] = {"quiet": [], "busy": []}
     failed: dict[str, str] = {}
-    for _ in range(args.repeat):
-        for peer, cmd in launches.items():
-            for mode in ("quiet", "busy") if args.busy else ("quiet",):
-                hog = _hog() if mode == "busy" else None
-                try:
-                    loads[mode].append(os.getloadavg()[0])
-                    got = launch_workers(cmd, env)
-                finally:
-                    if hog is not None:
-                        hog.kill()
-                        hog.wait()
-                if isinstance(got, str):
-                    failed[peer] = got
-                    continue
-                for label, per in got.items():
-                    for coll, times in per.items():
-                        runs[mode].setdefault(label, {}).setdefault(coll, []).append(times)
+    modes = ("quiet", "busy") if args.busy else ("quiet",)
+    with progress(args.repeat * len(launches) * len(modes), f"bench (shm, {n} ranks)") as bar:
+        for _ in range(args.repeat):
+            for peer, cmd in launches.items():
+                for mode in modes:
+                    hog = _hog() if mode == "busy" else None
+                    try:
+                        loads[mode].append(os.getloadavg()[0])
+                        got = launch_workers(cmd, env)
+                    finally:
+                        if hog is not None:
+                            hog.kill()
+                            hog.wait()
+                    bar.update(1)
+                    if isinstance(got, str):
+                        failed[peer] = got
+                        continue
+                    for label, per in got.items():
+                        for coll, times in per.items():
+                            runs[mode].setdefault(label, {}).setdefault(coll, []).append(times)
     for peer, why in failed.items():
         print(f"[bench] {peer} not measured in every launch: {why}", file=sys.stderr)
     if not runs["quiet"].get("shm"):

@@ -39,6 +39,9 @@ COPY = "numpy copy"
 
 
 def busbw_factor(coll: str, n: int) -> float:
+    """busbw / algbw as nccl-tests define it: 2(n-1)/n for all_reduce, 1 for broadcast, (n-1)/n for the
+    others (all_gather, reduce_scatter, all_to_all), so busbw compares with a link's rate whatever the
+    collective and the world size."""
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(coll, (n - 1) / n)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
-from axonml_distributed.bench.common import human
+from axonml_distributed.bench.common import Curve, busbw_factor, human, progress
 from axonml_distributed.ddp import DistributedDataParallel
 from axonml_distributed.spawn import spawn
 
@@ -64,14 +64,19 @@ def time_op(pg: ProcessGroup, op: Callable[[], Any], iters: int, rounds: int = 5
     return statistics.median(times)
 
 
-def sweep(ranks: int, sizes: list[int], timeout: float) -> list[dict[str, float]]:
-    """all_reduce (SUM, float32) for every size on a fresh in-process world of `ranks` threads."""
+def sweep(
+    ranks: int, sizes: list[int], timeout: float, done: Callable[[], object] = lambda: None
+) -> list[dict[str, float]]:
+    """all_reduce (SUM, float32) for every size on a fresh in-process world of `ranks` threads; rank 0
+    calls `done` after each size."""
 
     def rank_fn(pg: ProcessGroup) -> list[float]:
         out = []
         for nbytes in sizes:
             x = np.ones(max(nbytes // 4, 1), np.float32)
             out.append(time_op(pg, functools.partial(pg.all_reduce, x, ReduceOp.SUM), iterations(nbytes)))
+            if pg.rank() == 0:
+                done()
         return out
 
     per_rank = spawn(rank_fn, ranks, timeout=timeout)
@@ -115,27 +120,49 @@ def run_threads(args: argparse.Namespace) -> dict[str, Any]:
     traffic = copy_traffic_rate()
     print(f"numpy copy traffic rate (read + write, {os.cpu_count()} threads): {traffic / 1e9:.1f} GB/s")
     report: dict[str, Any] = {"copy_traffic_gbps": traffic / 1e9, "all_reduce": [], "ddp": []}
-    for n in args.ranks:
-        print(f"\nall_reduce float32 SUM, {n} ranks (threads)")
-        print(f"{'size':>10} {'time':>12} {'algbw GB/s':>11} {'busbw GB/s':>11} {'of bound':>9}")
-        for row in sweep(n, args.sizes, args.timeout):
-            s, t = row["bytes"], row["seconds"]
-            algbw = s / t / 1e9
-            bound = 2 * n * s / traffic
-            row.update(
-                ranks=n, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (n - 1) / n, fraction_of_bound=bound / t
-            )
-            report["all_reduce"].append(row)
-            busbw = row["busbw_gbps"]
-            print(f"{human(int(s)):>10} {t * 1e6:>10.1f}us {algbw:>11.2f} {busbw:>11.2f} {bound / t:>8.0%}")
-    if args.ddp_params:
-        print(f"\nDDP sync_gradients vs one flat all_reduce, {args.ddp_params:,} float32 parameters")
+    with progress(len(args.ranks) * (len(args.sizes) + bool(args.ddp_params)), "bench (threads)") as bar:
         for n in args.ranks:
-            r = ddp_vs_flat(n, args.ddp_params, args.ddp_iters, args.timeout)
-            report["ddp"].append(r)
-            ratio = r["sync_gradients_s"] / r["flat_all_reduce_s"]
-            print(
-                f"{n} ranks: sync_gradients {r['sync_gradients_s'] * 1e3:.1f} ms, flat all_reduce "
-                f"{r['flat_all_reduce_s'] * 1e3:.1f} ms, ratio {ratio:.2f}x"
-            )
+            rows = sweep(n, args.sizes, args.timeout, lambda: bar.update(1))
+            print(f"\nall_reduce float32 SUM, {n} ranks (threads)")
+            print(f"{'size':>10} {'time':>12} {'algbw GB/s':>11} {'busbw GB/s':>11} {'of bound':>9}")
+            for row in rows:
+                s, t = row["bytes"], row["seconds"]
+                algbw = s / t / 1e9
+                bound = 2 * n * s / traffic
+                row.update(
+                    ranks=n,
+                    algbw_gbps=algbw,
+                    busbw_gbps=algbw * busbw_factor("all_reduce", n),
+                    fraction_of_bound=bound / t,
+                )
+                report["all_reduce"].append(row)
+                busbw = row["busbw_gbps"]
+                print(
+                    f"{human(int(s)):>10} {t * 1e6:>10.1f}us {algbw:>11.2f} {busbw:>11.2f} {bound / t:>8.0%}"
+                )
+        if args.ddp_params:
+            print(f"\nDDP sync_gradients vs one flat all_reduce, {args.ddp_params:,} float32 parameters")
+            for n in args.ranks:
+                r = ddp_vs_flat(n, args.ddp_params, args.ddp_iters, args.timeout)
+                bar.update(1)
+                report["ddp"].append(r)
+                ratio = r["sync_gradients_s"] / r["flat_all_reduce_s"]
+                print(
+                    f"{n} ranks: sync_gradients {r['sync_gradients_s'] * 1e3:.1f} ms, flat all_reduce "
+                    f"{r['flat_all_reduce_s'] * 1e3:.1f} ms, ratio {ratio:.2f}x"
+                )
     return report
+
+
+def curves(report: dict[str, Any]) -> list[Curve]:
+    """The all_reduce sweep of `run_threads`'s report, per world size: ours and the memory-traffic bound
+    (2 N S bytes at the measured copy traffic rate)."""
+    traffic = report["copy_traffic_gbps"] * 1e9
+    out = []
+    for n in dict.fromkeys(r["ranks"] for r in report["all_reduce"]):
+        rows = [r for r in report["all_reduce"] if r["ranks"] == n]
+        sizes = [int(r["bytes"]) for r in rows]
+        out.append(Curve("axonml (threads)", "ours", "all_reduce", n, sizes, [r["seconds"] for r in rows]))
+        bound = [2 * n * s / traffic for s in sizes]
+        out.append(Curve("memory-traffic bound (numpy copy)", "bound", "all_reduce", n, sizes, bound))
+    return out

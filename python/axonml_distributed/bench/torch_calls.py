@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from axonml_distributed.bench.common import human
+from axonml_distributed.bench.common import Curve, human, progress
 from axonml_distributed.bench.procs import launch_workers
 
 WORKER = str(Path(__file__).with_name("torch_calls_worker.py"))
@@ -83,7 +83,25 @@ def _medians(launches: list[Launch]) -> Launch:
     }
 
 
+def curves(n: int, sizes: list[int], results: Results) -> list[Curve]:
+    """The median-block figures of one world size, one curve per mode and contender; another build's
+    ("base") contenders are labelled with it. The floor (torch's do-nothing backend) is a bound."""
+    out = []
+    for label, stats in results.items():
+        for mode, per in stats.get("median", {}).items():
+            for contender, seconds in per.items():
+                kind = "bound" if contender == "floor" else "ours"
+                name = contender if label == "this" else f"{contender} ({label})"
+                out.append(Curve(name, kind, "all_reduce", n, sizes, seconds, setting=mode))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    return run(argv)[0]
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
+    """`main`, also returning what was measured, for the chart."""
     prog = "python -m axonml_distributed.bench --torch-calls"
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",") if x], default=[2])
@@ -96,21 +114,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = ["--sizes", ",".join(map(str, args.sizes)), "--blocks", str(args.blocks)]
     job += ["--calls", str(args.calls)]
     pythons = {"this": sys.executable} | ({"base": args.compare_python} if args.compare_python else {})
+    measured = []
     for n in args.ranks:
         runs: dict[str, list[Launch]] = {label: [] for label in pythons}
         loads: list[float] = []
-        for _ in range(args.repeat):
-            for label, python in pythons.items():  # in turns, so a burst of load hits both builds alike
-                loads.append(os.getloadavg()[0])
-                cmd = [python, "-m", "axonml_distributed.run", "--nproc-per-node", str(n), WORKER, *job]
-                got = launch_workers(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
-                if isinstance(got, str):
-                    print(f"[bench --torch-calls] {label} launch failed: {got}", file=sys.stderr)
-                    continue
-                runs[label].append(got)
+        with progress(args.repeat * len(pythons), f"bench (torch calls, {n} ranks)") as bar:
+            for _ in range(args.repeat):
+                for label, python in pythons.items():  # in turns, so a burst of load hits both builds alike
+                    loads.append(os.getloadavg()[0])
+                    cmd = [python, "-m", "axonml_distributed.run", "--nproc-per-node", str(n), WORKER, *job]
+                    got = launch_workers(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+                    bar.update(1)
+                    if isinstance(got, str):
+                        print(f"[bench --torch-calls] {label} launch failed: {got}", file=sys.stderr)
+                        continue
+                    runs[label].append(got)
         results: Results = {label: _medians(got) for label, got in runs.items() if got}
         report(n, args.sizes, results, loads)
-    return 0
+        measured += curves(n, args.sizes, results)
+    return 0, measured
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from axonml_distributed.bench.common import progress
+
 _RESULT = "BENCH-RESULT "
 TARGETS = {"toy": 0.5, "resnet18": 0.8}
 
@@ -286,11 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in args.ranks:
         runs: dict[str, list[float]] = {}
         loads = []
-        for _ in range(args.repeat):
-            for worker in workers:  # in turns, so a burst of load hits every contender alike
-                loads.append(os.getloadavg()[0])
-                for key, value in _launch(n, worker, args.steps).items():
-                    runs.setdefault(key, []).append(value)
+        with progress(args.repeat * len(workers), f"bench (torch DDP, {n} ranks)") as bar:
+            for _ in range(args.repeat):
+                for worker in workers:  # in turns, so a burst of load hits every contender alike
+                    loads.append(os.getloadavg()[0])
+                    for key, value in _launch(n, worker, args.steps).items():
+                        runs.setdefault(key, []).append(value)
+                    bar.update(1)
         _report(n, {k: _median(v) for k, v in runs.items()}, loads, missing)
     return 0
 

@@ -3,6 +3,12 @@
     python -m axonml_distributed.demo                         # 4 ranks as threads of this process
     python -m axonml_distributed.demo --check                 # also compare with one process, union batch
     python -m axonml_distributed.demo --backend shm --nproc 2  # 2 processes over shared memory
+    python -m axonml_distributed.demo --scaling --plot demo.png # samples/s at 1, 2, 4 ranks; a chart
+
+``--plot PATH`` writes one PNG (the ``plot`` extra, matplotlib): loss and accuracy per epoch side by side
+and, with ``--scaling``, a third panel of samples per second against ranks (see demo.chart).
+``--scaling`` (threads only) also trains at 1, 2 and 4 ranks of the in-process world, the same epochs
+and per-rank batch, and prints their throughput (see demo.scaling).
 
 Each rank trains on its own DistributedSampler shard; DistributedDataParallel averages the gradients after
 every backward pass, so all ranks take the same SGD step and end with identical parameters.
@@ -14,9 +20,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from axonml_distributed import settings
+from axonml_distributed.demo import scaling
 from axonml_distributed.demo.train import Config, Digits, load_digits_split, train
 from axonml_distributed.spawn import spawn
 
@@ -43,6 +51,9 @@ def report(summary: dict[str, Any]) -> str:
         ),
         f"ranks agree     largest |param diff| between any two ranks: {summary['max_param_diff']}",
     ]
+    if "scaling" in summary:
+        lines += ["scaling         samples per second of the same training, in-process world:"]
+        lines += [f"                {line}" for line in scaling.table(summary["scaling"])]
     if "check_max_diff" in summary:
         lines.append(
             f"check           largest |param diff| vs one process on batch "
@@ -63,6 +74,11 @@ def failures(summary: dict[str, Any]) -> list[str]:
 
 def finish(summary: dict[str, Any], cfg: Config) -> int:
     print(json.dumps(summary) if cfg.json else report(summary))
+    if cfg.plot is not None:
+        from axonml_distributed.demo import chart
+
+        chart.draw(summary, cfg.plot)
+        print(f"chart: {cfg.plot}", file=sys.stderr)  # stderr: --json keeps stdout one JSON line
     problems = failures(summary)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
@@ -105,10 +121,18 @@ def parse_args(argv: Sequence[str]) -> Config:
     add("--nproc", type=int, help="processes for --backend shm (default: --world-size)")
     add("--check", action="store_true", help="also train one process on the union batch and compare")
     add("--json", action="store_true", help="print the summary as one JSON line")
+    add("--plot", type=Path, help="draw loss and accuracy per epoch (and --scaling) to this PNG")
+    add("--scaling", action="store_true", help="also measure samples/s at 1, 2 and 4 ranks (threads)")
     args = parser.parse_args(argv)
     world_size = args.nproc if args.backend == "shm" and args.nproc is not None else args.world_size
     if world_size < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--world-size/--nproc, --epochs and --batch-size must be >= 1")
+    if args.scaling and args.backend != "threads":
+        parser.error("--scaling measures in-process worlds: use it with --backend threads")
+    if args.plot is not None:
+        from axonml_distributed.bench import plot
+
+        plot.pyplot()  # a missing matplotlib is said now, not after the training
     return Config(
         world_size=world_size,
         epochs=args.epochs,
@@ -119,6 +143,8 @@ def parse_args(argv: Sequence[str]) -> Config:
         backend=args.backend,
         check=args.check,
         json=args.json,
+        plot=args.plot,
+        scaling=args.scaling,
     )
 
 
@@ -133,4 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_shm_worker(cfg, data)
     summary = spawn(train, cfg.world_size, cfg, data)[0]
     assert summary is not None  # rank 0 always returns the summary
+    if cfg.scaling:
+        summary["scaling"] = scaling.measure(cfg, data)
     return finish(summary, cfg)

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,9 @@ class Config:
     backend: str
     check: bool
     json: bool
+    quiet: bool = False  # no per-epoch progress (the --scaling runs)
+    plot: Path | None = None
+    scaling: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,10 @@ def train(pg: Any, cfg: Config, data: Digits) -> dict[str, Any] | None:
     ddp.sync_parameters()
     optimizer = SGD(model.parameters(), cfg.lr, cfg.momentum)
     sampler = DistributedSampler(len(data.y_train), seed=cfg.seed, process_group=pg)
-    progress = Progress(is_main and not cfg.json, cfg.epochs)
+    progress = Progress(is_main and not (cfg.json or cfg.quiet), cfg.epochs)
     steps = -(-len(sampler) // cfg.batch_size)
     sync_seconds = compute_seconds = 0.0
+    loss_per_epoch, accuracy_per_epoch = [], []
     train_start = time.perf_counter()
     for epoch in range(cfg.epochs):
         epoch_start = time.perf_counter()
@@ -132,7 +137,9 @@ def train(pg: Any, cfg: Config, data: Digits) -> dict[str, Any] | None:
             totals += (loss * len(batch), np.sum(logits.argmax(axis=1) == labels), len(batch))
             progress.step(epoch, step + 1, steps)
         pg.all_reduce(totals, ReduceOp.SUM)
-        progress.epoch(epoch, totals[0] / totals[2], totals[1] / totals[2], time.perf_counter() - epoch_start)
+        loss_per_epoch.append(float(totals[0] / totals[2]))
+        accuracy_per_epoch.append(float(totals[1] / totals[2]))
+        progress.epoch(epoch, loss_per_epoch[-1], accuracy_per_epoch[-1], time.perf_counter() - epoch_start)
     train_seconds = time.perf_counter() - train_start
 
     # The largest difference between any two ranks, coordinate by coordinate; DDP promises exactly 0.
@@ -155,6 +162,9 @@ def train(pg: Any, cfg: Config, data: Digits) -> dict[str, Any] | None:
         "train_seconds": train_seconds,
         "sync_seconds": float(mean_sync),
         "compute_seconds": float(mean_compute),
+        # Over all ranks' samples of each epoch (all-reduced), as the progress lines show them.
+        "loss_per_epoch": loss_per_epoch,
+        "accuracy_per_epoch": accuracy_per_epoch,
     }
     if cfg.check:
         baseline = train_single_process(cfg, data, pg.size())
