@@ -240,7 +240,8 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
     hosts: SimHosts, tmp_path: Path
 ) -> None:
     """Rank 2 all_reduces one element more than the others, or broadcasts while they all_reduce; both
-    jobs run at once on the same hosts."""
+    jobs run at once on the same hosts. The first job then goes through the other collectives with rank
+    2's sizes off by one."""
     dirs = {mode: tmp_path / mode for mode in ("mismatch-size", "mismatch-kind")}
     started = {}
     for mode, out_dir in dirs.items():
@@ -260,9 +261,41 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
     kinds = raised(done["mismatch-kind"])
     for kind, message in kinds.values():
         assert kind == "CollectiveMismatchError", said(done["mismatch-kind"])
-        assert "rank 2 called broadcast(float32, root 0)" in message, message
+        assert "rank 2 called broadcast(300004 x float32, root 0)" in message, message
         assert "rank 3 called all_reduce(SUM, 300003 x float32" in message, message
+    # The other collectives, rank 2's element count one off (all_to_all_single: one split size), each
+    # rank's own buffers consistent: each refused on every rank, nothing changed, the group still usable.
+    agents = done["mismatch-size"]
+    cases = {
+        (int(m[1]), m[2]): (m[3], m[4]) for m in lines(agents, r"rank (\d) case (\w+) raised (\w+): (.*)$")
+    }
+    kept = {(int(m[1]), m[2]): m[3] for m in lines(agents, r"rank (\d) case (\w+) unchanged: (\w+)$")}
+    for name in SIZE_CASES:
+        for rank in range(4):
+            kind, message = cases.get((rank, name), ("never raised", ""))
+            assert kind == "CollectiveMismatchError", f"{name} on rank {rank}: {kind}: {message}"
+            assert kept[rank, name] == "True", f"{name} on rank {rank}"
+            if name != "all_to_all_single":  # the op first where there is one
+                for who, count in ((2, 1002), (3, 1001)):
+                    pattern = rf"rank {who} called {SIZE_CASES[name]}\((SUM, )?{count} x float32"
+                    assert re.search(pattern, message), message
+            else:  # the splits: rank 2 sends 4 elements to rank 0, which expects 3 from it
+                assert "rank 2 sends 4 element(s) to rank 0, which expects 3" in message, message
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# The mismatch job's cases after all_reduce (tests/torch_jobs/hosts_faults.py) and gloo's call each
+# reaches, as the error names it.
+SIZE_CASES = {
+    "broadcast": "broadcast",
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "all_to_all": "alltoall",
+    "all_to_all_single": "all_to_all_single",
+}
 
 
 # ---- hosts found honestly ----------------------------------------------------------------------------

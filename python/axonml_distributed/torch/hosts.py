@@ -9,9 +9,10 @@ one gloo group over all the group's ranks, as they would under gloo, with gloo's
 are made from the Store torch hands the backend, under keys of their own.
 
 Mismatches: every collective (not point to point) first all-gathers a small signature over that flat
-group (which call, dtype, root; for all_reduce the op and element count), so ranks on different hosts
-that call different collectives all raise CollectiveMismatchError before any buffer changes (gloo itself
-would move mismatched bytes or wait for the timeout). It costs one small gloo call per collective.
+group (which call, dtype, the element counts that must agree, root, op: `hosts_signature`), so ranks on
+different hosts whose calls differ all raise CollectiveMismatchError before any buffer changes (gloo
+itself would move mismatched bytes, fail on one side, or wait for the timeout). It costs one small gloo
+call per collective (two for all_to_all_single, whose split sizes pair up across ranks).
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
@@ -50,6 +51,7 @@ from axonml_distributed.exceptions import (
 )
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
@@ -64,12 +66,6 @@ _TWO_LEVEL = {
     dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
     dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
 }
-# A call's signature, exchanged over the flat group before any data moves (see `_Signature`): ops and
-# dtypes by their place here (-1: another), other collectives by their place in `_FORWARDED`'s values.
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_DTYPES += (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
-_OPS = (*_TWO_LEVEL, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
-_OTHER_CALLS = 100
 _CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
 _FORWARDED = {
@@ -101,7 +97,6 @@ _FORWARDED = {
 }
 # Point to point pairs two ranks, not the group; monitored_barrier reports the ranks that never came.
 _UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
-_CALLS = sorted(set(_FORWARDED.values()))
 
 
 def init_prefix(store: dist.Store, size: int) -> str:
@@ -221,7 +216,7 @@ class HostsProcessGroup(NamedGroup):
         kind = op.op if hasattr(op, "op") else op
         # Started here, on the calling thread, so it takes its place among the flat group's calls in
         # program order; nothing touches a buffer before it is checked.
-        signature = _Signature(_all_reduce_row(kind, tensors), self._flat, self.size())
+        signature = Signature(all_reduce_row(kind, tensors), self._flat, self.size())
         if (
             self._two_level is None
             or any(t.dtype in _NOT_GLOO for t in tensors)
@@ -266,7 +261,7 @@ class HostsProcessGroup(NamedGroup):
 
     def _run_two_level(
         self,
-        signature: _Signature,
+        signature: Signature,
         tensors: list[torch.Tensor],
         local_op: ReduceOp,
         cross_op: Any,
@@ -291,7 +286,7 @@ class HostsProcessGroup(NamedGroup):
                 peers = [r for r in self._cross_ranks if r != self._layout.rank]
                 raise self._failed(e, peers, "this rank's peers on the other hosts") from e
 
-    def _check(self, signature: _Signature, call: str) -> None:
+    def _check(self, signature: Signature, call: str) -> None:
         """Every rank of the group made the same call, or this raises before any buffer changes."""
         try:
             signature.check(self._ranks)
@@ -348,11 +343,11 @@ class HostsProcessGroup(NamedGroup):
 def _forward(theirs: str) -> Callable[..., Any]:
     # torch calls some by keyword (`group.barrier(opts=opts)`).
     def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        given = [*args, *kwargs.values()]
         if theirs not in _UNSIGNED:
-            self._check(
-                _Signature(_forwarded_row(theirs, [*args, *kwargs.values()]), self._flat, self.size()), theirs
-            )
-        _refuse_not_gloo(_tensors_in([*args, *kwargs.values()]), theirs)
+            row, splits = forwarded(theirs, given, self.size(), self.rank())
+            self._check(Signature(row, self._flat, self.size(), splits), theirs)
+        _refuse_not_gloo(tensors_in(given), theirs)
         # gloo runs a group's calls in order: so do we, after the two-level all_reduces before it.
         self._lane.drain()
         return getattr(self._flat, theirs)(*args, **kwargs)
@@ -424,75 +419,6 @@ class HostRank:
     def abort(self, reason: str) -> None:
         self._world.abort(reason)
         self._note.write(reason)
-
-
-class _Signature:
-    """Every rank's call (what, dtype, element count, one more fact), all-gathered over the flat group:
-    a call that differs across hosts is refused on every rank before any buffer changes (inside a host
-    the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
-    mismatched bytes or waits for the timeout). Started when the call is made; `check` waits."""
-
-    FIELDS = 4
-
-    def __init__(self, row: list[int], flat: Any, size: int) -> None:
-        self._mine = torch.tensor(row, dtype=torch.int64)
-        self._all = torch.empty(size * self.FIELDS, dtype=torch.int64)
-        self._work = flat._allgather_base(self._all, self._mine)
-
-    def check(self, ranks: list[int]) -> None:
-        self._work.wait()
-        rows = self._all.view(-1, self.FIELDS).tolist()
-        if all(row == rows[0] for row in rows):
-            return
-        calls = {ranks[i]: _describe(row) for i, row in enumerate(rows)}
-        odd = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
-        theirs = "; ".join(f"rank {rank} called {call}" for rank, call in calls.items())
-        raise CollectiveMismatchError(
-            f"collective mismatch across hosts in group {ranks}: {theirs}; no buffer was changed",
-            calls=calls,
-            ranks=odd,
-            call=calls[ranks[0]],
-            group=ranks,
-        )
-
-
-def _dtype_code(dtype: torch.dtype | None) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
-
-
-def _all_reduce_row(kind: Any, tensors: list[torch.Tensor]) -> list[int]:
-    """all_reduce: the op, the first tensor's dtype, the element count, the tensor count."""
-    op = _OPS.index(kind) if kind in _OPS else -1
-    return [op, _dtype_code(tensors[0].dtype), sum(t.numel() for t in tensors), len(tensors)]
-
-
-def _forwarded_row(theirs: str, args: list[Any]) -> list[int]:
-    """Another collective: which, its first tensor's dtype and the root where it has one (element
-    counts may differ by rank: gather, scatter, all_to_all)."""
-    tensors = _tensors_in(args)
-    roots = [a.rootRank for a in args if hasattr(a, "rootRank")]
-    dtype = tensors[0].dtype if tensors else None
-    return [_OTHER_CALLS + _CALLS.index(theirs), _dtype_code(dtype), 0, roots[0] if roots else -1]
-
-
-def _tensors_in(args: list[Any]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, list | tuple):
-            found += _tensors_in(list(a))
-    return found
-
-
-def _describe(row: list[int]) -> str:
-    what, code, count, fact = row
-    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
-    if what >= _OTHER_CALLS:
-        name = _CALLS[what - _OTHER_CALLS] if what - _OTHER_CALLS < len(_CALLS) else f"call {what}"
-        return f"{name}({dtype}" + (f", root {fact})" if fact >= 0 else ")")
-    op = str(_OPS[what]).rsplit(".", 1)[-1] if 0 <= what < len(_OPS) else f"op {what}"
-    return f"all_reduce({op}, {count} x {dtype} in {fact} tensor(s))"
 
 
 class _Lane:
