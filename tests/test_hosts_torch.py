@@ -206,6 +206,9 @@ def test_a_host_killed_during_all_reduces_fails_the_survivors_naming_its_ranks(
     for kind, message in failures.values():
         assert kind in ("PeerFailureError", "CollectiveTimeoutError"), text
         assert "the other hosts hold ranks [[2, 3]]" in message, text  # the missing host's ranks
+    # gloo names only the address of a peer killed without a word: the errors name that host's ranks.
+    named = {int(m[1]): m[2] for m in lines(done, r"rank (\d) named (.*)$")}
+    assert named == {0: "[2, 3]", 1: "[2, 3]"}, text
     assert left == {0: []}
 
 

@@ -9,8 +9,9 @@ with a group timeout of 10 s. ``hosts_faults.py MODE``:
   the other collectives (`SIZE_CASES`), rank 2's sizes off by one where each rank's own buffers fit, and
   prints ``rank R case C raised <type>: <message>`` and ``rank R case C unchanged: <bool>`` for each.
 
-A rank whose call fails prints ``rank R raised <type>: <message>`` (one line) and exits 1; one that is
-still running after 60 s prints ``rank R never raised`` and exits 2.
+A rank whose call fails prints ``rank R raised <type>: <message>`` (one line) and ``rank R named
+<the error's ranks>``, and exits 1; one that is still running after 60 s prints ``rank R never raised``
+and exits 2.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def report(e: BaseException, started: float) -> None:
     first = str(e).replace("\n", " | ")
     elapsed = time.monotonic() - started
     say(f"rank {rank} raised {type(e).__name__}: {first}\nrank {rank} failed after {elapsed:.1f} s")
+    say(f"rank {rank} named {list(getattr(e, 'ranks', []))}")
 
 
 def size_cases() -> None:

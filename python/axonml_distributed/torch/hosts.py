@@ -20,8 +20,10 @@ host's group and the gloo groups each see their calls in the same order on every
 aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
 CollectiveTimeoutError (gloo's error chained) naming the ranks involved by their global ranks and the
 ranks of the other hosts. gloo reports a dead peer as a closed socket, naming no rank, so a rank whose
-process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it.
-Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
+process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it; a
+process that ends without a word (SIGKILL, a host gone) is named by its address, which the error names
+as that host's ranks (every rank lists its host's addresses at init: `exchange_addresses`). Failures of
+forwarded calls after the signature are gloo's own RuntimeErrors.
 """
 
 # mypy: disable-error-code="override"
@@ -49,6 +51,7 @@ from axonml_distributed.exceptions import (
     DistributedError,
     PeerFailureError,
 )
+from axonml_distributed.hosts.addresses import AddressBook, local_addresses
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
@@ -121,6 +124,18 @@ def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.
     return gather
 
 
+def exchange_addresses(
+    store: dist.Store, layout: HostLayout, size: int, timeout: datetime.timedelta
+) -> AddressBook:
+    """Every rank's host addresses, through torch's Store (collective: every rank of the job calls it
+    once per init, `store` under the init's prefix), read now: when a host dies, the store may go
+    with it."""
+    store.set(f"axonml/addresses/{layout.rank}", ",".join(local_addresses()))
+    keys = [f"axonml/addresses/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return AddressBook(layout, [v.decode().split(",") if v else [] for v in store.multi_get(keys)])
+
+
 def gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
 
@@ -158,9 +173,10 @@ class HostsProcessGroup(NamedGroup):
         world: HostLayout,
         timeout: datetime.timedelta,
         note: FailureNote,
+        book: AddressBook,
     ) -> None:
         rank, size = ranks.index(layout.rank), len(ranks)
-        self._note = note
+        self._note, self._book = note, book
         super().__init__(rank, ranks)
         self._layout = layout
         self._flat = gloo(store, "axonml/flat/", rank, size, timeout)
@@ -300,9 +316,10 @@ class HostsProcessGroup(NamedGroup):
     def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
         """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
         by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
-        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
-        say which ranks the other hosts hold (a host peer that never came may be waiting on them) and
-        the job's first failure where one was noted."""
+        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are, or,
+        where gloo's error (or the abort of a host peer quoting one) names a host's address, that host's
+        ranks. Both say which ranks the other hosts hold (a host peer that never came may be waiting on
+        them) and the job's first failure where one was noted."""
         me = self._layout.rank
         if self._two_level is not None:  # the host's ranks first: reading the note may take a moment
             self._local.backend().abort(f"rank {me}: {call} failed: {e}")
@@ -311,24 +328,31 @@ class HostsProcessGroup(NamedGroup):
         context = f"the other hosts hold ranks {hosts}"
         if noted is not None:
             context += f"; the job's first failure: {noted}"
+        text = str(e)
+        addresses, at = self._book.named_in(text)
+        named = [r for r in at if r in self._ranks and r != me]
+        if named:
+            where = ", ".join(addresses)
+            who = f"the ranks of the host at {where}, whose connection failed"
         if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
             host = self._host_ranks
-            named = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+            table = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
             kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
+            inside = f"host ranks to global ranks: {table}; "
+            if named:
+                inside += f"the failure began with rank(s) {named} ({who}); "
             return kind(
-                f"rank {me}: {call} failed inside this host (host ranks to global ranks: {named}; "
-                f"{context}): {e}",
+                f"rank {me}: {call} failed inside this host ({inside}{context}): {e}",
                 rank=me,
-                ranks=[host[r] for r in e.ranks if 0 <= r < len(host)],
+                ranks=named or [host[r] for r in e.ranks if 0 <= r < len(host)],
                 call=call,
                 group=self._ranks,
             )
-        text = str(e)
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
         return kind(
-            f"rank {me}: {call} across hosts failed with rank(s) {peers} ({who}; {context}): {text}",
+            f"rank {me}: {call} across hosts failed with rank(s) {named or peers} ({who}; {context}): {text}",
             rank=me,
-            ranks=peers,
+            ranks=named or peers,
             call=call,
             group=self._ranks,
         )
