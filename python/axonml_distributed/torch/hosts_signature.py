@@ -193,9 +193,9 @@ def forwarded(
 ) -> tuple[list[int], tuple[list[int], list[int]] | None]:
     """Another collective's row (gloo's method `theirs`, its arguments as torch passed them) and its
     splits (all_to_all_single), for `Signature`."""
-    opts = next((a for a in args if type(a).__name__.endswith("Options")), None)
+    opts: Any = next((a for a in args if type(a).__name__.endswith("Options")), None)
     root = int(opts.rootRank) if hasattr(opts, "rootRank") else -1
-    op = _op_code(getattr(opts, "reduceOp", None)) if hasattr(opts, "reduceOp") else -1
+    op = _op_code(opts.reduceOp) if hasattr(opts, "reduceOp") else -1
     data = [a for a in args if a is not opts]
     extra = [me] if theirs in _NEEDS_RANK else [me, root] if theirs in _NEEDS_ROOT else []
     try:
