@@ -22,15 +22,16 @@ def book() -> AddressBook:
 
 
 def test_an_address_one_host_listed_names_that_hosts_ranks() -> None:
-    assert book().named_in(CLOSED.format("198.18.0.2")) == (["198.18.0.2"], [2, 3])
-    assert book().named_in(CLOSED.format("::ffff:198.18.0.2")) == (["198.18.0.2"], [2, 3])
-    assert book().named_in(CLOSED.format("fd00:0::2")) == (["fd00::2"], [2, 3])
+    assert book().named_in(CLOSED.format("198.18.0.2"), 0) == (["198.18.0.2"], [2, 3])
+    assert book().named_in(CLOSED.format("::ffff:198.18.0.2"), 1) == (["198.18.0.2"], [2, 3])
+    assert book().named_in(CLOSED.format("fd00:0::2"), 0) == (["fd00::2"], [2, 3])
 
 
-def test_an_address_several_hosts_list_or_none_at_all_names_no_one() -> None:
-    assert book().named_in(CLOSED.format("172.17.0.1")) == ([], [])
-    assert book().named_in(CLOSED.format("10.9.9.9")) == ([], [])
-    assert book().named_in("Timed out waiting 10000ms for recv operation to complete") == ([], [])
+def test_an_address_several_hosts_list_or_none_at_all_or_of_this_host_names_no_one() -> None:
+    assert book().named_in(CLOSED.format("172.17.0.1"), 0) == ([], [])
+    assert book().named_in(CLOSED.format("10.9.9.9"), 0) == ([], [])
+    assert book().named_in("Timed out waiting 10000ms for recv operation to complete", 0) == ([], [])
+    assert book().named_in(CLOSED.format("198.18.0.2"), 3) == ([], [])  # rank 3's own host
 
 
 def test_this_hosts_addresses_are_addresses_and_never_loopback() -> None:

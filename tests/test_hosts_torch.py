@@ -181,6 +181,9 @@ def test_a_rank_that_raises_on_the_other_host_fails_every_rank_naming_it(
         assert "RuntimeError in rank 2: deliberate failure on rank 2" in message, text
     for rank in (0, 1):
         assert "[[2, 3]]" in failures[rank][1], text
+    # gloo names rank 2's host by its address; the note says which of its ranks failed.
+    named = {int(m[1]): m[2] for m in lines(agents, r"rank (\d) named (.*)$")}
+    assert named == {0: "[2]", 1: "[2]", 3: "[2]"}, text
     assert "RuntimeError: deliberate failure on rank 2" in agents[1].out, text
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
 
@@ -210,6 +213,32 @@ def test_a_host_killed_during_all_reduces_fails_the_survivors_naming_its_ranks(
     named = {int(m[1]): m[2] for m in lines(done, r"rank (\d) named (.*)$")}
     assert named == {0: "[2, 3]", 1: "[2, 3]"}, text
     assert left == {0: []}
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_on_one_rank_interrupts_it_and_fails_every_other_rank_naming_it(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """SIGINT to rank 2 (on h1) while every rank is in long two-level all_reduces: rank 2 raises
+    KeyboardInterrupt, every other rank our error naming rank 2, none hangs (the job's own limit is
+    60 s: it then says "never raised"); no segment is left on either host."""
+    agents = start_torchrun(hosts, "hosts_faults.py", "interrupt", out_dir=tmp_path)
+    wait_for_lines(tmp_path, "looping", 4, agents)
+    found = re.search(r"rank 2 pid (\d+)", (tmp_path / "h1.out").read_text())
+    assert found is not None, (tmp_path / "h1.out").read_text()
+    hosts.run(1, ["kill", "-INT", found[1]], timeout=30)
+    done = finish(agents, tmp_path, timeout=100)
+    text = said(done)
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1, 2, 3], text
+    assert failures[2][0] == "KeyboardInterrupt", text
+    named = {int(m[1]): m[2] for m in lines(done, r"rank (\d) named (.*)$")}
+    for rank in (0, 1, 3):
+        assert failures[rank][0] in ("PeerFailureError", "CollectiveTimeoutError"), text
+        assert "KeyboardInterrupt in rank 2" in failures[rank][1], text
+        assert named[rank] == "[2]", text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
 
 
 @pytest.mark.timeout(150)

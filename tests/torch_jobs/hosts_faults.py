@@ -4,6 +4,9 @@ with a group timeout of 10 s. ``hosts_faults.py MODE``:
 - ``raise``: rank 2 (on h1) raises after a first all_reduce; the others keep all_reducing.
 - ``loop``: every rank all_reduces until something fails (the test kills a host or cuts a link once
   every rank has printed ``looping``).
+- ``interrupt``: as ``loop``, with all_reduces of 32 MB (each long, through both levels); rank 2 prints
+  ``rank 2 pid P`` (its pid on its host) and the test sends it SIGINT (Ctrl-C): its KeyboardInterrupt
+  is reported, then left to end the process as a user's would.
 - ``mismatch-size`` / ``mismatch-kind``: rank 2 calls an all_reduce of another size / a broadcast while
   the others all_reduce; each rank then says whether its buffer changed. ``mismatch-size`` goes on with
   the other collectives (`SIZE_CASES`), rank 2's sizes off by one where each rank's own buffers fit, and
@@ -17,6 +20,7 @@ and exits 2.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 
@@ -113,11 +117,18 @@ if mode.startswith("mismatch"):
     if mode == "mismatch-size":
         size_cases()
     sys.exit(1)
+if mode == "interrupt":
+    t = torch.ones(8_000_000)
+    if rank == 2:
+        say(f"rank {rank} pid {os.getpid()}")
 say(f"rank {rank} looping")
 try:
     while time.monotonic() - started < 60:
         dist.all_reduce(t)
         t.fill_(1.0)
+except KeyboardInterrupt as e:
+    report(e, started)
+    raise
 except Exception as e:  # noqa: BLE001
     report(e, started)
     sys.exit(1)

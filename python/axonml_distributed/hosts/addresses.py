@@ -63,10 +63,13 @@ class AddressBook:
         self._hosts = layout.hosts
         self._host_of = {a: next(iter(h)) for a, h in owners.items() if len(h) == 1}
 
-    def named_in(self, text: str) -> tuple[list[str], list[int]]:
-        """The known addresses `text` names ([address]:port, as gloo writes them) and their hosts' ranks,
-        ascending; nothing where it names none of them."""
-        addresses = [a for a in map(canonical, _BRACKETED.findall(text)) if a in self._host_of]
+    def named_in(self, text: str, me: int) -> tuple[list[str], list[int]]:
+        """The known addresses of other hosts than rank `me`'s that `text` names ([address]:port, as
+        gloo writes them) and their hosts' ranks, ascending; nothing where it names none of them. (A
+        host peer's socket closes when it leaves after failing itself: never the first failure.)"""
+        mine = next(h for h, ranks in enumerate(self._hosts) if me in ranks)
+        found = (canonical(a) for a in _BRACKETED.findall(text))
+        addresses = [a for a in found if a is not None and self._host_of.get(a, mine) != mine]
         addresses = list(dict.fromkeys(addresses))
         ranks = sorted({r for a in addresses for r in self._hosts[self._host_of[a]]})
         return addresses, ranks

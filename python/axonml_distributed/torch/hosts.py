@@ -20,10 +20,10 @@ host's group and the gloo groups each see their calls in the same order on every
 aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
 CollectiveTimeoutError (gloo's error chained) naming the ranks involved by their global ranks and the
 ranks of the other hosts. gloo reports a dead peer as a closed socket, naming no rank, so a rank whose
-process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it; a
-process that ends without a word (SIGKILL, a host gone) is named by its address, which the error names
-as that host's ranks (every rank lists its host's addresses at init: `exchange_addresses`). Failures of
-forwarded calls after the signature are gloo's own RuntimeErrors.
+process ends on an exception (Ctrl-C too) notes it in the Store (`FailureNote`) and the others' errors
+quote it and name its rank; a process that ends without a word (SIGKILL, a host gone) is named by its
+address, which the error names as that host's ranks (every rank lists its host's addresses at init:
+`exchange_addresses`). Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 """
 
 # mypy: disable-error-code="override"
@@ -316,10 +316,12 @@ class HostsProcessGroup(NamedGroup):
     def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
         """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
         by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
-        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are, or,
-        where gloo's error (or the abort of a host peer quoting one) names a host's address, that host's
-        ranks. Both say which ranks the other hosts hold (a host peer that never came may be waiting on
-        them) and the job's first failure where one was noted."""
+        engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
+        name instead the ranks noted as the job's first failure (a closed socket may be a rank that
+        failed after them, on any host), else, where gloo's error (or a host peer's abort quoting one)
+        names another host's address, that host's ranks, noted then for the ranks that learn of it later
+        (from a host peer of this one that left). Both say which ranks the other hosts hold (a host peer
+        that never came may be waiting on them) and quote the job's first failure where one was noted."""
         me = self._layout.rank
         if self._two_level is not None:  # the host's ranks first: reading the note may take a moment
             self._local.backend().abort(f"rank {me}: {call} failed: {e}")
@@ -327,13 +329,19 @@ class HostsProcessGroup(NamedGroup):
         noted = self._note.read()
         context = f"the other hosts hold ranks {hosts}"
         if noted is not None:
-            context += f"; the job's first failure: {noted}"
+            context += f"; the job's first failure: {noted[1]}"
         text = str(e)
-        addresses, at = self._book.named_in(text)
-        named = [r for r in at if r in self._ranks and r != me]
-        if named:
+        culprits = [r for r in noted[0] if r in self._ranks and r != me] if noted is not None else []
+        addresses, at = self._book.named_in(text, me)
+        named = [r for r in at if r in self._ranks]
+        if culprits:
+            named, who = culprits, "noted as the job's first failure"
+        elif named:
             where = ", ".join(addresses)
             who = f"the ranks of the host at {where}, whose connection failed"
+            self._note.write(
+                named, f"ranks {named} (the host at {where}) left without a word, as rank {me} saw"
+            )
         if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
             host = self._host_ranks
             table = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
@@ -395,13 +403,19 @@ class FailureNote:
     def __init__(self, store: dist.Store) -> None:
         self._store = store
 
-    def write(self, text: str) -> None:
-        """Keeps the first note written: a later failure is usually a consequence of it."""
-        _bounded(lambda: self._store.compare_set(self.KEY, "", text))
+    def write(self, ranks: list[int], text: str) -> None:
+        """Keeps the first note written (`ranks`: the global ranks that failed): a later failure is
+        usually a consequence of it."""
+        _bounded(lambda: self._store.compare_set(self.KEY, "", f"{','.join(map(str, ranks))} {text}"))
 
-    def read(self) -> str | None:
-        def get() -> str | None:
-            return self._store.get(self.KEY).decode() if self._store.check([self.KEY]) else None
+    def read(self) -> tuple[list[int], str] | None:
+        """The ranks that failed first and what was said of them, if noted."""
+
+        def get() -> tuple[list[int], str] | None:
+            if not self._store.check([self.KEY]):
+                return None
+            ranks, text = self._store.get(self.KEY).decode().split(" ", 1)
+            return [int(r) for r in ranks.split(",")], text
 
         return _bounded(get)
 
@@ -441,8 +455,10 @@ class HostRank:
         return self
 
     def abort(self, reason: str) -> None:
+        # The note first: the host peers this abort ends close their sockets, and ranks of other hosts
+        # that see those first must find this rank named.
+        self._note.write([self._rank], reason)
         self._world.abort(reason)
-        self._note.write(reason)
 
 
 class _Lane:
