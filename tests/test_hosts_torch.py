@@ -181,6 +181,9 @@ def test_a_rank_that_raises_on_the_other_host_fails_every_rank_naming_it(
         assert "RuntimeError in rank 2: deliberate failure on rank 2" in message, text
     for rank in (0, 1):
         assert "[[2, 3]]" in failures[rank][1], text
+    # gloo names rank 2's host by its address; the note says which of its ranks failed.
+    named = {int(m[1]): m[2] for m in lines(agents, r"rank (\d) named (.*)$")}
+    assert named == {0: "[2]", 1: "[2]", 3: "[2]"}, text
     assert "RuntimeError: deliberate failure on rank 2" in agents[1].out, text
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
 
@@ -206,7 +209,36 @@ def test_a_host_killed_during_all_reduces_fails_the_survivors_naming_its_ranks(
     for kind, message in failures.values():
         assert kind in ("PeerFailureError", "CollectiveTimeoutError"), text
         assert "the other hosts hold ranks [[2, 3]]" in message, text  # the missing host's ranks
+    # gloo names only the address of a peer killed without a word: the errors name that host's ranks.
+    named = {int(m[1]): m[2] for m in lines(done, r"rank (\d) named (.*)$")}
+    assert named == {0: "[2, 3]", 1: "[2, 3]"}, text
     assert left == {0: []}
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_on_one_rank_interrupts_it_and_fails_every_other_rank_naming_it(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """SIGINT to rank 2 (on h1) while every rank is in long two-level all_reduces: rank 2 raises
+    KeyboardInterrupt, every other rank our error naming rank 2, none hangs (the job's own limit is
+    60 s: it then says "never raised"); no segment is left on either host."""
+    agents = start_torchrun(hosts, "hosts_faults.py", "interrupt", out_dir=tmp_path)
+    wait_for_lines(tmp_path, "looping", 4, agents)
+    found = re.search(r"rank 2 pid (\d+)", (tmp_path / "h1.out").read_text())
+    assert found is not None, (tmp_path / "h1.out").read_text()
+    hosts.run(1, ["kill", "-INT", found[1]], timeout=30)
+    done = finish(agents, tmp_path, timeout=100)
+    text = said(done)
+    assert "never raised" not in text, text
+    failures = raised(done)
+    assert sorted(failures) == [0, 1, 2, 3], text
+    assert failures[2][0] == "KeyboardInterrupt", text
+    named = {int(m[1]): m[2] for m in lines(done, r"rank (\d) named (.*)$")}
+    for rank in (0, 1, 3):
+        assert failures[rank][0] in ("PeerFailureError", "CollectiveTimeoutError"), text
+        assert "KeyboardInterrupt in rank 2" in failures[rank][1], text
+        assert named[rank] == "[2]", text
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
 
 
 @pytest.mark.timeout(150)
@@ -240,7 +272,8 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
     hosts: SimHosts, tmp_path: Path
 ) -> None:
     """Rank 2 all_reduces one element more than the others, or broadcasts while they all_reduce; both
-    jobs run at once on the same hosts."""
+    jobs run at once on the same hosts. The first job then goes through the other collectives with rank
+    2's sizes off by one."""
     dirs = {mode: tmp_path / mode for mode in ("mismatch-size", "mismatch-kind")}
     started = {}
     for mode, out_dir in dirs.items():
@@ -260,9 +293,41 @@ def test_a_mismatch_across_hosts_fails_every_rank_before_any_buffer_changes(
     kinds = raised(done["mismatch-kind"])
     for kind, message in kinds.values():
         assert kind == "CollectiveMismatchError", said(done["mismatch-kind"])
-        assert "rank 2 called broadcast(float32, root 0)" in message, message
+        assert "rank 2 called broadcast(300004 x float32, root 0)" in message, message
         assert "rank 3 called all_reduce(SUM, 300003 x float32" in message, message
+    # The other collectives, rank 2's element count one off (all_to_all_single: one split size), each
+    # rank's own buffers consistent: each refused on every rank, nothing changed, the group still usable.
+    agents = done["mismatch-size"]
+    cases = {
+        (int(m[1]), m[2]): (m[3], m[4]) for m in lines(agents, r"rank (\d) case (\w+) raised (\w+): (.*)$")
+    }
+    kept = {(int(m[1]), m[2]): m[3] for m in lines(agents, r"rank (\d) case (\w+) unchanged: (\w+)$")}
+    for name in SIZE_CASES:
+        for rank in range(4):
+            kind, message = cases.get((rank, name), ("never raised", ""))
+            assert kind == "CollectiveMismatchError", f"{name} on rank {rank}: {kind}: {message}"
+            assert kept[rank, name] == "True", f"{name} on rank {rank}"
+            if name != "all_to_all_single":  # the op first where there is one
+                for who, count in ((2, 1002), (3, 1001)):
+                    pattern = rf"rank {who} called {SIZE_CASES[name]}\((SUM, )?{count} x float32"
+                    assert re.search(pattern, message), message
+            else:  # the splits: rank 2 sends 4 elements to rank 0, which expects 3 from it
+                assert "rank 2 sends 4 element(s) to rank 0, which expects 3" in message, message
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+
+
+# The mismatch job's cases after all_reduce (tests/torch_jobs/hosts_faults.py) and gloo's call each
+# reaches, as the error names it.
+SIZE_CASES = {
+    "broadcast": "broadcast",
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "all_to_all": "alltoall",
+    "all_to_all_single": "all_to_all_single",
+}
 
 
 # ---- hosts found honestly ----------------------------------------------------------------------------

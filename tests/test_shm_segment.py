@@ -207,7 +207,7 @@ def test_a_rank0_killed_during_start_up_leaves_the_name_the_launcher_removes():
 
 
 @pytest.mark.timeout(30)
-def test_cleanup_removes_only_our_stale_segments():
+def test_cleanup_removes_only_our_stale_segments_and_host_proofs():
     from axonml_distributed.shm import cleanup_stale_segments
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -221,13 +221,29 @@ def test_cleanup_removes_only_our_stale_segments():
         os.utime(path, (time.time() - age, time.time() - age))
         return path
 
-    stale = segment(dead.pid)
+    def proof(ended: bool, age: float = 3600) -> str:
+        """A host proof (`hosts.layout`) never removed, as a process killed while finding hosts leaves
+        it: made by a process that has `ended`, or by this one."""
+        make = "from axonml_distributed.hosts.layout import _Proof; print(_Proof.path(_Proof.create().name))"
+        if ended:
+            made = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, check=True)
+            path = made.stdout.strip()
+        else:
+            from axonml_distributed.hosts.layout import _Proof
+
+            path = str(_Proof.path(_Proof.create().name))
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    stale = [segment(dead.pid), proof(ended=True)]
     keep = [segment(os.getpid()), segment(dead.pid, magic=b"NOTOURS!"), segment(dead.pid, age=1)]
+    keep += [proof(ended=False), proof(ended=True, age=1)]
     try:
-        assert cleanup_stale_segments(min_age=60) == ["/" + os.path.basename(stale)]
-        assert not os.path.exists(stale)
+        removed = cleanup_stale_segments(min_age=60)
+        assert sorted(removed) == sorted("/" + os.path.basename(p) for p in stale)
+        assert not any(os.path.exists(p) for p in stale)
         assert all(os.path.exists(p) for p in keep)
     finally:
-        for p in [stale, *keep]:
+        for p in [*stale, *keep]:
             if os.path.exists(p):
                 os.unlink(p)

@@ -20,6 +20,7 @@ from axonml_distributed._core import (
     ShmBackend,
     segment_name,
 )
+from axonml_distributed.hosts.layout import proof_creator
 
 # The header fields the cleanup reads come first in every segment: the core names where each lies.
 _HEADER_BYTES = max(offset + size for offset, size in SEGMENT_HEADER.values())
@@ -68,12 +69,15 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
     and axonml-run removes it after any crash), so a leftover exists only when a job without the
     launcher died during start-up. Only files named ``axonml-<our uid>-*``, owned by us, carrying our
     header, older than ``min_age`` seconds, whose creating process no longer exists are removed: never
-    a live job's segment, nor anything of other users or programs.
+    a live job's segment, nor anything of other users or programs. The same goes for the proof objects
+    of a job over several hosts (``axonml-proof-<our uid>-<creator pid>-*``, `hosts.layout`), which live
+    while its ranks find their hosts: one whose creator is gone was left by a process killed then.
     """
     removed = []
     prefix = segment_name("").lstrip("/")
     for name in sorted(os.listdir(SEGMENT_DIR)):
-        if not name.startswith(prefix):
+        proof_by = proof_creator(name)
+        if not name.startswith(prefix) and proof_by is None:
             continue
         path = os.path.join(SEGMENT_DIR, name)
         try:
@@ -88,9 +92,15 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
             head = os.read(fd, _HEADER_BYTES)
         finally:
             os.close(fd)
-        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age or len(head) < _HEADER_BYTES:
+        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age:
             continue
-        if _field(head, "magic") != SEGMENT_MAGIC or _alive(_field(head, "creator")):
+        if proof_by is None:  # a segment: its header says it is ours and who made it
+            if len(head) < _HEADER_BYTES or _field(head, "magic") != SEGMENT_MAGIC:
+                continue
+            creator = _field(head, "creator")
+        else:
+            creator = proof_by
+        if _alive(creator):
             continue
         try:
             os.unlink(path)

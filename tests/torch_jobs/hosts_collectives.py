@@ -185,6 +185,12 @@ def collectives(rank: int, world: int) -> None:
             torch.cat(outs),
             torch.cat([data(r_p(s, rank), n, dtype, 8) for s in range(world)]),
         )
+    # reduce_scatter, uneven (gloo allows it): rank r's output holds r + 2 elements, so entry r of every
+    # rank's input list does.
+    lists = [[data(r * world + c, c + 2, dtype, 10) for c in range(world)] for r in range(world)]
+    out = torch.empty(rank + 2, dtype=dtype)
+    dist.reduce_scatter(out, [c.clone() for c in lists[rank]])
+    same("reduce_scatter uneven", out, sum(lists[r][rank] for r in range(world)))
     # all_to_all_single, uneven: rank s sends (s + p + 1) elements to rank p.
     send = [s + p + 1 for s in range(world) for p in range(world)]
     splits_out = [rank + p + 1 for p in range(world)]

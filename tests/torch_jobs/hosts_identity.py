@@ -18,6 +18,7 @@ from output import say  # the jobs' directory is on sys.path: they run as script
 
 import axonml_distributed.torch as axonml_torch
 
+
 def threads() -> list[str]:
     """The names of this process's threads."""
     tasks = Path("/proc/self/task")

@@ -118,15 +118,28 @@ def find_hosts(rank: int, size: int, all_gather: AllGather) -> HostLayout:
     return HostLayout(tuple(sorted(hosts, key=min)), rank)
 
 
+def proof_creator(filename: str) -> int | None:
+    """The pid of the process that made the proof object `filename` (a name in /dev/shm), if it is one
+    of this user's: `shm.cleanup_stale_segments` removes those whose creator is gone (a process killed
+    while finding hosts leaves its proof behind)."""
+    mine = f"{_PROOF_PREFIX}{os.geteuid()}-"
+    if not filename.startswith(mine):
+        return None
+    pid = filename.removeprefix(mine).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 class _Proof:
-    """A random object in /dev/shm: whoever reads its contents back shares this host's memory."""
+    """A random object in /dev/shm: whoever reads its contents back shares this host's memory. Its name
+    starts with its creator's pid, so a sweep can tell a leftover (`proof_creator`)."""
 
     def __init__(self, name: bytes, token: bytes) -> None:
         self.name, self.token = name, token
 
     @staticmethod
     def path(name: bytes) -> Path:
-        return Path(SEGMENT_DIR) / f"{_PROOF_PREFIX}{os.geteuid()}-{name.hex()}"
+        pid, rest = int.from_bytes(name[:4], "little"), name[4:]
+        return Path(SEGMENT_DIR) / f"{_PROOF_PREFIX}{os.geteuid()}-{pid}-{rest.hex()}"
 
     @classmethod
     def try_create(cls) -> _Proof | None:
@@ -137,7 +150,8 @@ class _Proof:
 
     @classmethod
     def create(cls) -> _Proof:
-        proof = cls(secrets.token_bytes(ITEM_BYTES // 2), secrets.token_bytes(ITEM_BYTES // 2))
+        name = os.getpid().to_bytes(4, "little") + secrets.token_bytes(ITEM_BYTES // 2 - 4)
+        proof = cls(name, secrets.token_bytes(ITEM_BYTES // 2))
         fd = os.open(proof.path(proof.name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         try:
             os.write(fd, proof.token)

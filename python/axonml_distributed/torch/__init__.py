@@ -42,6 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ThreadBackend
+from axonml_distributed.hosts.addresses import AddressBook
 from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
@@ -49,6 +50,7 @@ from axonml_distributed.torch.hosts import (
     FailureNote,
     HostRank,
     HostsProcessGroup,
+    exchange_addresses,
     init_prefix,
     join_host,
     local_group,
@@ -64,6 +66,7 @@ __all__ = ["BACKEND", "AxonmlProcessGroup", "create", "register"]
 _world: Backend | None = None
 _hosts: HostLayout | None = None
 _note: FailureNote | None = None
+_book: AddressBook | None = None  # the job's hosts' addresses (`exchange_addresses`)
 _prefix = ""  # this init's keys in torch's stores (`init_prefix`)
 
 
@@ -71,7 +74,7 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     """torch's creator (extended API; `register` hands torch a stub that imports this module first): the
     default group finds the job's hosts and joins this host's world; subgroups split it, with gloo
     between hosts when they span several (see `axonml_distributed.torch.hosts`)."""
-    global _world, _hosts, _note, _prefix
+    global _world, _hosts, _note, _book, _prefix
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
         _prefix = init_prefix(opts.store, opts.group_size)
@@ -82,8 +85,9 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
             _world = join_host(store, _hosts, opts.timeout)
             every = list(range(opts.group_size))
             _note = FailureNote(store)
+            _book = exchange_addresses(store, _hosts, opts.group_size, opts.timeout)
             group: dist.ProcessGroup = HostsProcessGroup(
-                store, _hosts, every, _world, _hosts, opts.timeout, _note
+                store, _hosts, every, _world, _hosts, opts.timeout, _note, _book
             )
             install_excepthook(HostRank(_world, opts.group_rank, _note))
             return group
@@ -100,10 +104,10 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         # Nothing to exchange: a world of its own, which costs none of the segment's subgroup space.
         native = ProcessGroup(ThreadBackend.single(opts.timeout.total_seconds()))
     elif len(_hosts.within(ranks).hosts) > 1:
-        assert _note is not None  # set with the hosts of a job over several
+        assert _note is not None and _book is not None  # set with the hosts of a job over several
         store = dist.PrefixStore(_prefix, opts.store)
         within = _hosts.within(ranks)
-        return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note)
+        return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note, _book)
     else:
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)

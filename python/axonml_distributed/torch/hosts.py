@@ -9,9 +9,10 @@ one gloo group over all the group's ranks, as they would under gloo, with gloo's
 are made from the Store torch hands the backend, under keys of their own.
 
 Mismatches: every collective (not point to point) first all-gathers a small signature over that flat
-group (which call, dtype, root; for all_reduce the op and element count), so ranks on different hosts
-that call different collectives all raise CollectiveMismatchError before any buffer changes (gloo itself
-would move mismatched bytes or wait for the timeout). It costs one small gloo call per collective.
+group (which call, dtype, the element counts that must agree, root, op: `hosts_signature`), so ranks on
+different hosts whose calls differ all raise CollectiveMismatchError before any buffer changes (gloo
+itself would move mismatched bytes, fail on one side, or wait for the timeout). It costs one small gloo
+call per collective (two for all_to_all_single, whose split sizes pair up across ranks).
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
@@ -19,8 +20,10 @@ host's group and the gloo groups each see their calls in the same order on every
 aborts the host's world, so its other ranks stop at once, and raises our PeerFailureError or
 CollectiveTimeoutError (gloo's error chained) naming the ranks involved by their global ranks and the
 ranks of the other hosts. gloo reports a dead peer as a closed socket, naming no rank, so a rank whose
-process ends on an exception notes it in the Store (`FailureNote`) and the others' errors quote it.
-Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
+process ends on an exception (Ctrl-C too) notes it in the Store (`FailureNote`) and the others' errors
+quote it and name its rank; a process that ends without a word (SIGKILL, a host gone) is named by its
+address, which the error names as that host's ranks (every rank lists its host's addresses at init:
+`exchange_addresses`). Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 """
 
 # mypy: disable-error-code="override"
@@ -48,8 +51,10 @@ from axonml_distributed.exceptions import (
     DistributedError,
     PeerFailureError,
 )
+from axonml_distributed.hosts.addresses import AddressBook, local_addresses
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
@@ -64,12 +69,6 @@ _TWO_LEVEL = {
     dist.ReduceOp.MIN: (ReduceOp.MIN, dist.ReduceOp.MIN),
     dist.ReduceOp.MAX: (ReduceOp.MAX, dist.ReduceOp.MAX),
 }
-# A call's signature, exchanged over the flat group before any data moves (see `_Signature`): ops and
-# dtypes by their place here (-1: another), other collectives by their place in `_FORWARDED`'s values.
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_DTYPES += (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool)
-_OPS = (*_TWO_LEVEL, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
-_OTHER_CALLS = 100
 _CORE_ERRORS = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError)
 # torch's ProcessGroup methods a Python group overrides, and gloo's method that does the same.
 _FORWARDED = {
@@ -101,7 +100,6 @@ _FORWARDED = {
 }
 # Point to point pairs two ranks, not the group; monitored_barrier reports the ranks that never came.
 _UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
-_CALLS = sorted(set(_FORWARDED.values()))
 
 
 def init_prefix(store: dist.Store, size: int) -> str:
@@ -124,6 +122,18 @@ def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.
         return [bytes.fromhex(store.get(k).decode()) for k in keys]
 
     return gather
+
+
+def exchange_addresses(
+    store: dist.Store, layout: HostLayout, size: int, timeout: datetime.timedelta
+) -> AddressBook:
+    """Every rank's host addresses, through torch's Store (collective: every rank of the job calls it
+    once per init, `store` under the init's prefix), read now: when a host dies, the store may go
+    with it."""
+    store.set(f"axonml/addresses/{layout.rank}", ",".join(local_addresses()))
+    keys = [f"axonml/addresses/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return AddressBook(layout, [v.decode().split(",") if v else [] for v in store.multi_get(keys)])
 
 
 def gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> Any:
@@ -163,9 +173,10 @@ class HostsProcessGroup(NamedGroup):
         world: HostLayout,
         timeout: datetime.timedelta,
         note: FailureNote,
+        book: AddressBook,
     ) -> None:
         rank, size = ranks.index(layout.rank), len(ranks)
-        self._note = note
+        self._note, self._book = note, book
         super().__init__(rank, ranks)
         self._layout = layout
         self._flat = gloo(store, "axonml/flat/", rank, size, timeout)
@@ -221,7 +232,7 @@ class HostsProcessGroup(NamedGroup):
         kind = op.op if hasattr(op, "op") else op
         # Started here, on the calling thread, so it takes its place among the flat group's calls in
         # program order; nothing touches a buffer before it is checked.
-        signature = _Signature(_all_reduce_row(kind, tensors), self._flat, self.size())
+        signature = Signature(all_reduce_row(kind, tensors), self._flat, self.size())
         if (
             self._two_level is None
             or any(t.dtype in _NOT_GLOO for t in tensors)
@@ -266,7 +277,7 @@ class HostsProcessGroup(NamedGroup):
 
     def _run_two_level(
         self,
-        signature: _Signature,
+        signature: Signature,
         tensors: list[torch.Tensor],
         local_op: ReduceOp,
         cross_op: Any,
@@ -291,7 +302,7 @@ class HostsProcessGroup(NamedGroup):
                 peers = [r for r in self._cross_ranks if r != self._layout.rank]
                 raise self._failed(e, peers, "this rank's peers on the other hosts") from e
 
-    def _check(self, signature: _Signature, call: str) -> None:
+    def _check(self, signature: Signature, call: str) -> None:
         """Every rank of the group made the same call, or this raises before any buffer changes."""
         try:
             signature.check(self._ranks)
@@ -306,8 +317,11 @@ class HostsProcessGroup(NamedGroup):
         """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
         by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
         engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
-        say which ranks the other hosts hold (a host peer that never came may be waiting on them) and
-        the job's first failure where one was noted."""
+        name instead the ranks noted as the job's first failure (a closed socket may be a rank that
+        failed after them, on any host), else, where gloo's error (or a host peer's abort quoting one)
+        names another host's address, that host's ranks, noted then for the ranks that learn of it later
+        (from a host peer of this one that left). Both say which ranks the other hosts hold (a host peer
+        that never came may be waiting on them) and quote the job's first failure where one was noted."""
         me = self._layout.rank
         if self._two_level is not None:  # the host's ranks first: reading the note may take a moment
             self._local.backend().abort(f"rank {me}: {call} failed: {e}")
@@ -315,25 +329,38 @@ class HostsProcessGroup(NamedGroup):
         noted = self._note.read()
         context = f"the other hosts hold ranks {hosts}"
         if noted is not None:
-            context += f"; the job's first failure: {noted}"
+            context += f"; the job's first failure: {noted[1]}"
+        text = str(e)
+        culprits = [r for r in noted[0] if r in self._ranks and r != me] if noted is not None else []
+        addresses, at = self._book.named_in(text, me)
+        named = [r for r in at if r in self._ranks]
+        if culprits:
+            named, who = culprits, "noted as the job's first failure"
+        elif named:
+            where = ", ".join(addresses)
+            who = f"the ranks of the host at {where}, whose connection failed"
+            self._note.write(
+                named, f"ranks {named} (the host at {where}) left without a word, as rank {me} saw"
+            )
         if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
             host = self._host_ranks
-            named = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+            table = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
             kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
+            inside = f"host ranks to global ranks: {table}; "
+            if named:
+                inside += f"the failure began with rank(s) {named} ({who}); "
             return kind(
-                f"rank {me}: {call} failed inside this host (host ranks to global ranks: {named}; "
-                f"{context}): {e}",
+                f"rank {me}: {call} failed inside this host ({inside}{context}): {e}",
                 rank=me,
-                ranks=[host[r] for r in e.ranks if 0 <= r < len(host)],
+                ranks=named or [host[r] for r in e.ranks if 0 <= r < len(host)],
                 call=call,
                 group=self._ranks,
             )
-        text = str(e)
         kind = CollectiveTimeoutError if "timed out" in text.lower() else PeerFailureError
         return kind(
-            f"rank {me}: {call} across hosts failed with rank(s) {peers} ({who}; {context}): {text}",
+            f"rank {me}: {call} across hosts failed with rank(s) {named or peers} ({who}; {context}): {text}",
             rank=me,
-            ranks=peers,
+            ranks=named or peers,
             call=call,
             group=self._ranks,
         )
@@ -348,11 +375,11 @@ class HostsProcessGroup(NamedGroup):
 def _forward(theirs: str) -> Callable[..., Any]:
     # torch calls some by keyword (`group.barrier(opts=opts)`).
     def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        given = [*args, *kwargs.values()]
         if theirs not in _UNSIGNED:
-            self._check(
-                _Signature(_forwarded_row(theirs, [*args, *kwargs.values()]), self._flat, self.size()), theirs
-            )
-        _refuse_not_gloo(_tensors_in([*args, *kwargs.values()]), theirs)
+            row, splits = forwarded(theirs, given, self.size(), self.rank())
+            self._check(Signature(row, self._flat, self.size(), splits), theirs)
+        _refuse_not_gloo(tensors_in(given), theirs)
         # gloo runs a group's calls in order: so do we, after the two-level all_reduces before it.
         self._lane.drain()
         return getattr(self._flat, theirs)(*args, **kwargs)
@@ -376,13 +403,19 @@ class FailureNote:
     def __init__(self, store: dist.Store) -> None:
         self._store = store
 
-    def write(self, text: str) -> None:
-        """Keeps the first note written: a later failure is usually a consequence of it."""
-        _bounded(lambda: self._store.compare_set(self.KEY, "", text))
+    def write(self, ranks: list[int], text: str) -> None:
+        """Keeps the first note written (`ranks`: the global ranks that failed): a later failure is
+        usually a consequence of it."""
+        _bounded(lambda: self._store.compare_set(self.KEY, "", f"{','.join(map(str, ranks))} {text}"))
 
-    def read(self) -> str | None:
-        def get() -> str | None:
-            return self._store.get(self.KEY).decode() if self._store.check([self.KEY]) else None
+    def read(self) -> tuple[list[int], str] | None:
+        """The ranks that failed first and what was said of them, if noted."""
+
+        def get() -> tuple[list[int], str] | None:
+            if not self._store.check([self.KEY]):
+                return None
+            ranks, text = self._store.get(self.KEY).decode().split(" ", 1)
+            return [int(r) for r in ranks.split(",")], text
 
         return _bounded(get)
 
@@ -422,77 +455,10 @@ class HostRank:
         return self
 
     def abort(self, reason: str) -> None:
+        # The note first: the host peers this abort ends close their sockets, and ranks of other hosts
+        # that see those first must find this rank named.
+        self._note.write([self._rank], reason)
         self._world.abort(reason)
-        self._note.write(reason)
-
-
-class _Signature:
-    """Every rank's call (what, dtype, element count, one more fact), all-gathered over the flat group:
-    a call that differs across hosts is refused on every rank before any buffer changes (inside a host
-    the core checks its own calls, but ranks on other hosts meet only in the engine, which moves
-    mismatched bytes or waits for the timeout). Started when the call is made; `check` waits."""
-
-    FIELDS = 4
-
-    def __init__(self, row: list[int], flat: Any, size: int) -> None:
-        self._mine = torch.tensor(row, dtype=torch.int64)
-        self._all = torch.empty(size * self.FIELDS, dtype=torch.int64)
-        self._work = flat._allgather_base(self._all, self._mine)
-
-    def check(self, ranks: list[int]) -> None:
-        self._work.wait()
-        rows = self._all.view(-1, self.FIELDS).tolist()
-        if all(row == rows[0] for row in rows):
-            return
-        calls = {ranks[i]: _describe(row) for i, row in enumerate(rows)}
-        odd = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
-        theirs = "; ".join(f"rank {rank} called {call}" for rank, call in calls.items())
-        raise CollectiveMismatchError(
-            f"collective mismatch across hosts in group {ranks}: {theirs}; no buffer was changed",
-            calls=calls,
-            ranks=odd,
-            call=calls[ranks[0]],
-            group=ranks,
-        )
-
-
-def _dtype_code(dtype: torch.dtype | None) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
-
-
-def _all_reduce_row(kind: Any, tensors: list[torch.Tensor]) -> list[int]:
-    """all_reduce: the op, the first tensor's dtype, the element count, the tensor count."""
-    op = _OPS.index(kind) if kind in _OPS else -1
-    return [op, _dtype_code(tensors[0].dtype), sum(t.numel() for t in tensors), len(tensors)]
-
-
-def _forwarded_row(theirs: str, args: list[Any]) -> list[int]:
-    """Another collective: which, its first tensor's dtype and the root where it has one (element
-    counts may differ by rank: gather, scatter, all_to_all)."""
-    tensors = _tensors_in(args)
-    roots = [a.rootRank for a in args if hasattr(a, "rootRank")]
-    dtype = tensors[0].dtype if tensors else None
-    return [_OTHER_CALLS + _CALLS.index(theirs), _dtype_code(dtype), 0, roots[0] if roots else -1]
-
-
-def _tensors_in(args: list[Any]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, list | tuple):
-            found += _tensors_in(list(a))
-    return found
-
-
-def _describe(row: list[int]) -> str:
-    what, code, count, fact = row
-    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
-    if what >= _OTHER_CALLS:
-        name = _CALLS[what - _OTHER_CALLS] if what - _OTHER_CALLS < len(_CALLS) else f"call {what}"
-        return f"{name}({dtype}" + (f", root {fact})" if fact >= 0 else ")")
-    op = str(_OPS[what]).rsplit(".", 1)[-1] if 0 <= what < len(_OPS) else f"op {what}"
-    return f"all_reduce({op}, {count} x {dtype} in {fact} tensor(s))"
 
 
 class _Lane:
