@@ -24,8 +24,11 @@ A mixin that is itself a test case keeps its own `test_*` out (they take no back
 
 test_c10d_gloo.py gates most of its `CommTest` calls with `skip_if_lt_x_gpu(2)`; those decorators are in
 that file, not in this one, and are not copied: their bodies mostly run on CPU, and where one needs an
-accelerator it fails on gloo as well, which the report says. The file's own `skip_if_lt_x_gpu` decorators
-(on the DDP tests) are decided in this process, as tests/torch_suite.py does.
+accelerator it fails on gloo as well, which the report says (on a machine without one, three do:
+`test_sequence_num_incremented_default_group` and `_subgroup` and `test_warn_not_in_group` ask for the
+rank's device; a CUDA build of torch then says "Cannot re-initialize CUDA in forked subprocess"). The
+file's own `skip_if_lt_x_gpu` decorators (on the DDP tests) are decided in this process, as
+tests/torch_suite.py does.
 
 No gate is opened, and no test body changed: the file names a backend only to pick a device (nccl: cuda,
 xccl: xpu, else cpu) and to spare gloo the `reduce_scatter` and `all_to_all` it lacks in
