@@ -37,8 +37,15 @@ import sys
 import tempfile
 import types
 import unittest
-from collections.abc import Callable
-from typing import Any
+
+from torch_tests import (
+    ForkedRanks,
+    Outcomes,
+    accelerator_count,
+    decide_accelerator_skips_in_parent,
+    of,
+    skip_decided,
+)
 
 GATES = [
     ('require_backend_is_available({"gloo"})', 'require_backend_is_available({"gloo", BACKEND})'),
@@ -76,34 +83,21 @@ def _decide_in_parent(accelerators: int) -> None:
 
     world_size = int(os.environ["WORLD_SIZE"])
     not_mpi = os.environ["BACKEND"] != "mpi"
-
-    def decided(decorator: Callable[[Any], Any], skip: str | None) -> Callable[[Any], Any]:
-        def apply(func: Any) -> Any:
-            wrapped = decorator(func)
-            return unittest.skip(cd.TEST_SKIPS[skip].message)(wrapped) if skip else wrapped
-
-        return apply
-
-    lt_x_gpu, no_gpu = cd.skip_if_lt_x_gpu, cd.skip_if_no_gpu
-    small, odd = cd.skip_if_small_worldsize, cd.skip_if_odd_worldsize
-
-    def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Callable[[Any], Any]:
-        runs = accelerators >= x or (allow_cpu and not accelerators)
-        return decided(lt_x_gpu(x, allow_cpu=allow_cpu), None if runs else f"multi-device-{x}")
-
-    cd.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    decide_accelerator_skips_in_parent(accelerators)
+    no_gpu, small, odd = cd.skip_if_no_gpu, cd.skip_if_small_worldsize, cd.skip_if_odd_worldsize
     no_device = None if accelerators >= world_size else f"multi-device-{world_size}"
-    cd.skip_if_no_gpu = decided(no_gpu, no_device if accelerators else "no_accelerator")
-    cd.skip_if_small_worldsize = decided(small, "small_worldsize" if not_mpi and world_size < 8 else None)
-    cd.skip_if_odd_worldsize = decided(odd, "odd_worldsize" if not_mpi and world_size % 2 else None)
+    cd.skip_if_no_gpu = skip_decided(no_gpu, no_device if accelerators else "no_accelerator")
+    small_skip = "small_worldsize" if not_mpi and world_size < 8 else None
+    cd.skip_if_small_worldsize = skip_decided(small, small_skip)
+    cd.skip_if_odd_worldsize = skip_decided(odd, "odd_worldsize" if not_mpi and world_size % 2 else None)
 
 
 def _load_suite(backend: str) -> types.ModuleType:
     """torch's distributed_test module with the gates above opened to `backend` (gloo: unchanged)."""
-    import torch  # only now: `_environment` has set OMP_NUM_THREADS, which torch reads at import
+    # torch only now: `_environment` has set OMP_NUM_THREADS, which torch reads at import
     from torch.testing._internal.common_distributed import DistTestCases
 
-    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    accelerators = accelerator_count()
     _decide_in_parent(accelerators)
     spec = importlib.util.find_spec(MODULE)
     assert spec is not None and spec.origin is not None and spec.loader is not None
@@ -154,54 +148,27 @@ _args, _rest = _environment(sys.argv[1:])
 _suite = _load_suite(os.environ["BACKEND"])
 
 
-class TestDistBackendWithFork(_suite.TestDistBackend, _suite.DistributedTest._DistTestBase):  # type: ignore[name-defined,misc]
+class TestDistBackendWithFork(ForkedRanks, _suite.TestDistBackend, _suite.DistributedTest._DistTestBase):  # type: ignore[name-defined,misc]
     def setUp(self) -> None:
         super().setUp()
-        import torch.multiprocessing
-
-        self._start_processes(torch.multiprocessing.get_context("fork").Process)
-
-
-class _Outcomes(unittest.TextTestResult):
-    """unittest's text result that also keeps every started test's name, for `outcomes`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.started: list[str] = []
-
-    def startTest(self, test: unittest.TestCase) -> None:
-        self.started.append(_name(test))
-        super().startTest(test)
-
-    def outcomes(self, known: dict[str, str]) -> dict[str, str]:
-        """Each started test's outcome: "passed", "failed", "known failure" (failed, and in `known`) or
-        "skipped"."""
-        result = dict.fromkeys(self.started, "passed")
-        failed = {_name(test) for test, _ in self.failures + self.errors}
-        result.update((test, "known failure" if test in known else "failed") for test in failed)
-        result.update((_name(test), "skipped") for test, _ in self.skipped)
-        return result
-
-
-def _name(test: unittest.TestCase) -> str:
-    return test.id().rsplit(".", 1)[-1]
+        self._spawn_processes()
 
 
 def _verdict(outcomes: dict[str, str], backend: str, known: dict[str, str]) -> bool:
     """Print the counts and the tests that break the rule (fail only if listed); True if none does."""
-    of = lambda *kinds: sorted(test for test, o in outcomes.items() if o in kinds)  # noqa: E731
-    ran, failed = of("passed", "failed", "known failure"), of("failed", "known failure")
+    ran, failed = of(outcomes, "passed", "failed", "known failure"), of(outcomes, "failed", "known failure")
+    passed, unlisted = of(outcomes, "passed"), of(outcomes, "failed")
     print(
         f"torch_suite {backend} world_size={os.environ['WORLD_SIZE']}: ran {len(ran)}, "
-        f"passed {len(of('passed'))}, failed {len(failed)} ({len(of('known failure'))} known), "
-        f"skipped {len(of('skipped'))}"
+        f"passed {len(passed)}, failed {len(failed)} ({len(failed) - len(unlisted)} known), "
+        f"skipped {len(of(outcomes, 'skipped'))}"
     )
-    for test in of("failed"):
+    for test in unlisted:
         print(f"  FAILED, not in KNOWN_FAILURES: {test}")
-    now_passing = [test for test in of("passed") if test in known]
+    now_passing = [test for test in passed if test in known]
     for test in now_passing:
         print(f"  PASSED, but KNOWN_FAILURES lists it (remove it): {test}")
-    return not of("failed") and not now_passing
+    return not unlisted and not now_passing
 
 
 if __name__ == "__main__":
@@ -209,9 +176,9 @@ if __name__ == "__main__":
 
     sys.argv[1:] = _rest
     common_utils.parse_cmd_line_args()
-    runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=2 if "-v" in _rest else 1)
+    runner = unittest.TextTestRunner(resultclass=Outcomes, verbosity=2 if "-v" in _rest else 1)
     result = unittest.main(argv=common_utils.UNITTEST_ARGS, testRunner=runner, exit=False).result
-    assert isinstance(result, _Outcomes)
+    assert isinstance(result, Outcomes)
     known = KNOWN_FAILURES.get(_args.backend, {})
     outcomes = result.outcomes(known)
     if _args.outcomes:

@@ -109,6 +109,13 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         within = _hosts.within(ranks)
         return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note, _book)
     else:
+        if ranks != sorted(ranks):
+            # The core numbers a group's members by ascending global rank; torch's order would put
+            # gathered data and group ranks in other places than torch expects, silently.
+            raise ValueError(
+                f"the axonml backend numbers a group's members in ascending global rank: new_group(ranks="
+                f"{ranks}, sort_ranks=False) in another order is not supported (give the ranks ascending)"
+            )
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
