@@ -2,6 +2,7 @@
 checks it exports for the backends written in Python are the core's (each compared with what a native
 collective does)."""
 
+import importlib.machinery
 import os
 import shutil
 import struct
@@ -38,6 +39,28 @@ def test_stub_matches_the_native_module(tmp_path: Path) -> None:
         env=dict(os.environ, MYPYPATH=str(tmp_path)),
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_native_module_is_the_stable_abi_build() -> None:
+    # One wheel serves every Python from 3.10: the build names its file with the stable-ABI suffix. A
+    # build for one version, left beside it in an editable checkout, would be imported first and hide it.
+    suffix = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if ".abi3." in s)
+    assert Path(_core.__file__).name == "_core" + suffix
+
+
+def test_the_native_module_imports_only_stable_abi_symbols() -> None:
+    # The file name is the build's claim; what the binary links against is the fact: every C-API function
+    # or object it takes from Python is in CPython's list of the stable ABI (its own test suite's table).
+    stable = set(pytest.importorskip("test.test_stable_abi_ctypes").SYMBOL_NAMES)
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs binutils' nm")
+    listing = subprocess.run([nm, "-D", "--undefined-only", _core.__file__], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    imported = {line.split()[-1].split("@")[0] for line in listing.stdout.splitlines() if line.strip()}
+    python_api = {s for s in imported if s.startswith(("Py", "_Py"))}
+    assert python_api, listing.stdout  # the listing was read
+    assert python_api - stable == set()
 
 
 def on_threads(n: int, fn: Any) -> list[Any]:
