@@ -268,3 +268,12 @@ def test_torch_ddp_over_axonml_under_the_launcher(tmp_path: Path) -> None:
         reduced = sum(s["args"]["bytes"] for s in spans if s["name"] == "all_reduce")
         assert reduced == steps * sum(sizes), (reduced, sizes)
         assert sum(1 for s in spans if s["name"] == "barrier") >= 1
+        # Each of those all_reduces is a bucket of torch's DDP, on a track of its position in backward.
+        buckets = [
+            s
+            for k in tracks
+            if k[0] == rank and k[1].startswith("ddp bucket ")
+            for s in _spans_with_phases(tracks[k], ("queued", "reducing"))
+        ]
+        assert all(s["args"]["state"] == "completed" for s in buckets)
+        assert sum(s["args"]["bytes"] for s in buckets) == steps * sum(sizes)

@@ -1,8 +1,7 @@
 """The timeline as a Chrome trace (the JSON that chrome://tracing, https://ui.perfetto.dev and
 Horovod's timeline use): one process per rank ("rank R"), one thread per track (a group's collectives,
 each DDP gradient bucket, the user's spans), each span a complete event ("ph": "X", timestamps in
-microseconds since the first span) and its phases complete events inside it. Standard library only:
-the launcher merges timelines too.
+microseconds since the first span) and its phases complete events inside it.
 
 The engine's records (`_core.take_timeline`) become spans here (`engine_spans`); spans recorded in
 Python come as they are (`spans`).
@@ -14,19 +13,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from axonml_distributed.trace.record import group_name
-from axonml_distributed.trace.spans import Span
+from axonml_distributed.trace.spans import Span, bucket_span
 
 FORMAT = "axonml-timeline"
 VERSION = 1
 # Phases of a collective: before every member arrived, then until it returned.
 WAITING = "waiting for peers"
 MOVING = "moving data"
-# Phases of a gradient bucket: complete but behind an earlier bucket, then its all-reduce.
-QUEUED = "queued"
-REDUCING = "reducing"
-# Track order on a rank: the user's spans (`spans.USER_ORDER`), the buckets in reduction order (a track
-# each: they overlap one another), then the groups in the order the rank made them.
-BUCKETS_ORDER = 1
+# Track order on a rank: the user's spans and the buckets' (`spans`), then the groups in the order the
+# rank made them.
 GROUPS_ORDER = 1 << 20
 
 
@@ -56,53 +51,23 @@ def engine_spans(records: Iterable[Mapping[str, Any]]) -> list[Span]:
                 "call": e["call"],
             }
             spans.append(
-                _span(
-                    rank,
-                    f"group {name}",
-                    GROUPS_ORDER + record["index"],
-                    e["kind"],
-                    created,
-                    completed,
-                    args,
-                    phases,
-                )
+                {
+                    "rank": rank,
+                    "track": f"group {name}",
+                    "order": GROUPS_ORDER + record["index"],
+                    "name": e["kind"],
+                    "cat": "collective",
+                    "start_ns": created,
+                    "end_ns": completed,
+                    "args": args,
+                    "phases": phases,
+                }
             )
         for b in record.get("buckets", []):
-            ready, launched, done = b["ready_ns"], b["launched_ns"], b["done_ns"]
-            args = {
-                "bucket": b["bucket"],
-                "bytes": b["bytes"],
-                "group": name,
-                "state": "completed" if b["ok"] else "failed",
-            }
-            phases = [[QUEUED, ready, launched], [REDUCING, launched, done]]
-            track = f"ddp bucket {b['bucket']}"
-            spans.append(_span(rank, track, BUCKETS_ORDER + b["bucket"], track, ready, done, args, phases))
+            state = "completed" if b["ok"] else "failed"
+            args = {"bytes": b["bytes"], "group": name, "state": state}
+            spans.append(bucket_span(rank, b["bucket"], b["ready_ns"], b["launched_ns"], b["done_ns"], args))
     return spans
-
-
-def _span(
-    rank: int,
-    track: str,
-    order: int,
-    name: str,
-    start: int,
-    end: int,
-    args: dict[str, Any],
-    phases: list[list[Any]],
-) -> Span:
-    cat = "collective" if order >= GROUPS_ORDER else "ddp"
-    return {
-        "rank": rank,
-        "track": track,
-        "order": order,
-        "name": name,
-        "cat": cat,
-        "start_ns": start,
-        "end_ns": end,
-        "args": args,
-        "phases": phases,
-    }
 
 
 def chrome_trace(spans: Sequence[Span], world_size: int) -> dict[str, Any]:
