@@ -10,6 +10,7 @@
     python -m axonml_distributed.bench --torch-calls          # dist.all_reduce against torch's floor
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
     python -m axonml_distributed.bench --hosts 2 [--fit]      # simulated hosts, root (see bench.hosts)
+    python -m axonml_distributed.bench --timeline-overhead    # timeline off vs on (bench.timeline_overhead)
 
 The in-process world's figures are described in `bench.threads`.
 """
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--torch-calls", action="store_true", help="dist.all_reduce's cost over torch's do-nothing backend"
     )
+    p.add_argument("--timeline-overhead", action="store_true", help="the timeline's cost: off against on")
+    p.add_argument("--timeline-rounds", type=int, default=10, help="rounds of each, with --timeline-overhead")
     args, rest = p.parse_known_args(argv)
     if args.hosts is not None:
         from axonml_distributed.bench import hosts
@@ -62,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         from axonml_distributed.bench import torch_ddp
 
         return torch_ddp.main(argv)
+    if args.timeline_overhead:
+        from axonml_distributed.bench.timeline_overhead import run
+
+        report = run(args)
+        if args.json:
+            print(json.dumps(report))
+        return 0
     if args.backend != "threads":
         module = "procs" if args.backend == "shm" else "mpi"
         try:
