@@ -130,6 +130,38 @@ def test_thread_world_timeline_holds_every_call_of_every_rank(tmp_path: Path) ->
     _check_job(_load(path), 2)
 
 
+ENV_JOB = """
+import sys
+import axonml_distributed as ad
+sys.path.insert(0, {tests!r})
+from test_timeline import _calls
+ad.spawn(_calls, 2)
+"""
+
+
+def test_the_environment_s_timeline_is_written_at_exit_without_the_flight_recorder_s_ring(
+    tmp_path: Path,
+) -> None:
+    """AXONML_TIMELINE: from the import to the exit. The timeline keeps every call even when the flight
+    recorder keeps none (AXONML_FLIGHT_RECORDER_ENTRIES=0)."""
+    path = tmp_path / "timeline.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": _package_path(),
+        "AXONML_TIMELINE": str(path),
+        "AXONML_FLIGHT_RECORDER_ENTRIES": "0",
+    }
+    script = ENV_JOB.format(tests=str(Path(__file__).parent))
+    job = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=50)
+    assert job.returncode == 0, job.stderr
+    _check_job(_load(path), 2)
+
+
+def _package_path() -> str:
+    """PYTHONPATH for a subprocess that must import this copy of the package."""
+    return os.pathsep.join(filter(None, [str(Path(ad.__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+
+
 def test_calls_outside_the_timeline_are_left_out_and_one_timeline_at_a_time(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
 
@@ -235,9 +267,7 @@ def test_torch_ddp_over_axonml_under_the_launcher(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(Path(ad.__file__).parents[1]), os.environ.get("PYTHONPATH")])
-        ),
+        "PYTHONPATH": _package_path(),
         "OMP_NUM_THREADS": "1",
         "AXONML_TIMELINE": str(path),
     }
