@@ -307,3 +307,24 @@ def test_torch_ddp_over_axonml_under_the_launcher(tmp_path: Path) -> None:
         ]
         assert all(s["args"]["state"] == "completed" for s in buckets)
         assert sum(s["args"]["bytes"] for s in buckets) == steps * sum(sizes)
+
+
+def test_plot_draws_a_row_per_rank_and_track(tmp_path: Path) -> None:
+    image = pytest.importorskip("matplotlib.image")
+    path, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    with ad.timeline(path):
+        ad.spawn(_calls, 2)
+    from axonml_distributed.trace.__main__ import main
+
+    assert main(["plot", str(path), str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = image.imread(png).shape
+    assert height > 100 and width > 100
+    from axonml_distributed.trace.gantt import draw
+
+    labels = draw(_load(path), tmp_path / "again.png")
+    # Per rank: the user's track, then the world's group and the subgroup, in the order it made them
+    # (named for the world's ordinal in this process, which other tests' worlds advanced).
+    world = labels[1].split("group ")[1].split(":")[0]
+    tracks = ("user", f"group {world}:0,1#1", f"group {world}:0,1#2")
+    assert labels == [f"rank {r}: {track}" for r in range(2) for track in tracks]

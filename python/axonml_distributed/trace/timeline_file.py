@@ -53,10 +53,12 @@ def part_path(path: str | os.PathLike[str], rank: int) -> Path:
 
 
 def start(path: str | os.PathLike[str]) -> None:
-    """Turn the timeline on, to be written to `path` by `finish`; RuntimeError when one is on already."""
+    """Turn the timeline on, to be written to `path` by `finish`; RuntimeError when one is on already.
+    The file's directory is made now, so that a path that cannot be written fails before the job."""
     global _active
     if _active is not None:
         raise RuntimeError(f"a timeline is already on in this process (to {_active}): one at a time")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     _active = os.fspath(path)
     _core.take_timeline()  # what an earlier timeline left
     spans.start()
