@@ -177,6 +177,11 @@ def test_calls_outside_the_timeline_are_left_out_and_one_timeline_at_a_time(tmp_
     spans = [e for e in _load(path)["traceEvents"] if e["ph"] == "X" and e["cat"] == "collective"]
     assert Counter(s["pid"] for s in spans) == {0: 1, 1: 1}
     assert not (tmp_path / "other").exists()
+    # A timeline that recorded nothing leaves the file alone (a tool run with AXONML_TIMELINE set).
+    before = path.read_bytes()
+    with ad.timeline(path):
+        pass
+    assert path.read_bytes() == before
 
 
 def _ddp_steps(pg: Any, steps: int) -> list[int]:

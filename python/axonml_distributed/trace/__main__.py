@@ -9,6 +9,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from axonml_distributed.trace import timeline_file
 from axonml_distributed.trace.analysis import analyze
 from axonml_distributed.trace.record import load
 
@@ -26,6 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot.add_argument("timeline", metavar="TIMELINE", help="a timeline's JSON file")
     plot.add_argument("out", metavar="OUT", help="the image to write (PNG, SVG, PDF: by its suffix)")
     args = parser.parse_args(argv)
+    timeline_file.cancel()  # a tool reading timelines records none (AXONML_TIMELINE may still be set)
     if args.command == "plot":
         from axonml_distributed.trace.gantt import draw
 

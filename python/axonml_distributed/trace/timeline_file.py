@@ -67,7 +67,8 @@ def start(path: str | os.PathLike[str]) -> None:
 
 def finish() -> Path | None:
     """Turn the timeline off and write it (see the module's docs); returns the file written, the whole
-    timeline's or this process's part, None when none was on."""
+    timeline's or this process's part; None when none was on, or nothing was recorded (a process that
+    made no call, such as a tool run with AXONML_TIMELINE still set, leaves the file alone)."""
     global _active
     path, _active = _active, None
     if path is None:
@@ -75,14 +76,17 @@ def finish() -> Path | None:
     _core.set_timeline(False)
     records = _core.take_timeline()
     kept = engine_spans(records) + spans.stop()
-    world_size = max([r["world_size"] for r in records] + [settings.world_size() or 1])
+    if not kept:
+        return None
+    sizes = [r["world_size"] for r in records]
+    world_size = max(sizes) if sizes else settings.world_size() or 1
     held = {r["rank"] for r in records}
     # A span whose rank nothing named is the process's: the one rank its groups hold, else rank 0.
     mine = min(held) if len(held) == 1 else 0
     for span in kept:
         if span["rank"] is None:
             span["rank"] = mine
-    ranks = held | {s["rank"] for s in kept} or {mine}
+    ranks = held | {s["rank"] for s in kept}
     if ranks >= set(range(world_size)):
         write_json(path, chrome_trace(kept, world_size))
         return Path(path)
