@@ -11,7 +11,7 @@
 //!
 //! While a timeline is on ([`set_timeline`]), each recorder also keeps every finished call, and the
 //! gradient buckets its rank's synchronizers reduced, in an unbounded log ([`Log`]) that the timeline
-//! takes ([`take_timeline`]) and writes as a trace (`axonml_distributed.trace.timeline`). Off, a call
+//! takes ([`take_timeline`]) and writes as a trace (`axonml_distributed.trace.timeline_file`). Off, a call
 //! pays one relaxed load of the switch, and nothing is allocated.
 
 use std::collections::HashMap;
@@ -140,8 +140,9 @@ pub struct BucketEvent {
     pub bytes: u64,
     /// When its last gradient came in.
     pub ready_ns: u64,
-    /// When its all-reduce was started (buckets start in order, so later than ready when an earlier
-    /// bucket was still filling).
+    /// When its all-reduce was started: later than ready when an earlier bucket was still filling
+    /// (buckets start in order), or, at the end of a step, after the ranks agreed on which gradients
+    /// exist.
     pub launched_ns: u64,
     /// When its all-reduce returned.
     pub done_ns: u64,

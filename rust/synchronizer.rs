@@ -308,20 +308,21 @@ impl GradientSynchronizer {
     fn log_buckets(&mut self, ok: bool) {
         let mut recorder = None;
         for (b, st) in self.states.iter_mut().enumerate() {
-            let ready = st.ready_at.take();
-            let Some(launched) = st.launched_at.take() else { continue };
+            let (ready, launched) = (st.ready_at.take(), st.launched_at.take());
+            let Some(launched) = launched else { continue };
+            let mut bucket = lock(&st.bucket);
+            let reduced = bucket.reduced_at.take();
             let Some(r) = recorder.get_or_insert_with(|| self.group.as_ref().and_then(|g| g.recorder()))
             else {
-                return;
+                continue;
             };
-            let mut bucket = lock(&st.bucket);
             r.bucket(BucketEvent {
                 bucket: b,
                 bytes: (bucket.size() as u64).saturating_mul(bucket.dtype().map_or(0, |d| d.size() as u64)),
                 ready_ns: flight::wall_ns(ready.unwrap_or(launched)),
                 launched_ns: flight::wall_ns(launched),
                 // A group that does not stamp its reductions (one written in Python): when waited for.
-                done_ns: flight::wall_ns(bucket.reduced_at.take().unwrap_or_else(Instant::now)),
+                done_ns: flight::wall_ns(reduced.unwrap_or_else(Instant::now)),
                 ok,
             });
         }
