@@ -17,6 +17,7 @@ import pytest
 
 import axonml_distributed as ad
 from ddp_models import MLP
+from launcher_run import finish_launcher, start_launcher, worker_script
 from shm_run import connect, ok, run_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -245,6 +246,28 @@ def test_shm_world_parts_are_merged_by_rank_0(tmp_path: Path) -> None:
     assert ok(run_world(2, w_calls, str(path), timeout=30)) == ["done", "done"]
     _check_job(_load(path), 2)
     assert list(tmp_path.iterdir()) == [path], "the parts are removed once merged"
+
+
+@pytest.mark.timeout(120)
+def test_shm_world_under_the_launcher_a_timeline_block_is_merged_by_rank_0(tmp_path: Path) -> None:
+    """A `timeline()` block (no AXONML_TIMELINE) in workers of axonml-run: the launcher does not know its
+    path, so rank 0 merges the parts."""
+    script = worker_script(
+        tmp_path,
+        f"""
+        import axonml_distributed as ad
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_timeline import _calls
+
+        pg = ad.init_process_group("shm")
+        with ad.timeline(OUT / "timeline.json"):
+            _calls(pg)
+        ad.destroy_process_group()
+        """,
+    )
+    out, err = finish_launcher(start_launcher("--nproc-per-node", "2", script, tmp_path))
+    _check_job(_load(tmp_path / "timeline.json"), 2)
+    assert not list(tmp_path.glob("timeline.json.rank*")), (out, err)
 
 
 TORCH_DDP = """

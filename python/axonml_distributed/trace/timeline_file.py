@@ -9,11 +9,11 @@ on, the engine logs each call as it finishes, about 100 bytes a call, until the 
 Worlds:
 - the thread world (`spawn`): one process holds every rank, so its file holds them all;
 - the shared-memory world of processes (and the torch backend "axonml", which runs on the same
-  engine): each process writes its part, ``path.rank{R}`` (R its rank), when its timeline ends. Under
-  axonml-run, the launcher merges the parts into ``path`` after the job, whatever its outcome, and
-  removes them. Otherwise rank 0 merges them when its own timeline ends, after waiting up to
-  `MERGE_WAIT` seconds for the others' parts (ranks whose part is still missing then are left out,
-  with a warning).
+  engine): each process writes its part, ``path.rank{R}`` (R its rank), when its timeline ends. For
+  AXONML_TIMELINE under axonml-run, the launcher merges the parts into ``path`` after the job,
+  whatever its outcome, and removes them. Otherwise (a `timeline()` block, or another launcher) rank
+  0 merges them when its own timeline ends, after waiting up to `MERGE_WAIT` seconds for the others'
+  parts (ranks whose part is still missing then are left out, with a warning).
 
 Clocks: every span is stamped with the engine's wall clock (`_core.wall_ns`: the realtime clock read
 once per process, advanced by the monotonic clock), the same clock for every process on a host, so the
@@ -103,8 +103,8 @@ def finish() -> Path | None:
             "spans": kept,
         },
     )
-    if me != 0 or settings.launched_by_axonml_run():
-        return part
+    if me != 0 or (settings.launched_by_axonml_run() and settings.timeline_file() == path):
+        return part  # rank 0 merges, or the launcher after the job (its AXONML_TIMELINE)
     merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT)
     return Path(path) if merged else part
 
