@@ -41,17 +41,16 @@ def on() -> bool:
 
 def start() -> None:
     """Keep spans from now on (what was kept before is dropped)."""
-    global _on
-    _spans.clear()
+    global _on, _spans
+    _spans = []
     _on = True
 
 
 def stop() -> list[Span]:
     """Keep no more spans; returns those kept."""
-    global _on
+    global _on, _spans
     _on = False
-    kept = list(_spans)
-    _spans.clear()
+    kept, _spans = _spans, []  # one swap: a span ending meanwhile goes to one list or the other
     return kept
 
 

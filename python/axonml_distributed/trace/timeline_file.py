@@ -174,7 +174,10 @@ def from_environment() -> None:
     """AXONML_TIMELINE: turn the timeline on for the whole process, written when it exits."""
     path = settings.timeline_file()
     if path is not None and _active is None:
-        start(path)
+        try:
+            start(path)
+        except OSError as e:
+            raise ValueError(f"{settings.TIMELINE}={path}: its directory cannot be made ({e})") from e
         atexit.register(finish)
 
 
