@@ -110,8 +110,8 @@ def torch_bucket(rank: int, bucket: int, nbytes: int, future: Any) -> None:
 def trace_span(name: str, **args: Any) -> Iterator[None]:
     """Record the block as a span `name` (with `args`, JSON values) on the "user" track of the calling
     rank (`calling_rank`: under `spawn`, the rank of the calling thread; in a process of one rank, that
-    rank) in the timeline, when one is on (`timeline`, AXONML_TIMELINE); otherwise it costs one test of
-    a flag."""
+    rank; otherwise, such as the thread that called `spawn`, rank 0) in the timeline, when one is on
+    (`timeline`, AXONML_TIMELINE); otherwise it costs one test of a flag."""
     if not _on:
         yield
         return
