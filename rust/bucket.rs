@@ -103,6 +103,8 @@ pub struct GradientBucket {
     storage: Storage,
     len: usize,
     entries: Vec<Entry>,
+    /// When its last all-reduce returned, stamped only while a timeline is on (`crate::flight`).
+    pub(crate) reduced_at: Option<std::time::Instant>,
 }
 
 impl GradientBucket {
@@ -114,6 +116,7 @@ impl GradientBucket {
             storage: Storage::Private(Vec::new()),
             len: 0,
             entries: Vec::new(),
+            reduced_at: None,
         }
     }
 
@@ -144,7 +147,7 @@ impl GradientBucket {
             }
             None => Storage::Private(storage(len, dtype)?),
         };
-        Ok(GradientBucket { capacity: len, dtype: Some(dtype), storage, len, entries })
+        Ok(GradientBucket { capacity: len, dtype: Some(dtype), storage, len, entries, reduced_at: None })
     }
 
     /// True when the buffer lives in memory the group's members share.

@@ -9,6 +9,7 @@
 //! buckets) and [`GradientSynchronizer::sync_all`] (filled ones) reduce what is left and wait.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 mod averaging;
 
@@ -17,6 +18,7 @@ pub use averaging::{Averaging, Pending, SharedBucket};
 use crate::bucket::{assign_buckets, Entry, GradientBucket};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
+use crate::flight::{self, BucketEvent};
 use crate::sync::lock;
 
 /// The default bucket size: 25M elements (~100 MB of f32).
@@ -43,6 +45,30 @@ struct BucketState {
     members: Vec<usize>,
     /// Its background all-reduce, once started.
     work: Option<Pending>,
+    /// With a timeline on: when it became complete and when its all-reduce started, this step.
+    ready_at: Option<Instant>,
+    launched_at: Option<Instant>,
+}
+
+impl BucketState {
+    fn new(bucket: SharedBucket, pending: usize, members: Vec<usize>) -> Self {
+        BucketState { bucket, pending, members, work: None, ready_at: None, launched_at: None }
+    }
+
+    /// No gradient is to come any more: with a timeline on, it is ready now (if it was not already).
+    fn complete(&mut self) {
+        self.pending = 0;
+        if self.ready_at.is_none() && flight::timeline_on() {
+            self.ready_at = Some(Instant::now());
+        }
+    }
+
+    /// Its all-reduce starts now.
+    fn launch(&mut self) {
+        if flight::timeline_on() {
+            self.launched_at = Some(Instant::now());
+        }
+    }
 }
 
 /// One gradient's place: its bucket and entry there, and whether it is in for this reduction.
@@ -104,7 +130,7 @@ impl GradientSynchronizer {
                 slots[i] = Some(Slot { bucket: b, entry, ready: false });
             }
             let pending = members.len();
-            states.push(BucketState { bucket: Arc::new(Mutex::new(bucket)), pending, members, work: None });
+            states.push(BucketState::new(Arc::new(Mutex::new(bucket)), pending, members));
         }
         Ok(GradientSynchronizer {
             strategy: GradSyncStrategy::Overlapped,
@@ -188,6 +214,9 @@ impl GradientSynchronizer {
         slot.ready = true;
         let b = slot.bucket;
         self.states[b].pending -= 1;
+        if self.states[b].pending == 0 {
+            self.states[b].complete();
+        }
         self.start_complete(false)
     }
 
@@ -219,6 +248,7 @@ impl GradientSynchronizer {
                 let _ = w(); // only after an error: the first one is what the caller hears
             }
         }
+        self.log_buckets(r.is_ok());
         self.next = 0;
         r
     }
@@ -230,7 +260,7 @@ impl GradientSynchronizer {
             }
         }
         for st in &mut self.states {
-            st.pending = 0;
+            st.complete();
         }
         let group = self.group.clone().ok_or_else(|| Error::invalid("finish: no group"))?;
         let global = if exchange {
@@ -261,14 +291,41 @@ impl GradientSynchronizer {
                     if !last {
                         return Ok(());
                     }
+                    st.launch();
                     group.run(&st.bucket)?;
                 } else {
+                    st.launch();
                     st.work = Some(group.start(&st.bucket)?);
                 }
             }
             self.next += 1;
         }
         Ok(())
+    }
+
+    /// With a timeline on, log every bucket started this step in the group's recorder (`ok`: whether
+    /// the step's reduction succeeded), all of them waited for.
+    fn log_buckets(&mut self, ok: bool) {
+        let mut recorder = None;
+        for (b, st) in self.states.iter_mut().enumerate() {
+            let (ready, launched) = (st.ready_at.take(), st.launched_at.take());
+            let Some(launched) = launched else { continue };
+            let mut bucket = lock(&st.bucket);
+            let reduced = bucket.reduced_at.take();
+            let Some(r) = recorder.get_or_insert_with(|| self.group.as_ref().and_then(|g| g.recorder()))
+            else {
+                continue;
+            };
+            r.bucket(BucketEvent {
+                bucket: b,
+                bytes: (bucket.size() as u64).saturating_mul(bucket.dtype().map_or(0, |d| d.size() as u64)),
+                ready_ns: flight::wall_ns(ready.unwrap_or(launched)),
+                launched_ns: flight::wall_ns(launched),
+                // A group that does not stamp its reductions (one written in Python): when waited for.
+                done_ns: flight::wall_ns(reduced.unwrap_or_else(Instant::now)),
+                ok,
+            });
+        }
     }
 
     /// Wait for every background bucket; the first error.
@@ -308,11 +365,8 @@ impl GradientSynchronizer {
             )));
         }
         if bucket >= self.states.len() {
-            self.states.resize_with(bucket + 1, || BucketState {
-                bucket: Arc::new(Mutex::new(GradientBucket::new(self.bucket_size))),
-                pending: 1,
-                members: Vec::new(),
-                work: None,
+            self.states.resize_with(bucket + 1, || {
+                BucketState::new(Arc::new(Mutex::new(GradientBucket::new(self.bucket_size))), 1, Vec::new())
             });
         }
         if self.states[bucket].pending == 0 {
@@ -340,10 +394,10 @@ impl GradientSynchronizer {
         self.slots.push(Slot { bucket, entry, ready: true });
         self.states[bucket].members.push(i);
         for st in &mut self.states[..bucket] {
-            st.pending = 0;
+            st.complete();
         }
         if full || self.expected == Some(self.slots.len()) {
-            self.states[bucket].pending = 0;
+            self.states[bucket].complete();
         }
         self.start_complete(false)?;
         Ok(i)
@@ -357,11 +411,19 @@ impl GradientSynchronizer {
         }
         self.group = Some(group.clone());
         for st in &mut self.states {
-            st.pending = 0;
+            st.complete();
         }
+        let r = self.reduce_all(&*group);
+        self.log_buckets(r.is_ok());
+        r
+    }
+
+    /// `sync_all`'s reductions: every bucket left, then the wait.
+    fn reduce_all(&mut self, group: &dyn Averaging) -> Result<()> {
         if self.strategy == GradSyncStrategy::Synchronous {
             for st in &mut self.states[self.next..] {
                 if !lock(&st.bucket).is_empty() {
+                    st.launch();
                     group.run(&st.bucket)?;
                 }
             }
@@ -393,6 +455,7 @@ impl GradientSynchronizer {
         if self.laid_out {
             for st in &mut self.states {
                 st.pending = st.members.len();
+                (st.ready_at, st.launched_at) = (None, None);
             }
             for s in &mut self.slots {
                 s.ready = false;

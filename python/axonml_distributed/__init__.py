@@ -6,7 +6,8 @@ in-process world of threads (`spawn`, `ThreadBackend`), a shared-memory world of
 process groups and subgroups; `DistributedDataParallel` for numpy models and torch modules; Horovod's
 `broadcast_parameters`, `broadcast_optimizer_state` and `DistributedOptimizer` for torch scripts;
 object collectives (`broadcast_object` ...) through a restricted codec, never pickle; a flight recorder
-of every rank's last calls, always on (`dump_flight_recorder`, `python -m axonml_distributed.trace`).
+of every rank's last calls, always on (`dump_flight_recorder`, `python -m axonml_distributed.trace`);
+a timeline of every call as a Chrome trace (`timeline`, AXONML_TIMELINE, `trace_span`).
 """
 
 from axonml_distributed._core import (
@@ -74,7 +75,8 @@ from axonml_distributed.objects import (
 )
 from axonml_distributed.sampler import DistributedSampler
 from axonml_distributed.spawn import spawn
-from axonml_distributed.trace import dump_flight_recorder
+from axonml_distributed.trace import dump_flight_recorder, timeline, trace_span
+from axonml_distributed.trace.timeline_file import from_environment as _timeline_from_environment
 
 __all__ = [
     "Backend",
@@ -131,5 +133,10 @@ __all__ = [
     "spawn",
     "sync_gradient",
     "sync_gradients",
+    "timeline",
+    "trace_span",
     "world_size",
 ]
+
+# AXONML_TIMELINE: the process's timeline, from here to its exit.
+_timeline_from_environment()

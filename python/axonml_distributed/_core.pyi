@@ -102,6 +102,18 @@ def flight_records() -> list[dict[str, Any]]:
     "world_size", "ranks", "occurrence", "index", "world", "world_ordinal", and "entries", its last
     calls, oldest first."""
 
+def set_timeline(on: bool) -> None:
+    """Turn the timeline on or off: while on, every recorder of this process logs each call it finishes
+    (and each gradient bucket reduced), until `take_timeline`."""
+
+def take_timeline() -> list[dict[str, Any]]:
+    """What every recorder logged for the timeline since the last take, as `flight_records` gives them
+    (its finished calls as "entries", oldest first) with "buckets": the gradient buckets reduced over
+    the communicator ("bucket", "bytes", "ready_ns", "launched_ns", "done_ns", "ok")."""
+
+def wall_ns() -> int:
+    """Now, on the recorders' clock: wall-clock nanoseconds since the Unix epoch."""
+
 def segment_name(job_id: str) -> str:
     """The ``shm_open`` name of job `job_id`'s segment (this user's effective uid and the job id)."""
 
@@ -392,6 +404,9 @@ __all__ = [
     "World",
     "check_op",
     "flight_records",
+    "set_timeline",
+    "take_timeline",
+    "wall_ns",
     "check_job_secret",
     "checked_timeout",
     "layout_mismatch_error",

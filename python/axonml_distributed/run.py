@@ -25,6 +25,7 @@ from typing import IO
 from axonml_distributed import settings
 from axonml_distributed.shm import segment_path
 from axonml_distributed.supervise import Worker, say, signal_running, supervise
+from axonml_distributed.trace import timeline_file as _timeline
 
 # Every worker runs in its own process group (see `_spawn`), so the signals a terminal sends to its
 # foreground group (Ctrl-C, Ctrl-\, hangup) reach the workers only through the launcher: forward them all.
@@ -89,6 +90,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
     forwarded signal. Must be called from the main thread, which owns signal handlers.
     """
     args = _parser().parse_args(argv)
+    _timeline.cancel()  # AXONML_TIMELINE is the workers': the launcher merges their parts
     job_id = secrets.token_hex(16)
     nproc: int = args.nproc_per_node
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
@@ -110,6 +112,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
         status = supervise(workers, received, args.grace_period, args.failure_grace_period, errors)
         if status == 1:
             _collect_flight_records(errors, nproc, args.flight_record, job_id)
+        _merge_timeline(nproc, job_id)
         return status
     finally:
         # The normal paths have reaped every worker; this only matters if the launcher itself failed.
@@ -292,6 +295,20 @@ def _collect_flight_records(errors: Path, nproc: int, destination: Path | None, 
     ranks = ", ".join(sorted(merged["ranks"], key=int))
     say(f"flight record of ranks {ranks} in {path}: {trace.analyze(merged).summary()}")
     say(f"for each rank's last calls: python -m axonml_distributed.trace analyze {path}")
+
+
+def _merge_timeline(nproc: int, job_id: str) -> None:
+    """AXONML_TIMELINE: merge the parts the workers wrote into the one file, and say where it is."""
+    path = settings.timeline_file()
+    if path is None:
+        return
+    ranks = _timeline.merge_parts(path, nproc, job_id)
+    if not ranks:
+        say(f"no worker wrote a part of the timeline {path}")
+        return
+    missing = sorted(set(range(nproc)) - set(ranks))
+    lacking = f" (no part from ranks {', '.join(map(str, missing))})" if missing else ""
+    say(f"timeline of ranks {', '.join(map(str, ranks))} in {path}{lacking}")
 
 
 def _die_with_launcher(launcher: int) -> Callable[[], None] | None:

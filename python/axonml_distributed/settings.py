@@ -30,6 +30,7 @@ ERROR_FILE = "AXONML_ERROR_FILE"
 FLIGHT_RECORD_FILE = "AXONML_FLIGHT_RECORD_FILE"
 LAUNCHER_PID = "AXONML_LAUNCHER_PID"
 SHM_ARENA_MB = "AXONML_SHM_ARENA_MB"
+TIMELINE = "AXONML_TIMELINE"
 # Several hosts (see `axonml_distributed.hosts`).
 HOST_ID = "AXONML_HOST_ID"
 HOSTS_FLAT_BELOW = "AXONML_HOSTS_FLAT_BELOW"
@@ -95,6 +96,12 @@ def flight_record_file() -> str | None:
     """AXONML_FLIGHT_RECORD_FILE: where this rank dumps its flight records when an exception ends it
     (see `trace`); None when unset."""
     return _value(FLIGHT_RECORD_FILE)
+
+
+def timeline_file() -> str | None:
+    """AXONML_TIMELINE: where the process's timeline goes, written when it exits (a Chrome trace; in a
+    world of processes, see `trace.timeline_file` for the parts and their merge); None when unset."""
+    return _value(TIMELINE)
 
 
 def launched_by_axonml_run() -> bool:

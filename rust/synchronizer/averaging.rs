@@ -2,11 +2,13 @@
 //! gives (each bucket queued on the group's worker lane, or run on the caller's thread after it).
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::backend::{abort_if_interrupted, Backend};
 use crate::bucket::GradientBucket;
 use crate::dtype::BufMut;
 use crate::error::Result;
+use crate::flight::{self, Recorder};
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 use crate::sync::lock;
@@ -34,6 +36,10 @@ pub trait Averaging: Send + Sync {
     fn backend(&self) -> Option<&dyn Backend> {
         None
     }
+    /// The recorder the timeline logs the buckets' reductions in (None: they are not logged).
+    fn recorder(&self) -> Option<Arc<Recorder>> {
+        None
+    }
 }
 
 impl Averaging for ProcessGroup {
@@ -56,12 +62,18 @@ impl Averaging for ProcessGroup {
     fn backend(&self) -> Option<&dyn Backend> {
         Some(&**ProcessGroup::backend(self))
     }
+    fn recorder(&self) -> Option<Arc<Recorder>> {
+        ProcessGroup::recorder(self).cloned()
+    }
 }
 
-/// Average `bucket` over `comm`. When that fails while a stopped peer may still write the buffer, the
+/// Average `bucket` over `comm` (with a timeline on, stamping when it returned). When that fails while a stopped peer may still write the buffer, the
 /// bucket is kept for the process's life: never freed or reused under the peer.
 fn reduce(comm: &dyn Backend, bucket: &SharedBucket) -> Result<()> {
     let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
+    if flight::timeline_on() {
+        lock(bucket).reduced_at = Some(Instant::now());
+    }
     if r.is_err() && comm.buffers_may_be_in_use() {
         std::mem::forget(bucket.clone());
     }

@@ -11,6 +11,7 @@
     python -m axonml_distributed.bench --collectives          # all_to_all, all_gather_v (bench.procs)
     python -m axonml_distributed.bench --hosts 2 [--fit]      # simulated hosts, root (see bench.hosts)
     python -m axonml_distributed.bench ... --plot out.png     # chart of any size sweep above (bench.plot)
+    python -m axonml_distributed.bench --timeline-overhead    # timeline off vs on (bench.timeline_overhead)
 
 ``--plot PATH`` draws, for every mode that sweeps message sizes (threads, shm, mpi, --collectives,
 --torch --peers, --torch-calls), bus bandwidth and time per call against size for ours and each peer
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="draw bus bandwidth and latency against message size to this PNG (needs the plot extra)",
     )
+    p.add_argument("--timeline-overhead", action="store_true", help="the timeline's cost: off against on")
+    p.add_argument("--timeline-rounds", type=int, default=10, help="rounds of each, with --timeline-overhead")
     args, rest = p.parse_known_args(argv)
     if args.hosts is not None:
         from axonml_distributed.bench import hosts
@@ -79,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         from axonml_distributed.bench import torch_ddp
 
         return torch_ddp.main(argv)
+    if args.timeline_overhead:
+        from axonml_distributed.bench import timeline_overhead
+
+        report = timeline_overhead.run(args)
+        if args.json:
+            print(json.dumps(report))
+        return 0
     if args.plot is not None:
         from axonml_distributed.bench import plot
 

@@ -38,6 +38,7 @@ from axonml_distributed.torch.profiling import profiled
 from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import AnySourceWork, Completer, Work
 from axonml_distributed.torch_entry import BACKEND
+from axonml_distributed.trace import spans
 
 _SUM = dist.ReduceOp.SUM
 _OPS = {
@@ -161,6 +162,9 @@ class AxonmlProcessGroup(NamedGroup):
         # Looked up once: `allreduce`'s short way pays for no lookup it can avoid.
         self._all_reduce = native.all_reduce
         self._coll = self._completer("coll")
+        # The backward (autograd graph task) of the last bucket of torch's DDP seen, and its position in
+        # it, for the timeline (`trace.spans.torch_bucket`).
+        self._buckets = (-1, -1)
 
     def _get_sequence_number_for_group(self) -> int:
         """The engine's number of the last collective this rank entered on the group: equal on every
@@ -210,7 +214,15 @@ class AxonmlProcessGroup(NamedGroup):
                     return None
                 if _graph_task_id() < 0:  # else inline in backward (see the module docs)
                     return Work([self._all_reduce(t, async_op=True)], tensors, None, self._coll)
-        return self._allreduce_any(tensors, opts)
+        work = self._allreduce_any(tensors, opts)
+        if spans.on() and work is not None and (task := _graph_task_id()) >= 0:
+            # In backward, asynchronous: a bucket of torch's DDP (its reducer launches them in order).
+            count = self._buckets[1] + 1 if self._buckets[0] == task else 0
+            self._buckets = (task, count)
+            spans.torch_bucket(
+                self._ranks[self._rank], count, sum(t.nbytes for t in tensors), work.get_future()
+            )
+        return work
 
     @_event("all_reduce", _first)
     def _allreduce_any(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:

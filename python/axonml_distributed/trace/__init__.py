@@ -2,7 +2,8 @@
 (AXONML_FLIGHT_RECORDER_ENTRIES, default 64) as the native engine records them;
 `dump_flight_recorder(path)` writes this process's records as JSON (`record`), and
 ``python -m axonml_distributed.trace analyze DIR_OR_FILE`` says which rank was where and where they
-diverged (`analysis`)."""
+diverged (`analysis`). The timeline (`timeline`, AXONML_TIMELINE) writes every call of every rank, the
+DDPs' gradient buckets and the user's spans (`trace_span`) as one Chrome trace."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 from axonml_distributed.error_file import write_json
 from axonml_distributed.trace.analysis import Analysis, GroupAnalysis, analyze
 from axonml_distributed.trace.record import build, load, merge, read
+from axonml_distributed.trace.spans import trace_span
+from axonml_distributed.trace.timeline_file import timeline
 
 
 def flight_record(error: str | None = None) -> dict[str, Any]:
@@ -36,4 +39,6 @@ __all__ = [
     "load",
     "merge",
     "read",
+    "timeline",
+    "trace_span",
 ]

@@ -1,0 +1,83 @@
+"""What the timeline costs (``python -m axonml_distributed.bench --timeline-overhead``): a 1 MiB all_reduce
+and DDP's `sync_gradients` on a model of ``--ddp-params`` float32 parameters (25M by default), on an
+in-process world of the first of ``--ranks`` ranks, timed with the timeline off and on in the same run.
+
+Rounds alternate the two (off then on, then on then off, ...), so that a drift of the machine's speed
+weighs on both alike; each round times one loop of calls per case (`threads.time_op`), the timeline
+written at the end of each "on" round, outside the timed loops. It prints each case's median time per
+call (the slowest rank's) off and on, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.bench.threads import _Model, iterations, time_op
+from axonml_distributed.ddp import DistributedDataParallel
+from axonml_distributed.spawn import spawn
+from axonml_distributed.trace import timeline_file
+
+MESSAGE = 1 << 20
+MODES = ("off", "on")
+
+
+def measure(
+    ranks: int, params: int, ddp_iters: int, rounds: int, timeout: float
+) -> dict[str, dict[str, float]]:
+    """Per case, the median seconds per call with the timeline "off" and "on" (slowest rank)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="axonml-timeline-bench-"), "timeline.json")
+
+    def rank_fn(pg: ProcessGroup) -> dict[str, dict[str, list[float]]]:
+        x = np.ones(MESSAGE // 4, np.float32)
+        ddp = DistributedDataParallel(_Model(params, pg.rank()), pg)
+        cases = {
+            "all_reduce 1 MiB": (functools.partial(pg.all_reduce, x, ReduceOp.SUM), iterations(MESSAGE)),
+            f"sync_gradients {params:,} params": (ddp.sync_gradients, ddp_iters),
+        }
+        times: dict[str, dict[str, list[float]]] = {case: {m: [] for m in MODES} for case in cases}
+        for r in range(rounds):
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                # Rank 0 turns the process's timeline on or off while every rank waits.
+                pg.barrier()
+                if mode == "on" and pg.rank() == 0:
+                    timeline_file.start(path)
+                pg.barrier()
+                for case, (op, iters) in cases.items():
+                    times[case][mode].append(time_op(pg, op, iters, rounds=1))
+                pg.barrier()
+                if mode == "on" and pg.rank() == 0:
+                    timeline_file.finish()
+        return times
+
+    per_rank = spawn(rank_fn, ranks, timeout=timeout)
+    os.unlink(path)
+    os.rmdir(os.path.dirname(path))
+    result: dict[str, dict[str, float]] = {}
+    for case in per_rank[0]:
+        result[case] = {
+            mode: statistics.median(max(t) for t in zip(*(r[case][mode] for r in per_rank), strict=True))
+            for mode in MODES
+        }
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ranks = args.ranks[0]
+    print(f"timeline off against on, {ranks} ranks (threads), {args.timeline_rounds} rounds each")
+    print(f"{'case':>34} {'off':>11} {'on':>11} {'on/off':>7}")
+    report: dict[str, Any] = {"ranks": ranks, "cases": []}
+    for case, t in measure(
+        ranks, args.ddp_params, args.ddp_iters, args.timeline_rounds, args.timeout
+    ).items():
+        ratio = t["on"] / t["off"]
+        report["cases"].append({"case": case, "off_s": t["off"], "on_s": t["on"], "ratio": ratio})
+        print(f"{case:>34} {t['off'] * 1e6:>9.1f}us {t['on'] * 1e6:>9.1f}us {ratio:>7.3f}")
+    return report
