@@ -109,3 +109,23 @@ def test_all_to_all_single_leaves_splits_to_the_pairing_and_refuses_splits_that_
 def test_a_root_whose_list_does_not_fit_says_so() -> None:
     args = [[[t(5) for _ in range(W - 1)]], [t(5)], opts("GatherOptions", rootRank=0)]
     assert forwarded("gather", args, W, 0)[0][6] == -1
+
+
+def test_all_to_all_single_counts_splits_in_rows_of_dim_0_as_torch_does() -> None:
+    """Splits count rows (torch's and gloo's unit), the pairing compares the elements they move; a rank
+    leaving the even default pairs with one that spells it out."""
+    row = 3
+    sends = [[s + p + 1 for p in range(W)] for s in range(W)]
+
+    def call(r: int, spelled: bool) -> Any:
+        out, inp = torch.zeros(sum(sends[p][r] for p in range(W)), row), torch.zeros(sum(sends[r]), row)
+        splits = ([sends[p][r] for p in range(W)], sends[r]) if spelled else ([], [])
+        return forwarded("all_to_all_single", [out, inp, *splits, opts("AllToAllOptions")], W, r)
+
+    made = [call(r, True) for r in range(W)]
+    assert all(row_ == made[0][0] for row_, _ in made) and made[0][0][6] != -1, made
+    assert made[1][1] == ([s * row for s in sends[1]], [sends[p][1] * row for p in range(W)])
+    even = torch.zeros(2 * W, row)
+    spelled = forwarded("all_to_all_single", [even, even, [2] * W, [2] * W, opts("AllToAllOptions")], W, 0)
+    default = forwarded("all_to_all_single", [even, even, [], [], opts("AllToAllOptions")], W, 1)
+    assert spelled[0][6] != -1 and spelled[1] == default[1] == ([2 * row] * W, [2 * row] * W)

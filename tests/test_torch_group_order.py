@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -37,13 +38,21 @@ def ranks(size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     """`fn(rank, size)` on each of `size` ranks of an "axonml" default group, forked from this process."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="torch_group_order_"), "store")  # FileStore removes it
+    directory = tempfile.mkdtemp(prefix="torch_group_order_")
+    store = os.path.join(directory, "store")
     procs = [context.Process(target=_rank, args=(fn, r, size, store, results)) for r in range(size)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(30)
+    try:
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=90) for _ in procs)
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        shutil.rmtree(directory, ignore_errors=True)
     return [got[r] for r in range(size)]
 
 

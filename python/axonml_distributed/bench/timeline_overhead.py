@@ -15,6 +15,7 @@ import functools
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ def measure(
     def rank_fn(pg: ProcessGroup) -> dict[str, dict[str, list[float]]]:
         x = np.ones(MESSAGE // 4, np.float32)
         ddp = DistributedDataParallel(_Model(params, pg.rank()), pg)
-        cases = {
+        cases: dict[str, tuple[Callable[[], object], int]] = {
             "all_reduce 1 MiB": (functools.partial(pg.all_reduce, x, ReduceOp.SUM), iterations(MESSAGE)),
             f"sync_gradients {params:,} params": (ddp.sync_gradients, ddp_iters),
         }

@@ -208,16 +208,20 @@ class HostsProcessGroup(NamedGroup):
     def _get_sequence_number_for_group(self) -> int:
         return self._flat._get_sequence_number_for_group() + self._two_level_calls
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: float | None = None) -> None:
         """torch's `destroy_process_group` (and the interpreter's exit, for a group never destroyed):
         end the group's lane and let go of its gloo groups while the interpreter is whole. A gloo group
         left to the interpreter's teardown may still hold a finished call's tensors on one of its
         threads, whose release then takes the GIL of an interpreter going away, and the process aborts
         ("terminate called without an active exception"). Let go of here, torch destroys it with the
-        GIL released, joining its threads. Calls after this raise."""
+        GIL released, joining its threads. Calls after this raise.
+
+        It waits for the group's two-level calls still queued, `wait` seconds at most (the group's
+        timeout by default); one still running then (stuck on a vanished host) keeps the gloo groups."""
         if isinstance(self._flat, _ShutDown):
             return
-        self._lane.close(self._timeout.total_seconds())
+        if not self._lane.close(self._timeout.total_seconds() if wait is None else wait):
+            return
         self._two_level = None
         self._flat = self._cross = _ShutDown(repr(self))
 
@@ -485,11 +489,12 @@ class _Lane:
         if last is not None and not last.done():
             concurrent.futures.wait([last])
 
-    def close(self, timeout: float) -> None:
-        """End the thread once the calls submitted so far have run (waiting `timeout` at most: a call
-        stuck on a vanished host keeps its thread, a daemon)."""
+    def close(self, timeout: float) -> bool:
+        """End the thread once the calls submitted so far have run, waiting `timeout` at most (a call
+        stuck on a vanished host keeps its thread, a daemon). Whether it ended."""
         self._queue.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -514,14 +519,16 @@ class _ShutDown:
         raise RuntimeError(f"{self._group} was shut down (destroy_process_group): no call can use it")
 
 
+EXIT_WAIT_SECONDS = 5.0
 # Groups not yet shut down, shut down at exit if the job never destroyed them (see `shutdown`).
 _LIVE: weakref.WeakSet[HostsProcessGroup] = weakref.WeakSet()
 
 
 @atexit.register
 def _shut_down_live_groups() -> None:
+    # Briefly: a process leaving on an error may have left its lane inside a call to a vanished host.
     for group in list(_LIVE):
-        group.shutdown()
+        group.shutdown(wait=EXIT_WAIT_SECONDS)
 
 
 class _Done:

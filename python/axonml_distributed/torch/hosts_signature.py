@@ -146,9 +146,14 @@ def _alltoall_base(
     output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], size: int
 ) -> Call:
     def splits(t: torch.Tensor, given: list[int]) -> tuple[list[int], bool]:
+        """In elements: torch and gloo count splits in rows (along dim 0), which ranks may give or leave
+        to the even default."""
+        rows = t.size(0) if t.dim() else t.numel()
+        row = t.numel() // rows if rows else 0
         if given:
-            return list(given), len(given) == size and sum(given) == t.numel() and min(given) >= 0
-        return [t.numel() // size] * size, t.numel() % size == 0
+            fits = len(given) == size and sum(given) == rows and min(given) >= 0
+            return [s * row for s in given], fits
+        return [rows // size * row] * size, rows % size == 0
 
     sends, send_ok = splits(input, in_splits)
     receives, receive_ok = splits(output, out_splits)
