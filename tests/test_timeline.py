@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -356,3 +357,29 @@ def test_plot_draws_a_row_per_rank_and_track(tmp_path: Path) -> None:
     world = labels[1].split("group ")[1].split(":")[0]
     tracks = ("user", f"group {world}:0,1#1", f"group {world}:0,1#2")
     assert labels == [f"rank {r}: {track}" for r in range(2) for track in tracks]
+
+
+def _reduces(pg: Any) -> None:
+    for _ in range(3):
+        pg.all_reduce(np.ones(4, np.float32))
+
+
+def test_across_hosts_parts_and_spans_carry_the_job_s_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch's backend across hosts, a host's world numbers its ranks from 0: here the second host
+    of two, job ranks 2 and 3 (a thread world of 2 stands for the host's world). Its part is the job's
+    rank 2's, in a job of 4, with its spans on ranks 2 and 3, not the whole timeline of ranks 0 and 1."""
+    from axonml_distributed.hosts.layout import HostLayout
+
+    dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 4)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    layout = HostLayout(((0, 1), (2, 3)), 2)
+    monkeypatch.setitem(sys.modules, "axonml_distributed.torch", SimpleNamespace(_hosts=layout))
+    path = tmp_path / "timeline.json"
+    with ad.timeline(path):
+        ad.spawn(_reduces, 2)
+    assert not path.exists()
+    part = json.loads((tmp_path / "timeline.json.rank2").read_text())
+    assert part["world_size"] == 4 and part["ranks"] == [2, 3]
+    assert Counter(s["rank"] for s in part["spans"]) == {2: 3, 3: 3}

@@ -9,7 +9,8 @@ on, the engine logs each call as it finishes, about 100 bytes a call, until the 
 Worlds:
 - the thread world (`spawn`): one process holds every rank, so its file holds them all;
 - the shared-memory world of processes (and the torch backend "axonml", which runs on the same
-  engine): each process writes its part, ``path.rank{R}`` (R its rank), when its timeline ends. For
+  engine): each process writes its part, ``path.rank{R}`` (R its rank in the job: across hosts, where
+  each host's world numbers its ranks from 0, the job's, `_host_ranks`), when its timeline ends. For
   AXONML_TIMELINE under axonml-run, the launcher merges the parts into ``path`` after the job,
   whatever its outcome, and removes them. Otherwise (a `timeline()` block, or another launcher) rank
   0 merges them when its own timeline ends, after waiting up to `MERGE_WAIT` seconds for the others'
@@ -26,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -75,12 +77,20 @@ def finish() -> Path | None:
         return None
     _core.set_timeline(False)
     records = _core.take_timeline()
-    kept = engine_spans(records) + spans.stop()
+    engine = engine_spans(records)
+    host_ranks, job_size = _host_ranks()
+    if host_ranks is not None:
+        for span in engine:
+            span["rank"] = host_ranks[span["rank"]]
+    kept = engine + spans.stop()
     if not kept:
         return None
     sizes = [r["world_size"] for r in records]
-    world_size = max(sizes) if sizes else settings.world_size() or 1
-    held = {r["rank"] for r in records}
+    if job_size is not None:
+        world_size = job_size
+    else:
+        world_size = max(sizes) if sizes else settings.world_size() or 1
+    held = {r["rank"] if host_ranks is None else host_ranks[r["rank"]] for r in records}
     # A span whose rank nothing named is the process's: the one rank its groups hold, else rank 0.
     mine = min(held) if len(held) == 1 else 0
     for span in kept:
@@ -121,6 +131,19 @@ def timeline(path: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         finish()
+
+
+def _host_ranks() -> tuple[tuple[int, ...] | None, int | None]:
+    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
+    ranks from 0 (so do its recorders): the global rank of each of them, in local order, and the job's
+    size. (None, None) otherwise: the recorders' ranks are the job's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
+    if layout is None or len(layout.hosts) < 2:
+        return None, None
+    return tuple(layout.local_ranks), int(dist.get_world_size())
 
 
 def merge_parts(path: str | os.PathLike[str], world_size: int, job: str, wait: float = 0.0) -> list[int]:
