@@ -383,3 +383,27 @@ def test_across_hosts_parts_and_spans_carry_the_job_s_ranks(
     part = json.loads((tmp_path / "timeline.json.rank2").read_text())
     assert part["world_size"] == 4 and part["ranks"] == [2, 3]
     assert Counter(s["rank"] for s in part["spans"]) == {2: 3, 3: 3}
+
+
+def test_a_timeline_directory_that_cannot_be_made_warns_at_import_and_records_nothing(tmp_path: Path) -> None:
+    """torch imports the package through its backend entry point: a bad AXONML_TIMELINE must not make
+    every ``import axonml_distributed`` (so ``import torch``) fail."""
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    env = {**os.environ, "PYTHONPATH": _package_path(), "AXONML_TIMELINE": str(blocker / "timeline.json")}
+    script = "import axonml_distributed.trace.timeline_file as t; assert t._active is None"
+    job = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=50)
+    assert job.returncode == 0, job.stderr
+    assert "AXONML_TIMELINE" in job.stderr and "cannot be made" in job.stderr, job.stderr
+
+
+def test_a_relative_path_is_written_where_it_named_when_the_timeline_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with ad.timeline("timeline.json"):
+        os.chdir("elsewhere")
+        ad.spawn(_reduces, 2)
+    assert (tmp_path / "timeline.json").exists()
+    assert not (tmp_path / "elsewhere" / "timeline.json").exists()

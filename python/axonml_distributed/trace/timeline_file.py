@@ -61,7 +61,8 @@ def start(path: str | os.PathLike[str]) -> None:
     if _active is not None:
         raise RuntimeError(f"a timeline is already on in this process (to {_active}): one at a time")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _active = os.fspath(path)
+    # Absolute: a process that changes directory still writes where its launcher (or rank 0) looks.
+    _active = os.path.abspath(path)
     _core.take_timeline()  # what an earlier timeline left
     spans.start()
     _core.set_timeline(True)
@@ -113,7 +114,7 @@ def finish() -> Path | None:
             "spans": kept,
         },
     )
-    if me != 0 or (settings.launched_by_axonml_run() and settings.timeline_file() == path):
+    if me != 0 or (settings.launched_by_axonml_run() and _is_environment_s(path)):
         return part  # rank 0 merges, or the launcher after the job (its AXONML_TIMELINE)
     merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT)
     return Path(path) if merged else part
@@ -193,14 +194,25 @@ def job_key() -> str:
     return settings.job_id() or f"{settings.master_addr()}:{settings.master_port()}"
 
 
+def _is_environment_s(path: str) -> bool:
+    """Whether `path` (absolute, as `start` keeps it) is AXONML_TIMELINE's."""
+    named = settings.timeline_file()
+    return named is not None and os.path.abspath(named) == path
+
+
 def from_environment() -> None:
-    """AXONML_TIMELINE: turn the timeline on for the whole process, written when it exits."""
+    """AXONML_TIMELINE: turn the timeline on for the whole process, written when it exits. A path whose
+    directory cannot be made is a warning and no timeline: this runs at the package's import, which
+    torch makes through its backend entry point, so raising would break every ``import torch``."""
     path = settings.timeline_file()
     if path is not None and _active is None:
         try:
             start(path)
         except OSError as e:
-            raise ValueError(f"{settings.TIMELINE}={path}: its directory cannot be made ({e})") from e
+            warnings.warn(
+                f"{settings.TIMELINE}={path}: its directory cannot be made ({e}); no timeline", stacklevel=2
+            )
+            return
         atexit.register(finish)
 
 
