@@ -407,3 +407,50 @@ def test_a_relative_path_is_written_where_it_named_when_the_timeline_started(
         ad.spawn(_reduces, 2)
     assert (tmp_path / "timeline.json").exists()
     assert not (tmp_path / "elsewhere" / "timeline.json").exists()
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.timeout(30)
+def test_a_block_that_raises_writes_its_part_and_merges_without_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 of 2 (a process of the shm world, as far as the timeline sees: RANK and WORLD_SIZE) whose
+    block raised: rank 1's part may never come, so rank 0 merges its own at once, with a warning for the
+    missing rank, and the block's exception is the one raised."""
+    from axonml_distributed.trace import timeline_file
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def no_waiting(seconds: float) -> None:
+        raise AssertionError("rank 0 waited for a part")
+
+    monkeypatch.setattr(timeline_file.time, "sleep", no_waiting)
+    path = tmp_path / "timeline.json"
+    with pytest.raises(_Boom), pytest.warns(UserWarning, match=r"no part from ranks \[1\]"):
+        with ad.timeline(path):
+            with ad.trace_span("step"):
+                pass
+            raise _Boom
+    tracks = _tracks(_load(path))
+    assert [e["name"] for e in tracks[(0, "user")]] == ["step"]
+
+
+def test_a_failure_to_write_does_not_hide_the_block_s_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axonml_distributed.trace import timeline_file
+
+    def broken(*_: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(timeline_file, "write_json", broken)
+    with pytest.raises(_Boom), pytest.warns(UserWarning, match="disk full"):
+        with ad.timeline(tmp_path / "timeline.json"):
+            ad.spawn(_reduces, 2)
+            raise _Boom
+    with ad.timeline(tmp_path / "next.json"):  # the failed one is off
+        pass

@@ -68,10 +68,11 @@ def start(path: str | os.PathLike[str]) -> None:
     _core.set_timeline(True)
 
 
-def finish() -> Path | None:
+def finish(wait: bool = True) -> Path | None:
     """Turn the timeline off and write it (see the module's docs); returns the file written, the whole
     timeline's or this process's part; None when none was on, or nothing was recorded (a process that
-    made no call, such as a tool run with AXONML_TIMELINE still set, leaves the file alone)."""
+    made no call, such as a tool run with AXONML_TIMELINE still set, leaves the file alone). `wait`:
+    whether rank 0 waits for the other parts (`MERGE_WAIT`) or merges those already there."""
     global _active
     path, _active = _active, None
     if path is None:
@@ -116,7 +117,7 @@ def finish() -> Path | None:
     )
     if me != 0 or (settings.launched_by_axonml_run() and _is_environment_s(path)):
         return part  # rank 0 merges, or the launcher after the job (its AXONML_TIMELINE)
-    merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT)
+    merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT if wait else 0.0)
     return Path(path) if merged else part
 
 
@@ -126,12 +127,21 @@ def timeline(path: str | os.PathLike[str]) -> Iterator[None]:
 
     Use it around `spawn` for the thread world; in a process of the shared-memory world each process
     enters it (see the module's docs for how the parts become one file). One timeline at a time: a
-    RuntimeError when one is on already (AXONML_TIMELINE, say)."""
+    RuntimeError when one is on already (AXONML_TIMELINE, say).
+
+    A block that raises still writes this process's part, but rank 0 merges only the parts already
+    there (the others may never come), and a failure to write is a warning: the block's exception is
+    the one that propagates."""
     start(path)
     try:
         yield
-    finally:
-        finish()
+    except BaseException:
+        try:
+            finish(wait=False)
+        except Exception as e:  # noqa: BLE001 - said, but the block's exception is the one to see
+            warnings.warn(f"timeline {path} not written: {e!r}", stacklevel=3)
+        raise
+    finish()
 
 
 def _host_ranks() -> tuple[tuple[int, ...] | None, int | None]:
