@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -454,3 +455,15 @@ def test_a_failure_to_write_does_not_hide_the_block_s_exception(
             raise _Boom
     with ad.timeline(tmp_path / "next.json"):  # the failed one is off
         pass
+
+
+def test_plot_without_matplotlib_says_what_to_install_as_the_other_charts_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axonml_distributed.bench import plot
+    from axonml_distributed.trace.gantt import draw
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    trace = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {}}
+    with pytest.raises(SystemExit, match=re.escape(plot.INSTALL_HINT)):
+        draw(trace, tmp_path / "timeline.png")
