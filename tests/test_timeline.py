@@ -467,3 +467,34 @@ def test_plot_without_matplotlib_says_what_to_install_as_the_other_charts_do(
     trace = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {}}
     with pytest.raises(SystemExit, match=re.escape(plot.INSTALL_HINT)):
         draw(trace, tmp_path / "timeline.png")
+
+
+FAILING_JOB = """
+import axonml_distributed as ad
+from axonml_distributed.trace import timeline_file
+
+def no_waiting(seconds):
+    raise AssertionError("rank 0 waited for a part")
+
+timeline_file.time.sleep = no_waiting
+with ad.trace_span("step"):
+    pass
+raise RuntimeError("the job failed")
+"""
+
+
+def test_the_environment_s_timeline_of_a_failed_process_merges_without_waiting(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": _package_path(),
+        "AXONML_TIMELINE": str(path),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+    }
+    job = subprocess.run(
+        [sys.executable, "-c", FAILING_JOB], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert job.returncode == 1 and "the job failed" in job.stderr, job.stderr
+    assert "waited" not in job.stderr and "no part from ranks [1]" in job.stderr, job.stderr
+    assert [e["name"] for e in _tracks(_load(path))[(0, "user")]] == ["step"]

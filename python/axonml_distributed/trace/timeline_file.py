@@ -14,7 +14,8 @@ Worlds:
   AXONML_TIMELINE under axonml-run, the launcher merges the parts into ``path`` after the job,
   whatever its outcome, and removes them. Otherwise (a `timeline()` block, or another launcher) rank
   0 merges them when its own timeline ends, after waiting up to `MERGE_WAIT` seconds for the others'
-  parts (ranks whose part is still missing then are left out, with a warning).
+  parts (ranks whose part is still missing then are left out, with a warning); not at all when its
+  block, or the process, ended with an exception: it merges the parts already there.
 
 Clocks: every span is stamped with the engine's wall clock (`_core.wall_ns`: the realtime clock read
 once per process, advanced by the monotonic clock), the same clock for every process on a host, so the
@@ -223,7 +224,14 @@ def from_environment() -> None:
                 f"{settings.TIMELINE}={path}: its directory cannot be made ({e}); no timeline", stacklevel=2
             )
             return
-        atexit.register(finish)
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    # An exception that ended the process (the interpreter keeps it as sys.last_value): as a
+    # `timeline` block that raised, rank 0 merges the parts already there rather than wait for ranks
+    # that may have failed too.
+    finish(wait=not hasattr(sys, "last_value"))
 
 
 def cancel() -> None:
