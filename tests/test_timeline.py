@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -356,3 +358,143 @@ def test_plot_draws_a_row_per_rank_and_track(tmp_path: Path) -> None:
     world = labels[1].split("group ")[1].split(":")[0]
     tracks = ("user", f"group {world}:0,1#1", f"group {world}:0,1#2")
     assert labels == [f"rank {r}: {track}" for r in range(2) for track in tracks]
+
+
+def _reduces(pg: Any) -> None:
+    for _ in range(3):
+        pg.all_reduce(np.ones(4, np.float32))
+
+
+def test_across_hosts_parts_and_spans_carry_the_job_s_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch's backend across hosts, a host's world numbers its ranks from 0: here the second host
+    of two, job ranks 2 and 3 (a thread world of 2 stands for the host's world). Its part is the job's
+    rank 2's, in a job of 4, with its spans on ranks 2 and 3, not the whole timeline of ranks 0 and 1."""
+    from axonml_distributed.hosts.layout import HostLayout
+
+    dist = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 4)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    layout = HostLayout(((0, 1), (2, 3)), 2)
+    monkeypatch.setitem(sys.modules, "axonml_distributed.torch", SimpleNamespace(_hosts=layout))
+    path = tmp_path / "timeline.json"
+    with ad.timeline(path):
+        ad.spawn(_reduces, 2)
+    assert not path.exists()
+    part = json.loads((tmp_path / "timeline.json.rank2").read_text())
+    assert part["world_size"] == 4 and part["ranks"] == [2, 3]
+    assert Counter(s["rank"] for s in part["spans"]) == {2: 3, 3: 3}
+
+
+def test_a_timeline_directory_that_cannot_be_made_warns_at_import_and_records_nothing(tmp_path: Path) -> None:
+    """torch imports the package through its backend entry point: a bad AXONML_TIMELINE must not make
+    every ``import axonml_distributed`` (so ``import torch``) fail."""
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    env = {**os.environ, "PYTHONPATH": _package_path(), "AXONML_TIMELINE": str(blocker / "timeline.json")}
+    script = "import axonml_distributed.trace.timeline_file as t; assert t._active is None"
+    job = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=50)
+    assert job.returncode == 0, job.stderr
+    assert "AXONML_TIMELINE" in job.stderr and "cannot be made" in job.stderr, job.stderr
+
+
+def test_a_relative_path_is_written_where_it_named_when_the_timeline_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with ad.timeline("timeline.json"):
+        os.chdir("elsewhere")
+        ad.spawn(_reduces, 2)
+    assert (tmp_path / "timeline.json").exists()
+    assert not (tmp_path / "elsewhere" / "timeline.json").exists()
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.timeout(30)
+def test_a_block_that_raises_writes_its_part_and_merges_without_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 of 2 (a process of the shm world, as far as the timeline sees: RANK and WORLD_SIZE) whose
+    block raised: rank 1's part may never come, so rank 0 merges its own at once, with a warning for the
+    missing rank, and the block's exception is the one raised."""
+    from axonml_distributed.trace import timeline_file
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def no_waiting(seconds: float) -> None:
+        raise AssertionError("rank 0 waited for a part")
+
+    monkeypatch.setattr(timeline_file.time, "sleep", no_waiting)
+    path = tmp_path / "timeline.json"
+    with pytest.raises(_Boom), pytest.warns(UserWarning, match=r"no part from ranks \[1\]"):
+        with ad.timeline(path):
+            with ad.trace_span("step"):
+                pass
+            raise _Boom
+    tracks = _tracks(_load(path))
+    assert [e["name"] for e in tracks[(0, "user")]] == ["step"]
+
+
+def test_a_failure_to_write_does_not_hide_the_block_s_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axonml_distributed.trace import timeline_file
+
+    def broken(*_: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(timeline_file, "write_json", broken)
+    with pytest.raises(_Boom), pytest.warns(UserWarning, match="disk full"):
+        with ad.timeline(tmp_path / "timeline.json"):
+            ad.spawn(_reduces, 2)
+            raise _Boom
+    with ad.timeline(tmp_path / "next.json"):  # the failed one is off
+        pass
+
+
+def test_plot_without_matplotlib_says_what_to_install_as_the_other_charts_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axonml_distributed.bench import plot
+    from axonml_distributed.trace.gantt import draw
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    trace = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {}}
+    with pytest.raises(SystemExit, match=re.escape(plot.INSTALL_HINT)):
+        draw(trace, tmp_path / "timeline.png")
+
+
+FAILING_JOB = """
+import axonml_distributed as ad
+from axonml_distributed.trace import timeline_file
+
+def no_waiting(seconds):
+    raise AssertionError("rank 0 waited for a part")
+
+timeline_file.time.sleep = no_waiting
+with ad.trace_span("step"):
+    pass
+raise RuntimeError("the job failed")
+"""
+
+
+def test_the_environment_s_timeline_of_a_failed_process_merges_without_waiting(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": _package_path(),
+        "AXONML_TIMELINE": str(path),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+    }
+    job = subprocess.run(
+        [sys.executable, "-c", FAILING_JOB], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert job.returncode == 1 and "the job failed" in job.stderr, job.stderr
+    assert "waited" not in job.stderr and "no part from ranks [1]" in job.stderr, job.stderr
+    assert [e["name"] for e in _tracks(_load(path))[(0, "user")]] == ["step"]

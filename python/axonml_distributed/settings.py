@@ -100,7 +100,9 @@ def flight_record_file() -> str | None:
 
 def timeline_file() -> str | None:
     """AXONML_TIMELINE: where the process's timeline goes, written when it exits (a Chrome trace; in a
-    world of processes, see `trace.timeline_file` for the parts and their merge); None when unset."""
+    world of processes, see `trace.timeline_file` for the parts and their merge); None when unset. A path
+    whose directory cannot be made is a warning at the package's import and no timeline, not an error:
+    torch imports the package through its backend entry point."""
     return _value(TIMELINE)
 
 

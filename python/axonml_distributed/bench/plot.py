@@ -1,6 +1,6 @@
-"""The charts of the benchmarks and the demo: the one way they open a matplotlib figure and save it as a
-PNG, and the chart of a size sweep (bus bandwidth and latency against message size, ours beside every
-peer measured in the same run).
+"""The charts of the benchmarks, the demo and the timeline (`trace.gantt`): the one way they open a
+matplotlib figure and save it as a PNG, and the chart of a size sweep (bus bandwidth and latency
+against message size, ours beside every peer measured in the same run).
 
 matplotlib is optional (the ``plot`` extra), so it is imported by name when a chart is asked for, with
 the Agg backend (no display needed); its objects are typed Any here.
@@ -19,7 +19,7 @@ from typing import Any
 
 from axonml_distributed.bench.common import Curve, human
 
-INSTALL_HINT = '--plot needs matplotlib: pip install "axonml-distributed[plot]"'
+INSTALL_HINT = 'plotting needs matplotlib: pip install "axonml-distributed[plot]"'
 BUSBW_NOTE = (
     "busbw as nccl-tests: algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather / reduce_scatter / "
     "all_to_all, x 1 for broadcast"

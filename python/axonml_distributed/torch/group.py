@@ -219,9 +219,9 @@ class AxonmlProcessGroup(NamedGroup):
             # In backward, asynchronous: a bucket of torch's DDP (its reducer launches them in order).
             count = self._buckets[1] + 1 if self._buckets[0] == task else 0
             self._buckets = (task, count)
-            spans.torch_bucket(
-                self._ranks[self._rank], count, sum(t.nbytes for t in tensors), work.get_future()
-            )
+            # Rank None: the process's (it holds one), as the timeline numbers it; the group's numbering
+            # is its host's when the job spans several (`trace.timeline_file`).
+            spans.torch_bucket(None, count, sum(t.nbytes for t in tensors), work.get_future())
         return work
 
     @_event("all_reduce", _first)

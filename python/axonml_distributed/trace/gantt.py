@@ -5,10 +5,10 @@ each gradient bucket's (queued, reducing) and the user's spans as bars along tim
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
+from axonml_distributed.bench.plot import pyplot
 from axonml_distributed.trace.chrome import MOVING, WAITING
 from axonml_distributed.trace.spans import QUEUED, REDUCING
 
@@ -24,20 +24,10 @@ _USER = ("tab:green", "user span")
 _NESTED = "#98df8a"  # a user span inside another
 
 
-def _pyplot() -> Any:
-    # By name: matplotlib is optional (the `plot` extra), so there are no types to check against.
-    try:
-        matplotlib: Any = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")  # no display needed
-        return importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise SystemExit('plotting needs matplotlib: pip install "axonml-distributed[plot]"') from None
-
-
 def draw(trace: dict[str, Any], path: str | Path) -> list[str]:
     """Draw the Chrome trace `trace` (a timeline's) to the image `path` (its suffix says the format);
     returns the rows' labels, top to bottom ("rank R: track")."""
-    plt = _pyplot()
+    plt = pyplot()
     events = trace["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     rows = sorted(names)

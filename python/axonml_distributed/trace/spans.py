@@ -88,7 +88,7 @@ def bucket_span(
     }
 
 
-def torch_bucket(rank: int, bucket: int, nbytes: int, future: Any) -> None:
+def torch_bucket(rank: int | None, bucket: int, nbytes: int, future: Any) -> None:
     """torch's DDP launched bucket `bucket` (its position in this backward) of `nbytes` now; it is done
     when `future` (its Work's) completes. torch's reducer launches a bucket once it is ready, so ready
     and launched are one instant here."""

@@ -9,11 +9,13 @@ on, the engine logs each call as it finishes, about 100 bytes a call, until the 
 Worlds:
 - the thread world (`spawn`): one process holds every rank, so its file holds them all;
 - the shared-memory world of processes (and the torch backend "axonml", which runs on the same
-  engine): each process writes its part, ``path.rank{R}`` (R its rank), when its timeline ends. For
+  engine): each process writes its part, ``path.rank{R}`` (R its rank in the job: across hosts, where
+  each host's world numbers its ranks from 0, the job's, `_host_ranks`), when its timeline ends. For
   AXONML_TIMELINE under axonml-run, the launcher merges the parts into ``path`` after the job,
   whatever its outcome, and removes them. Otherwise (a `timeline()` block, or another launcher) rank
   0 merges them when its own timeline ends, after waiting up to `MERGE_WAIT` seconds for the others'
-  parts (ranks whose part is still missing then are left out, with a warning).
+  parts (ranks whose part is still missing then are left out, with a warning); not at all when its
+  block, or the process, ended with an exception: it merges the parts already there.
 
 Clocks: every span is stamped with the engine's wall clock (`_core.wall_ns`: the realtime clock read
 once per process, advanced by the monotonic clock), the same clock for every process on a host, so the
@@ -26,6 +28,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -59,28 +62,38 @@ def start(path: str | os.PathLike[str]) -> None:
     if _active is not None:
         raise RuntimeError(f"a timeline is already on in this process (to {_active}): one at a time")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _active = os.fspath(path)
+    # Absolute: a process that changes directory still writes where its launcher (or rank 0) looks.
+    _active = os.path.abspath(path)
     _core.take_timeline()  # what an earlier timeline left
     spans.start()
     _core.set_timeline(True)
 
 
-def finish() -> Path | None:
+def finish(wait: bool = True) -> Path | None:
     """Turn the timeline off and write it (see the module's docs); returns the file written, the whole
     timeline's or this process's part; None when none was on, or nothing was recorded (a process that
-    made no call, such as a tool run with AXONML_TIMELINE still set, leaves the file alone)."""
+    made no call, such as a tool run with AXONML_TIMELINE still set, leaves the file alone). `wait`:
+    whether rank 0 waits for the other parts (`MERGE_WAIT`) or merges those already there."""
     global _active
     path, _active = _active, None
     if path is None:
         return None
     _core.set_timeline(False)
     records = _core.take_timeline()
-    kept = engine_spans(records) + spans.stop()
+    engine = engine_spans(records)
+    host_ranks, job_size = _host_ranks()
+    if host_ranks is not None:
+        for span in engine:
+            span["rank"] = host_ranks[span["rank"]]
+    kept = engine + spans.stop()
     if not kept:
         return None
     sizes = [r["world_size"] for r in records]
-    world_size = max(sizes) if sizes else settings.world_size() or 1
-    held = {r["rank"] for r in records}
+    if job_size is not None:
+        world_size = job_size
+    else:
+        world_size = max(sizes) if sizes else settings.world_size() or 1
+    held = {r["rank"] if host_ranks is None else host_ranks[r["rank"]] for r in records}
     # A span whose rank nothing named is the process's: the one rank its groups hold, else rank 0.
     mine = min(held) if len(held) == 1 else 0
     for span in kept:
@@ -103,9 +116,9 @@ def finish() -> Path | None:
             "spans": kept,
         },
     )
-    if me != 0 or (settings.launched_by_axonml_run() and settings.timeline_file() == path):
+    if me != 0 or (settings.launched_by_axonml_run() and _is_environment_s(path)):
         return part  # rank 0 merges, or the launcher after the job (its AXONML_TIMELINE)
-    merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT)
+    merged = merge_parts(path, world_size, job_key(), wait=MERGE_WAIT if wait else 0.0)
     return Path(path) if merged else part
 
 
@@ -115,12 +128,34 @@ def timeline(path: str | os.PathLike[str]) -> Iterator[None]:
 
     Use it around `spawn` for the thread world; in a process of the shared-memory world each process
     enters it (see the module's docs for how the parts become one file). One timeline at a time: a
-    RuntimeError when one is on already (AXONML_TIMELINE, say)."""
+    RuntimeError when one is on already (AXONML_TIMELINE, say).
+
+    A block that raises still writes this process's part, but rank 0 merges only the parts already
+    there (the others may never come), and a failure to write is a warning: the block's exception is
+    the one that propagates."""
     start(path)
     try:
         yield
-    finally:
-        finish()
+    except BaseException:
+        try:
+            finish(wait=False)
+        except Exception as e:  # noqa: BLE001 - said, but the block's exception is the one to see
+            warnings.warn(f"timeline {path} not written: {e!r}", stacklevel=3)
+        raise
+    finish()
+
+
+def _host_ranks() -> tuple[tuple[int, ...] | None, int | None]:
+    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
+    ranks from 0 (so do its recorders): the global rank of each of them, in local order, and the job's
+    size. (None, None) otherwise: the recorders' ranks are the job's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
+    if layout is None or len(layout.hosts) < 2:
+        return None, None
+    return tuple(layout.local_ranks), int(dist.get_world_size())
 
 
 def merge_parts(path: str | os.PathLike[str], world_size: int, job: str, wait: float = 0.0) -> list[int]:
@@ -170,15 +205,33 @@ def job_key() -> str:
     return settings.job_id() or f"{settings.master_addr()}:{settings.master_port()}"
 
 
+def _is_environment_s(path: str) -> bool:
+    """Whether `path` (absolute, as `start` keeps it) is AXONML_TIMELINE's."""
+    named = settings.timeline_file()
+    return named is not None and os.path.abspath(named) == path
+
+
 def from_environment() -> None:
-    """AXONML_TIMELINE: turn the timeline on for the whole process, written when it exits."""
+    """AXONML_TIMELINE: turn the timeline on for the whole process, written when it exits. A path whose
+    directory cannot be made is a warning and no timeline: this runs at the package's import, which
+    torch makes through its backend entry point, so raising would break every ``import torch``."""
     path = settings.timeline_file()
     if path is not None and _active is None:
         try:
             start(path)
         except OSError as e:
-            raise ValueError(f"{settings.TIMELINE}={path}: its directory cannot be made ({e})") from e
-        atexit.register(finish)
+            warnings.warn(
+                f"{settings.TIMELINE}={path}: its directory cannot be made ({e}); no timeline", stacklevel=2
+            )
+            return
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    # An exception that ended the process (the interpreter keeps it as sys.last_value): as a
+    # `timeline` block that raised, rank 0 merges the parts already there rather than wait for ranks
+    # that may have failed too.
+    finish(wait=not hasattr(sys, "last_value"))
 
 
 def cancel() -> None:
