@@ -5,7 +5,9 @@ in-process world of the first of ``--ranks`` ranks, timed with the timeline off 
 Rounds alternate the two (off then on, then on then off, ...), so that a drift of the machine's speed
 weighs on both alike; each round times one loop of calls per case (`threads.time_op`), the timeline
 written at the end of each "on" round, outside the timed loops. It prints each case's median time per
-call (the slowest rank's) off and on, and their ratio.
+call (the slowest rank's) off and on, and the median of the rounds' on/off ratios with its quartiles: each
+ratio compares an "on" loop with the "off" loop right beside it, so a loaded machine's slow spells, which
+move both medians, cancel in it. Many short rounds resolve a small difference better than a few long ones.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ MODES = ("off", "on")
 
 def measure(
     ranks: int, params: int, ddp_iters: int, rounds: int, timeout: float
-) -> dict[str, dict[str, float]]:
-    """Per case, the median seconds per call with the timeline "off" and "on" (slowest rank)."""
+) -> dict[str, dict[str, Any]]:
+    """Per case, the median seconds per call with the timeline "off" and "on" (slowest rank), and the
+    quartiles of the rounds' on/off ratios ("ratio": lower quartile, median, upper quartile)."""
     path = os.path.join(tempfile.mkdtemp(prefix="axonml-timeline-bench-"), "timeline.json")
 
     def rank_fn(pg: ProcessGroup) -> dict[str, dict[str, list[float]]]:
@@ -61,24 +64,29 @@ def measure(
     per_rank = spawn(rank_fn, ranks, timeout=timeout)
     os.unlink(path)
     os.rmdir(os.path.dirname(path))
-    result: dict[str, dict[str, float]] = {}
+    result: dict[str, dict[str, Any]] = {}
     for case in per_rank[0]:
-        result[case] = {
-            mode: statistics.median(max(t) for t in zip(*(r[case][mode] for r in per_rank), strict=True))
-            for mode in MODES
+        slowest = {
+            mode: [max(t) for t in zip(*(r[case][mode] for r in per_rank), strict=True)] for mode in MODES
         }
+        result[case] = {mode: statistics.median(slowest[mode]) for mode in MODES}
+        ratios = [on / off for off, on in zip(slowest["off"], slowest["on"], strict=True)]
+        result[case]["ratio"] = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return result
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ranks = args.ranks[0]
     print(f"timeline off against on, {ranks} ranks (threads), {args.timeline_rounds} rounds each")
-    print(f"{'case':>34} {'off':>11} {'on':>11} {'on/off':>7}")
+    print(f"{'case':>34} {'off':>11} {'on':>11} {'on/off, median of rounds [quartiles]':>38}")
     report: dict[str, Any] = {"ranks": ranks, "cases": []}
     for case, t in measure(
         ranks, args.ddp_params, args.ddp_iters, args.timeline_rounds, args.timeout
     ).items():
-        ratio = t["on"] / t["off"]
-        report["cases"].append({"case": case, "off_s": t["off"], "on_s": t["on"], "ratio": ratio})
-        print(f"{case:>34} {t['off'] * 1e6:>9.1f}us {t['on'] * 1e6:>9.1f}us {ratio:>7.3f}")
+        low, ratio, high = t["ratio"]
+        report["cases"].append(
+            {"case": case, "off_s": t["off"], "on_s": t["on"], "ratio": ratio, "ratio_quartiles": [low, high]}
+        )
+        times = f"{t['off'] * 1e6:>9.1f}us {t['on'] * 1e6:>9.1f}us"
+        print(f"{case:>34} {times} {ratio:>14.3f} [{low:.3f}, {high:.3f}]")
     return report
