@@ -118,11 +118,14 @@ def _unstage(outputs: Sequence[torch.Tensor], flat: torch.Tensor, counts: list[i
         o.copy_(piece.view(o.shape))
 
 
+_DENSE_FORMATS = (torch.channels_last, torch.channels_last_3d)
+
+
 def _refuse_strided(*tensors: torch.Tensor) -> None:
     """c10d's check of all_to_all_single's tensors (gloo's and nccl's ValueError, which torch's tests
-    expect): each contiguous in its memory format."""
+    expect): each contiguous in some memory format (channels last too)."""
     for t in tensors:
-        if not t.is_contiguous() and not t.is_contiguous(memory_format=t.suggest_memory_format()):
+        if not t.is_contiguous() and not any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS):
             raise ValueError(
                 "Tensors must be contiguous: all_to_all_single takes no strided view (as gloo and nccl); "
                 "pass .contiguous() of it"
