@@ -144,7 +144,9 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
 
     def all_gather_async_future() -> Any:
         outs = [torch.zeros(3, dtype=torch.float64) for _ in range(n)]
-        got = dist.all_gather(outs, x(mine, 3), group=g, async_op=True).get_future().wait()
+        work = dist.all_gather(outs, x(mine, 3), group=g, async_op=True)
+        assert work is not None
+        got = work.get_future().wait()
         # The future's value: gloo's, the output list; ours, torch's list of them (one per input).
         return got[0] if isinstance(got[0], list) else got
 
@@ -218,6 +220,7 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
             dist.irecv(got, glob((me - 1) % n), group=g),
         ]
         for w in works:
+            assert w is not None
             w.wait()
         return got
 
@@ -247,7 +250,7 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
         dist.all_gather_object(objects, ("global rank", mine), group=g)
         return objects
 
-    for call in (
+    for each in (
         all_gather,
         all_gather_uneven,
         all_gather_async_future,
@@ -267,7 +270,7 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
         recv_any_source,
         all_gather_object,
     ):
-        calls[call.__name__] = call
+        calls[each.__name__] = each
     return calls
 
 
@@ -287,6 +290,7 @@ def in_both(rank: int, size: int) -> dict[str, Any]:
         gloo = dist.new_group(order, backend="gloo", sort_ranks=False)
         if rank not in order:
             continue
+        assert isinstance(ours, dist.ProcessGroup) and isinstance(gloo, dist.ProcessGroup)
         assert dist.get_backend(ours) == "axonml" and dist.get_backend(gloo) == "gloo"
         for backend, g in (("axonml", ours), ("gloo", gloo)):
             for name, call in _each_call(g).items():

@@ -17,7 +17,8 @@ T = TypeVar("T")
 
 
 class RankOrder:
-    """A permutation of a group's members: torch's group rank i is the core's member `to_native(i)`."""
+    """A permutation of a group's members: torch's group rank i is the core's group rank ``_native[i]``,
+    and the core's p is torch's ``_torch[p]``."""
 
     __slots__ = ("_native", "_torch", "_native_index", "_torch_index")
 
@@ -36,17 +37,6 @@ class RankOrder:
         """The order of a group of global `ranks` (torch's order), or None when it is the core's."""
         ranks = list(ranks)
         return None if ranks == sorted(ranks) else RankOrder(ranks)
-
-    def __len__(self) -> int:
-        return len(self._native)
-
-    def to_native(self, rank: int) -> int:
-        """The core's group rank of torch's group rank `rank`."""
-        return self._native[rank]
-
-    def to_torch(self, rank: int) -> int:
-        """torch's group rank of the core's group rank `rank`."""
-        return self._torch[rank]
 
     def _count(self, items: Sequence[object], what: str) -> None:
         if len(items) != len(self._native):
