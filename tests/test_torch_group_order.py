@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import axonml_distributed.torch  # noqa: F401 (registers the backend)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(120)
 
 # Per world size, the orders of the groups tried: reversed, shuffled, and a part of the world.
 ORDERS = {2: [[1, 0]], 4: [[3, 2, 1, 0], [2, 0, 3, 1], [3, 1]]}
@@ -58,7 +58,7 @@ def ranks(size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     try:
         for p in procs:
             p.start()
-        got = dict(results.get(timeout=200) for _ in procs)
+        got = dict(results.get(timeout=90) for _ in procs)
     finally:
         for k, v in saved.items():
             if v is None:
