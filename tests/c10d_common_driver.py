@@ -69,20 +69,7 @@ COMPLETIONS: dict[str, dict[str, Any]] = {
 }
 
 # Tests a backend fails, each with the reason; a listed test that passes fails the run.
-KNOWN_FAILURES: dict[str, dict[str, str]] = {
-    "axonml": {
-        "LargeCommTest.test_new_group_ordered": (
-            "new_group(sort_ranks=False) with the ranks out of ascending order is refused (ValueError): the "
-            "core numbers a group's members by ascending global rank, and torch's order would put gathered "
-            "data and group ranks elsewhere than torch expects (tests/test_torch_group_order.py)"
-        ),
-        "ProcessGroupWithDispatchedCollectivesTests.test_all_to_all_single": (
-            "all_to_all_single of a non-contiguous tensor is carried through a contiguous copy, as every "
-            "collective of the backend carries one (README), where gloo and nccl refuse it with "
-            "ValueError('Tensors must be contiguous'), which this test expects"
-        ),
-    },
-}
+KNOWN_FAILURES: dict[str, dict[str, str]] = {}
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Failure|Interrupt|Exit)\b(?::.*)?$", re.M)
 

@@ -18,10 +18,12 @@ a 0600 file of this user (checked on attach) and the nonce ties it to this job. 
 it back, as in the shm world: a rank of another job or with another secret is refused.
 
 Tensors: CPU tensors of float32, float64, float16, bfloat16, int8, uint8, int32, int64 and bool are
-handed to the core in place (zero copy). Non-contiguous tensors work (gloo refuses them): they go
-through a contiguous copy that is copied back before the Work completes. List forms (``all_gather``
-into a list, ``reduce_scatter`` from a list, ``gather``, ``scatter``) stage through one contiguous
-buffer. Subgroups (``new_group``, ``new_subgroups``) are native subgroups of the same world.
+handed to the core in place (zero copy). Non-contiguous tensors work: they go through a contiguous copy
+that is copied back before the Work completes; only ``all_to_all_single`` refuses them, with gloo's and
+nccl's ``ValueError("Tensors must be contiguous")``. List forms (``all_gather`` into a list,
+``reduce_scatter`` from a list, ``gather``, ``scatter``) stage through one contiguous buffer. Subgroups
+(``new_group``, ``new_subgroups``) are native subgroups of the same world, their members in torch's
+order: ``new_group(ranks, sort_ranks=False)`` keeps the order given, as gloo does (`rank_order`).
 
 Errors: a mismatch, timeout or dead peer raises our CollectiveMismatchError, CollectiveTimeoutError or
 PeerFailureError (subclasses of RuntimeError) from ``Work.wait()`` and so from every blocking
@@ -45,7 +47,7 @@ from axonml_distributed._core import Backend, DistributedError, ProcessGroup, Th
 from axonml_distributed.hosts.addresses import AddressBook
 from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
-from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup
+from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup, OrderedProcessGroup
 from axonml_distributed.torch.hosts import (
     FailureNote,
     HostRank,
@@ -56,6 +58,7 @@ from axonml_distributed.torch.hosts import (
     local_group,
     store_all_gather,
 )
+from axonml_distributed.torch.rank_order import RankOrder
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch_entry import register
 
@@ -109,15 +112,12 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         within = _hosts.within(ranks)
         return HostsProcessGroup(store, within, ranks, _world, _hosts, opts.timeout, _note, _book)
     else:
-        if ranks != sorted(ranks):
-            # The core numbers a group's members by ascending global rank; torch's order would put
-            # gathered data and group ranks in other places than torch expects, silently.
-            raise ValueError(
-                f"the axonml backend numbers a group's members in ascending global rank: new_group(ranks="
-                f"{ranks}, sort_ranks=False) in another order is not supported (give the ranks ascending)"
-            )
         # torch's timeout for this group: the one given to new_group, else torch's default (as gloo).
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)
+        # The core numbers the members by ascending global rank; torch, in the order given to new_group.
+        order = RankOrder.of(ranks)
+        if order is not None:
+            return OrderedProcessGroup(native, opts.group_rank, opts.group_size, order)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)
 
 

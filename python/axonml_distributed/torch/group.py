@@ -35,6 +35,7 @@ from axonml_distributed.exceptions import CollectiveTimeoutError
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.profiling import enabled as _profiling
 from axonml_distributed.torch.profiling import profiled
+from axonml_distributed.torch.rank_order import RankOrder
 from axonml_distributed.torch.sparse import all_reduce_sparse
 from axonml_distributed.torch.work import AnySourceWork, Completer, Work
 from axonml_distributed.torch_entry import BACKEND
@@ -115,6 +116,20 @@ def _unstage(outputs: Sequence[torch.Tensor], flat: torch.Tensor, counts: list[i
     """Copy consecutive pieces of `flat` (`counts` elements each) into `outputs`."""
     for o, piece in zip(outputs, flat.split(counts), strict=True):
         o.copy_(piece.view(o.shape))
+
+
+_DENSE_FORMATS = (torch.channels_last, torch.channels_last_3d)
+
+
+def _refuse_strided(*tensors: torch.Tensor) -> None:
+    """c10d's check of all_to_all_single's tensors (gloo's and nccl's ValueError, which torch's tests
+    expect): each contiguous in some memory format (channels last too)."""
+    for t in tensors:
+        if not t.is_contiguous() and not any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS):
+            raise ValueError(
+                "Tensors must be contiguous: all_to_all_single takes no strided view (as gloo and nccl); "
+                "pass .contiguous() of it"
+            )
 
 
 def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -293,13 +308,19 @@ class AxonmlProcessGroup(NamedGroup):
     ) -> Work | None:
         """torch's lists run the other way round from `allgather`'s: ``output_lists[r][j]`` receives
         rank r's ``inputs[j]``. One all_gather per input, into its column of the outputs."""
-        if len(output_lists) != self.size() or any(len(o) != len(inputs) for o in output_lists):
+        return self._gather_coalesced(output_lists, inputs, output_lists, opts)
+
+    def _gather_coalesced(
+        self, per_rank: list[list[torch.Tensor]], inputs: list[torch.Tensor], result: Any, opts: Any
+    ) -> Work | None:
+        """`allgather_coalesced` into ``per_rank`` (the output lists in the core's order of ranks)."""
+        if len(per_rank) != self.size() or any(len(o) != len(inputs) for o in per_rank):
             raise ValueError(
                 f"all_gather_coalesced needs {self.size()} output lists (one per rank) of {len(inputs)} "
                 "tensors (one per input)"
             )
-        columns = [[outs[j] for outs in output_lists] for j in range(len(inputs))]
-        return self._gather_each(columns, inputs, output_lists, opts)
+        columns = [[outs[j] for outs in per_rank] for j in range(len(inputs))]
+        return self._gather_each(columns, inputs, result, opts)
 
     def _gather_each(
         self, per_input: list[list[torch.Tensor]], inputs: list[torch.Tensor], result: Any, opts: Any
@@ -409,6 +430,12 @@ class AxonmlProcessGroup(NamedGroup):
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
+        return self._gather_into(output_lists, inputs, output_lists, opts)
+
+    def _gather_into(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], result: Any, opts: Any
+    ) -> Work | None:
+        """`gather` into ``output_lists`` (the root's list in the core's order of ranks)."""
         detached = _async(opts)
         (t,) = inputs
         outs = output_lists[0] if output_lists else []
@@ -416,7 +443,7 @@ class AxonmlProcessGroup(NamedGroup):
         staged = torch.empty((self.size(), *t.shape), dtype=t.dtype) if here else None
         native = self._native.gather(_dense(t)[0], staged, root, async_op=detached)
         finish = None if staged is None else (lambda: [o.copy_(s) for o, s in zip(outs, staged, strict=True)])
-        return self._done("coll", [native], output_lists, finish)
+        return self._done("coll", [native], result, finish)
 
     @_event("gather", _single)
     def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
@@ -478,11 +505,17 @@ class AxonmlProcessGroup(NamedGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work | None:
         """Lists of tensors of any sizes: one all_to_all_single over their concatenations."""
+        return self._alltoall(outputs, inputs, outputs, opts)
+
+    def _alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], result: Any, opts: Any
+    ) -> Work | None:
+        """`alltoall` of ``inputs`` into ``outputs`` (both in the core's order of ranks)."""
         outs, ins = [o.numel() for o in outputs], [t.numel() for t in inputs]
         send = torch.cat([t.detach().reshape(-1) for t in inputs])
         flat = torch.empty(sum(outs), dtype=send.dtype)
         native = self._native.all_to_all_single(send, flat, outs, ins, async_op=_async(opts))
-        return self._done("coll", [native], outputs, lambda: _unstage(outputs, flat, outs))
+        return self._done("coll", [native], result, lambda: _unstage(outputs, flat, outs))
 
     @_event("all_to_all", _single)
     def all_to_all_single(
@@ -493,7 +526,9 @@ class AxonmlProcessGroup(NamedGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Work | None:
-        # torch passes [] for an equal split, which the core spells None.
+        _refuse_strided(output, input)
+        # torch passes [] for an equal split, which the core spells None. A tensor dense in another
+        # memory format (channels last) goes through a copy in the usual one.
         out, back = _dense(output)
         outs, ins = list(output_split_sizes) or None, list(input_split_sizes) or None
         native = self._native.all_to_all_single(_dense(input)[0], out, outs, ins, async_op=_async(opts))
@@ -529,3 +564,131 @@ class AxonmlProcessGroup(NamedGroup):
         buf, back = _dense(tensors[0])
         native = self._native.recv_any(buf, tag, async_op=True)
         return AnySourceWork(native, self._ranks, tensors, back, self._completer(("recv_any", tag)))
+
+
+class OrderedProcessGroup(AxonmlProcessGroup):
+    """A one-host group whose members torch orders otherwise than the core (``new_group(ranks,
+    sort_ranks=False)``, ranks not ascending): torch's group rank of a member is its place in `order`'s
+    ranks, and every call follows that order, as on gloo. A group in ascending order is an
+    `AxonmlProcessGroup`, which pays for none of this.
+
+    Roots and peers go through ``_ranks``, here in torch's order (so do the senders that a receive from
+    any source reports); the calls with one item or chunk per member hand the core their items in its
+    order (`RankOrder`), and write what it returns back in torch's."""
+
+    def __init__(self, native: ProcessGroup, rank: int, size: int, order: RankOrder) -> None:
+        super().__init__(native, rank, size)
+        self._order = order
+        self._ranks = order.restore(native.ranks())
+
+    @_event("all_gather", _second)
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        per_input = [self._order.reorder(outs, "all_gather's output list") for outs in output_lists]
+        return self._gather_each(per_input, inputs, output_lists, opts)
+
+    @_event("all_gather", _second)
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        per_rank = self._order.reorder(output_lists, "all_gather_coalesced's output lists")
+        return self._gather_coalesced(per_rank, inputs, output_lists, opts)
+
+    @_event("all_gather_into_tensor", _single)
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
+        staged, finish = self._staged(output, input.shape)
+        native = self._native.all_gather(_dense(input)[0], staged, async_op=_async(opts))
+        return self._done("coll", [native], [output], finish)
+
+    _allgather_base = all_gather_single
+
+    def _staged(
+        self, output: torch.Tensor, shape: torch.Size
+    ) -> tuple[torch.Tensor, Callable[[], object] | None]:
+        """A buffer for the core to write one `shape` chunk per member into, in its order, and the step
+        that copies them into `output` in torch's."""
+        out, back = _dense(output)
+        staged = torch.empty((self.size(), *shape), dtype=output.dtype)
+        restore = partial(self._order.restore_rows, staged, out.view(self.size(), *shape))
+        return staged, _chain(restore, back)
+
+    @_event("reduce_scatter", _lists)
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Work | None:
+        reordered = [self._order.reorder(ins, "reduce_scatter's input list") for ins in input_lists]
+        return super().reduce_scatter(outputs, reordered, opts)
+
+    @_event("reduce_scatter_tensor", _single)
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Work | None:
+        if input.numel() % self.size():  # not one chunk per member: the core refuses it, as in order
+            return super().reduce_scatter_single(output, input, opts)
+        rows = self._order.reorder_rows(input.detach().reshape(self.size(), -1))
+        return super().reduce_scatter_single(output, rows, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_event("gather", _second)
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        reordered = [self._order.reorder(outs, "gather's output list") for outs in output_lists]
+        return self._gather_into(reordered, inputs, output_lists, opts)
+
+    @_event("gather", _single)
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work | None:
+        root, here = self._root(opts or dist.GatherOptions())
+        if not here:  # nothing comes back here
+            return super().gather_single(output, input, opts)
+        staged, finish = self._staged(output, input.shape)
+        native = self._native.gather(_dense(input)[0], staged, root, async_op=_async(opts))
+        return self._done("coll", [native], [output], finish)
+
+    gather_into_tensor = gather_single
+
+    @_event("scatter", _lists)
+    def scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Work | None:
+        reordered = [self._order.reorder(ins, "scatter's input list") for ins in input_lists]
+        return super().scatter(outputs, reordered, opts)
+
+    @_event("all_to_all", _second)
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work | None:
+        outs = self._order.reorder(outputs, "all_to_all's output list")
+        return self._alltoall(outs, self._order.reorder(inputs, "all_to_all's input list"), outputs, opts)
+
+    @_event("all_to_all", _single)
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work | None:
+        """The list form over per-member views of both tensors (no copy but the list form's)."""
+        _refuse_strided(output, input)
+        outs, ins = self._rows(output, output_split_sizes), self._rows(input, input_split_sizes)
+        if outs is None or ins is None or output.dtype != input.dtype:  # the core refuses it, as in order
+            return super().all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+        reordered = self._order.reorder(outs), self._order.reorder(ins)
+        return self._alltoall(*reordered, [output], opts)
+
+    alltoall_base = all_to_all_single
+
+    def _rows(self, t: torch.Tensor, split_sizes: list[int]) -> list[torch.Tensor] | None:
+        """`t`'s chunks along its first dimension, one per member (`split_sizes` rows each, or equal when
+        empty), as views; None if they do not make one per member."""
+        if t.dim() == 0:
+            return None
+        rows = t.shape[0]
+        sizes = list(split_sizes) or ([rows // self.size()] * self.size() if rows % self.size() == 0 else [])
+        if len(sizes) != self.size() or sum(sizes) != rows or min(sizes) < 0:
+            return None
+        return list(t.split(sizes))
