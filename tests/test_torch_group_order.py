@@ -146,9 +146,13 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
         outs = [torch.zeros(3, dtype=torch.float64) for _ in range(n)]
         work = dist.all_gather(outs, x(mine, 3), group=g, async_op=True)
         assert work is not None
-        got = work.get_future().wait()
-        # The future's value: gloo's, the output list; ours, torch's list of them (one per input).
-        return got[0] if isinstance(got[0], list) else got
+        return work.get_future().wait()  # the output list, as gloo's future holds it
+
+    def gather_async_future() -> Any:
+        outs = [torch.zeros(3, dtype=torch.float64) for _ in range(n)] if me == 0 else None
+        work = dist.gather(x(mine, 3), outs, glob(0), group=g, async_op=True)
+        assert work is not None
+        return work.get_future().wait()
 
     def all_gather_coalesced() -> Any:
         outs = [[torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)] for _ in range(n)]
@@ -254,6 +258,7 @@ def _each_call(g: Any) -> dict[str, Callable[[], Any]]:
         all_gather,
         all_gather_uneven,
         all_gather_async_future,
+        gather_async_future,
         all_gather_coalesced,
         all_gather_into_tensor,
         all_gather_into_tensor_stacked,
@@ -355,8 +360,8 @@ def test_every_order_sensitive_call_follows_torchs_order_as_on_gloo(size: int) -
         assert isinstance(got, dict), got  # else the rank's traceback
         for order in ORDERS[size]:
             names = [k.split(" axonml ", 1)[1] for k in got if k.startswith(f"{order} axonml ")]
-            # The group's ranks, five calls from each root, eighteen others; none on a non-member.
-            assert len(names) == (1 + 5 * len(order) + 18 if rank in order else 0), (order, names)
+            # The group's ranks, five calls from each root, nineteen others; none on a non-member.
+            assert len(names) == (1 + 5 * len(order) + 19 if rank in order else 0), (order, names)
             for name in names:
                 ours, gloo = got[f"{order} axonml {name}"], got[f"{order} gloo {name}"]
                 where = (order, rank, name)

@@ -210,6 +210,10 @@ class AxonmlProcessGroup(NamedGroup):
             if finish is not None:
                 finish()
             return None
+        if isinstance(result, list) and len(result) == 1 and isinstance(result[0], list):
+            # gloo's futures hold a call's outputs as a list of lists, but one list alone flat (an
+            # all_gather's or a gather's outputs for its one input).
+            result = result[0]
         return Work(natives, result, finish, self._coll if lane == "coll" else self._completer(lane))
 
     def _root(self, opts: Any) -> tuple[int, bool]:
