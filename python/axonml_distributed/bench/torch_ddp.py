@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axonml_distributed.bench.common import progress
+from axonml_distributed.progress import progress
 
 _RESULT = "BENCH-RESULT "
 TARGETS = {"toy": 0.5, "resnet18": 0.8}
