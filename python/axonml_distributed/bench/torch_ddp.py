@@ -119,6 +119,13 @@ def _median(xs: list[float]) -> float:
 
 
 def _time_steps(
+    torch: Any, name: str, wrap: Callable[[Any], Any], sync: Callable[[Any], None], steps: int
+) -> float:
+    """The median step time of `_measure_steps` (the hosts bench's figure)."""
+    return _measure_steps(torch, name, wrap, sync, steps)["step"]
+
+
+def _measure_steps(
     torch: Any,
     name: str,
     wrap: Callable[[Any], Any],
@@ -184,7 +191,7 @@ def _worker_ours(steps: int, rows: list[str]) -> None:
             ("explicit", _broadcast_then_plain(ad), grads, None, ()),
             ("local", lambda m: m, lambda m: None, None, ("fwd_bwd",)),
         ):
-            t = _time_steps(torch, name, wrap, sync, steps, observe)
+            t = _measure_steps(torch, name, wrap, sync, steps, observe)
             # The slowest rank's figures, so that a breakdown adds up to the step it explains.
             figures = [t["step"], *(t[k] for k in keys)]
             every = ad.all_gather(torch.tensor(figures, dtype=torch.float64)).reshape(-1, len(figures))
@@ -221,7 +228,7 @@ def _worker_torch(steps: int, backend: str, rows: list[str]) -> None:
 
     for name in rows:
         ddp = torch.nn.parallel.DistributedDataParallel
-        out[f"{backend}/{name}"] = worst(_time_steps(torch, name, ddp, lambda m: None, steps)["step"])
+        out[f"{backend}/{name}"] = worst(_time_steps(torch, name, ddp, lambda m: None, steps))
     for size in (8, 64 << 20):
         buf = torch.ones(size // 4)
         # As the OSU benchmarks do: warm-up calls first (after the models' training, the scheduler takes a
