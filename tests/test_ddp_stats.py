@@ -42,12 +42,21 @@ def numpy_steps(pg: Any, steps: int = STEPS) -> dict[str, Any]:
         before = wall_ns()
         if step == ACCUMULATE:
             with ddp.no_sync():
-                model.backward(ddp(rng.normal(size=(4, 5)).astype(np.float32)))
+                out = ddp(rng.normal(size=(4, 5)).astype(np.float32))
+                forwarded = wall_ns()
+                model.backward(out)
                 ddp.sync_gradients()  # does nothing: the gradients accumulate
-        model.backward(ddp(rng.normal(size=(4, 5)).astype(np.float32)))
+        out = ddp(rng.normal(size=(4, 5)).astype(np.float32))
+        if step != ACCUMULATE:
+            forwarded = wall_ns()
+        model.backward(out)
         ddp.sync_gradients()
-        spans.append((before, wall_ns()))
+        spans.append((before, forwarded, wall_ns()))
         model.sgd()
+        # An evaluation forward between steps starts no step.
+        ddp.eval()
+        ddp(rng.normal(size=(4, 5)).astype(np.float32))
+        ddp.train()
     params = list(model.parameters())
     return {
         "stats": ddp.stats(),
@@ -71,9 +80,14 @@ def torch_steps(pg: Any, steps: int = STEPS) -> dict[str, Any]:
         before = wall_ns()
         if step == ACCUMULATE:
             with ddp.no_sync():
-                ddp(torch.randn(4, 6, generator=gen)).square().sum().backward()
-        ddp(torch.randn(4, 6, generator=gen)).square().sum().backward()
-        spans.append((before, wall_ns()))
+                out = ddp(torch.randn(4, 6, generator=gen))
+                forwarded = wall_ns()
+                out.square().sum().backward()
+        out = ddp(torch.randn(4, 6, generator=gen))
+        if step != ACCUMULATE:
+            forwarded = wall_ns()
+        out.square().sum().backward()
+        spans.append((before, forwarded, wall_ns()))
         opt.step()
         # An evaluation forward between steps starts no step.
         with torch.no_grad():
@@ -96,11 +110,12 @@ def check(result: dict[str, Any], steps: int = STEPS) -> None:
     kept = min(steps, 100)
     assert [s.step for s in stats.last] == list(range(steps - kept, steps))
     assert len(spans) == steps
-    for s, (before, after) in zip(stats.last, spans[-kept:], strict=True):
+    for s, (before, forwarded, after) in zip(stats.last, spans[-kept:], strict=True):
         assert (s.bytes, s.buckets) == (result["bytes"], result["params"])
         assert all(getattr(s, f.name) >= 0 for f in dataclasses.fields(StepStats))
-        # The step lies inside the interval the test read around it, on the same clock.
-        assert before <= s.start_ns
+        # The step lies inside the interval the test read around it, on the same clock, and starts at
+        # its first training forward (not at its first gradient, nor at an evaluation forward before).
+        assert before <= s.start_ns <= forwarded
         compute, visible, overlapped, comm = map(
             _ns, (s.compute_s, s.visible_sync_s, s.overlapped_sync_s, s.comm_s)
         )
@@ -153,7 +168,7 @@ def test_communication_is_the_union_of_the_timeline_s_bucket_spans(kind: str) ->
         stats = result["stats"]
         buckets = [b for log in logs if log["rank"] == rank for b in log["buckets"]]
         assert len(buckets) == STEPS * result["params"]
-        for s, (before, after) in zip(stats.last, result["spans"], strict=True):
+        for s, (before, _, after) in zip(stats.last, result["spans"], strict=True):
             mine = [b for b in buckets if before <= b["launched_ns"] and b["done_ns"] <= after]
             assert len(mine) == s.buckets and sum(b["bytes"] for b in mine) == s.bytes
             assert abs(_ns(s.comm_s) - _union_ns([(b["launched_ns"], b["done_ns"]) for b in mine])) <= 1
