@@ -103,7 +103,7 @@ pub struct GradientBucket {
     storage: Storage,
     len: usize,
     entries: Vec<Entry>,
-    /// When its last all-reduce returned, stamped only while a timeline is on (`crate::flight`).
+    /// When its last all-reduce returned (the synchronizer's step figures and the timeline read it).
     pub(crate) reduced_at: Option<std::time::Instant>,
 }
 

@@ -7,19 +7,26 @@
 //! bucket order, on the group's worker, while the caller goes on ([`GradSyncStrategy::Overlapped`]): so
 //! every rank issues the same collectives in the same order. [`GradientSynchronizer::finish`] (laid-out
 //! buckets) and [`GradientSynchronizer::sync_all`] (filled ones) reduce what is left and wait.
+//!
+//! Every bucket's reduction is stamped (ready, launched, returned) on the monotonic clock: the timeline
+//! logs the stamps, and each step's figures ([`StepStats`]: compute, visible and overlapped sync) are
+//! computed from them.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 mod averaging;
+mod stats;
 
 pub use averaging::{Averaging, Pending, SharedBucket};
+pub use stats::{StepRecord, StepStats, STEPS_KEPT};
 
 use crate::bucket::{assign_buckets, Entry, GradientBucket};
 use crate::dtype::{Buf, BufMut, DType};
 use crate::error::{Error, Result};
 use crate::flight::{self, BucketEvent};
 use crate::sync::lock;
+use stats::Reduction;
 
 /// The default bucket size: 25M elements (~100 MB of f32).
 pub const DEFAULT_BUCKET_SIZE: usize = 25_000_000;
@@ -45,7 +52,7 @@ struct BucketState {
     members: Vec<usize>,
     /// Its background all-reduce, once started.
     work: Option<Pending>,
-    /// With a timeline on: when it became complete and when its all-reduce started, this step.
+    /// When it became complete and when its all-reduce started, this step.
     ready_at: Option<Instant>,
     launched_at: Option<Instant>,
 }
@@ -55,19 +62,20 @@ impl BucketState {
         BucketState { bucket, pending, members, work: None, ready_at: None, launched_at: None }
     }
 
-    /// No gradient is to come any more: with a timeline on, it is ready now (if it was not already).
+    /// No gradient is to come any more: it is ready now (if it was not already).
     fn complete(&mut self) {
         self.pending = 0;
-        if self.ready_at.is_none() && flight::timeline_on() {
-            self.ready_at = Some(Instant::now());
-        }
+        self.ready_at.get_or_insert_with(Instant::now);
     }
 
     /// Its all-reduce starts now.
     fn launch(&mut self) {
-        if flight::timeline_on() {
-            self.launched_at = Some(Instant::now());
-        }
+        self.launched_at = Some(Instant::now());
+    }
+
+    /// Its all-reduce returned, if its group did not stamp that already (a group written in Python).
+    fn returned(&self) {
+        lock(&self.bucket).reduced_at.get_or_insert_with(Instant::now);
     }
 }
 
@@ -90,6 +98,9 @@ pub struct GradientSynchronizer {
     /// The first bucket not yet started: buckets start in order, the same on every rank.
     next: usize,
     group: Option<Arc<dyn Averaging>>,
+    /// When this step began ([`Self::begin_step`], or its first gradient).
+    step_start: Option<Instant>,
+    stats: StepStats,
 }
 
 impl GradientSynchronizer {
@@ -104,6 +115,8 @@ impl GradientSynchronizer {
             slots: Vec::new(),
             next: 0,
             group: None,
+            step_start: None,
+            stats: StepStats::default(),
         }
     }
 
@@ -141,6 +154,8 @@ impl GradientSynchronizer {
             slots: slots.into_iter().map(|s| s.expect("assign_buckets places every parameter")).collect(),
             next: 0,
             group: Some(group),
+            step_start: None,
+            stats: StepStats::default(),
         })
     }
 
@@ -181,6 +196,15 @@ impl GradientSynchronizer {
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
+    /// The step begins now (its first training forward), unless it already began: its compute is
+    /// counted from here. Without this call a step begins at its first gradient.
+    pub fn begin_step(&mut self) {
+        self.step_start.get_or_insert_with(Instant::now);
+    }
+    /// The figures of every step reduced successfully so far (see [`StepRecord`]).
+    pub fn stats(&self) -> &StepStats {
+        &self.stats
+    }
 
     fn slot(&self, i: usize) -> Result<&Slot> {
         self.slots.get(i).ok_or_else(|| Error::invalid(format!("no gradient {i} in this synchronizer")))
@@ -213,6 +237,7 @@ impl GradientSynchronizer {
         }
         slot.ready = true;
         let b = slot.bucket;
+        self.step_start.get_or_insert_with(Instant::now);
         self.states[b].pending -= 1;
         if self.states[b].pending == 0 {
             self.states[b].complete();
@@ -238,6 +263,7 @@ impl GradientSynchronizer {
                 self.slots.len()
             )));
         }
+        let called = Instant::now();
         let r = self.finish_inner(used, exchange);
         for s in &mut self.slots {
             s.ready = false;
@@ -248,7 +274,7 @@ impl GradientSynchronizer {
                 let _ = w(); // only after an error: the first one is what the caller hears
             }
         }
-        self.log_buckets(r.is_ok());
+        self.end_step(called, r.is_ok());
         self.next = 0;
         r
     }
@@ -293,6 +319,7 @@ impl GradientSynchronizer {
                     }
                     st.launch();
                     group.run(&st.bucket)?;
+                    st.returned();
                 } else {
                     st.launch();
                     st.work = Some(group.start(&st.bucket)?);
@@ -303,28 +330,42 @@ impl GradientSynchronizer {
         Ok(())
     }
 
-    /// With a timeline on, log every bucket started this step in the group's recorder (`ok`: whether
-    /// the step's reduction succeeded), all of them waited for.
-    fn log_buckets(&mut self, ok: bool) {
+    /// The step's reduction returned (`ok`: successfully; `called`: when `finish` or `sync_all` was
+    /// called), every bucket waited for: count its figures in, log its buckets in the group's recorder
+    /// with a timeline on, and forget its stamps.
+    fn end_step(&mut self, called: Instant, ok: bool) {
+        let returned = Instant::now();
+        let timeline = flight::timeline_on();
         let mut recorder = None;
+        let mut reductions = Vec::new();
         for (b, st) in self.states.iter_mut().enumerate() {
             let (ready, launched) = (st.ready_at.take(), st.launched_at.take());
-            let Some(launched) = launched else { continue };
             let mut bucket = lock(&st.bucket);
             let reduced = bucket.reduced_at.take();
+            let Some(launched) = launched else { continue };
+            let bytes = (bucket.size() as u64).saturating_mul(bucket.dtype().map_or(0, |d| d.size() as u64));
+            let done = reduced.unwrap_or(returned);
+            reductions.push(Reduction { launched, done, bytes });
+            if !timeline {
+                continue;
+            }
             let Some(r) = recorder.get_or_insert_with(|| self.group.as_ref().and_then(|g| g.recorder()))
             else {
                 continue;
             };
             r.bucket(BucketEvent {
                 bucket: b,
-                bytes: (bucket.size() as u64).saturating_mul(bucket.dtype().map_or(0, |d| d.size() as u64)),
+                bytes,
                 ready_ns: flight::wall_ns(ready.unwrap_or(launched)),
                 launched_ns: flight::wall_ns(launched),
-                // A group that does not stamp its reductions (one written in Python): when waited for.
-                done_ns: flight::wall_ns(reduced.unwrap_or_else(Instant::now)),
+                done_ns: flight::wall_ns(done),
                 ok,
             });
+        }
+        let start = self.step_start.take().unwrap_or(called);
+        if ok {
+            let step = self.stats.next_step();
+            self.stats.push(StepRecord::new(step, start.min(called), called, returned, &reductions));
         }
     }
 
@@ -333,8 +374,10 @@ impl GradientSynchronizer {
         let mut first = Ok(());
         for st in &mut self.states {
             if let Some(w) = st.work.take() {
-                if let (Err(e), Ok(())) = (w(), &first) {
-                    first = Err(e);
+                match (w(), &first) {
+                    (Ok(()), _) => st.returned(),
+                    (Err(e), Ok(())) => first = Err(e),
+                    (Err(_), Err(_)) => {}
                 }
             }
         }
@@ -390,6 +433,7 @@ impl GradientSynchronizer {
             }
             (b.entries().len() - 1, b.is_full())
         };
+        self.step_start.get_or_insert_with(Instant::now);
         let i = self.slots.len();
         self.slots.push(Slot { bucket, entry, ready: true });
         self.states[bucket].members.push(i);
@@ -409,12 +453,13 @@ impl GradientSynchronizer {
         if self.strategy == GradSyncStrategy::NoSync {
             return Ok(());
         }
+        let called = Instant::now();
         self.group = Some(group.clone());
         for st in &mut self.states {
             st.complete();
         }
         let r = self.reduce_all(&*group);
-        self.log_buckets(r.is_ok());
+        self.end_step(called, r.is_ok());
         r
     }
 
@@ -425,6 +470,7 @@ impl GradientSynchronizer {
                 if !lock(&st.bucket).is_empty() {
                     st.launch();
                     group.run(&st.bucket)?;
+                    st.returned();
                 }
             }
             self.next = self.states.len();
@@ -452,10 +498,12 @@ impl GradientSynchronizer {
     /// buckets stay, their reduction waited for and ended.
     pub fn clear(&mut self) {
         let _ = self.wait_all();
+        self.step_start = None;
         if self.laid_out {
             for st in &mut self.states {
                 st.pending = st.members.len();
                 (st.ready_at, st.launched_at) = (None, None);
+                lock(&st.bucket).reduced_at = None;
             }
             for s in &mut self.slots {
                 s.ready = false;

@@ -199,35 +199,6 @@ def test_a_missing_matplotlib_is_said_before_the_run() -> None:
     assert "all_reduce float32" not in proc.stdout  # nothing was run
 
 
-@pytest.mark.parametrize("tty", [True, False])
-def test_the_progress_bar_shows_on_a_terminal_only(monkeypatch, capsys, tty) -> None:
-    class Stderr:
-        def __init__(self) -> None:
-            self.text = ""
-
-        def isatty(self) -> bool:
-            return tty
-
-        def write(self, s: str) -> None:
-            self.text += s
-
-        def flush(self) -> None:
-            pass
-
-    err = Stderr()
-    monkeypatch.setattr(sys, "stderr", err)
-    with common.progress(3, "bench") as bar:
-        print("size | time")
-        print("8 B", end="")  # a line printed in parts reaches stdout whole, and the last one at the end
-        print(" | 1.0 us", flush=True)
-        bar.update(3)
-        print("done", end="")
-    assert ("bench:" in err.text and "0/3" in err.text) == tty
-    if tty:  # the bar is cleared before each line and drawn again after it
-        assert err.text.count("bench:") >= 3
-    assert capsys.readouterr().out == "size | time\n8 B | 1.0 us\ndone"
-
-
 @pytest.mark.timeout(120)
 def test_the_bench_writes_no_bar_when_stderr_is_not_a_terminal() -> None:
     cmd = [sys.executable, "-m", "axonml_distributed.bench", "--ranks", "2", "--sizes", "8,1024"]

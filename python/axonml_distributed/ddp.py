@@ -19,6 +19,7 @@ import numpy as np
 from axonml_distributed._core import GradientSynchronizer
 from axonml_distributed._types import ProcessGroupLike
 from axonml_distributed.buckets import broadcast_arrays, bucket_bytes, raw_bytes
+from axonml_distributed.ddp_stats import DDPStats
 from axonml_distributed.init import get_default_group
 
 
@@ -185,6 +186,13 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
         """Parameter indices (positions in ``parameters()``) of each bucket, in reduction order."""
         return [[self._slots[k].index for k in bucket] for bucket in self._engine.bucket_assignment()]
 
+    def stats(self) -> DDPStats:
+        """Where the steps so far spent their time: each step's compute (from its first training forward
+        until ``sync_gradients()`` reduces), visible sync (that reduction, waited for) and overlapped sync
+        (none here: a numpy model's buckets all start inside ``sync_gradients()``), with its bytes and
+        buckets; the last 100 steps and the totals. `axonml_distributed.ddp_stats` defines each figure."""
+        return DDPStats.from_native(self._engine.stats())
+
     def is_training(self) -> bool:
         return self._training
 
@@ -202,6 +210,7 @@ class DistributedDataParallel(metaclass=abc.ABCMeta):  # noqa: B024 - ABCMeta fo
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._training:
+            self._engine.begin_step()
             self._check_prior_sync()
         if self._training and self._require_grad_sync:
             # Like torch: buffers (e.g. batch-norm statistics) follow the first rank before each synced

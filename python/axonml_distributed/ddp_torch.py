@@ -20,6 +20,7 @@ import torch
 
 from axonml_distributed.buckets import broadcast_arrays, bucket_bytes
 from axonml_distributed.ddp import DistributedDataParallel, check_group
+from axonml_distributed.ddp_stats import DDPStats
 from axonml_distributed.grad_reducer import GradReducer, Slot
 from axonml_distributed.tensors import raw_memory
 
@@ -109,8 +110,10 @@ class TorchDistributedDataParallel(torch.nn.Module):
             )
         if self.require_forward_param_sync and self.broadcast_buffers and self._module_buffers:
             self._sync_buffers()
-        output = self.module(*inputs, **kwargs)
         grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._grads().begin_step()
+        output = self.module(*inputs, **kwargs)
         if grad_enabled:
             self._step.local = not self.require_backward_grad_sync
         param_sync = grad_enabled and self.require_backward_grad_sync
@@ -155,6 +158,14 @@ class TorchDistributedDataParallel(torch.nn.Module):
     def bucket_assignment(self) -> list[list[int]]:
         """Parameter indices (positions in ``parameters()``) of each bucket, in reduction order."""
         return [[slot.index for slot in bucket] for bucket in self._grads().buckets()]
+
+    def stats(self) -> DDPStats:
+        """Where the steps so far spent their time: each step's compute (from its first forward with
+        gradients enabled until the end of backward), visible sync (the wait for the reduction at the end
+        of backward) and overlapped sync (bucket all-reduces that ran during backward), with its bytes and
+        buckets; the last 100 steps and the totals, since the buckets were last built (the constructor,
+        or ``to()``). `axonml_distributed.ddp_stats` defines each figure."""
+        return self._grads().stats()
 
     # -- internals ----------------------------------------------------------------------------------------
 

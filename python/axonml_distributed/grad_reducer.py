@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from axonml_distributed._core import GradientSynchronizer
+from axonml_distributed.ddp_stats import DDPStats
 
 
 class Slot:
@@ -102,6 +103,14 @@ class GradReducer:
     def buckets(self) -> list[list[Slot]]:
         """The slots of each bucket, in reduction order."""
         return [[self.slots[i] for i in bucket] for bucket in self.engine.bucket_assignment()]
+
+    def begin_step(self) -> None:
+        """The step begins now (a forward with gradients enabled), unless it already began."""
+        self.engine.begin_step()
+
+    def stats(self) -> DDPStats:
+        """Where the reductions so far spent their time (`axonml_distributed.ddp_stats`)."""
+        return DDPStats.from_native(self.engine.stats())
 
     def in_flight(self) -> bool:
         """Whether a reduction has started and not finished."""

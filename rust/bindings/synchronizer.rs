@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
+use pyo3::types::{PyDict, PyList};
 
 use super::args::{count, dtype_arg};
 use super::array::writable;
@@ -13,7 +14,7 @@ use super::buckets::entry_view;
 use super::python_group::{averaging, PythonGroup};
 use crate::error::Error;
 use crate::sync::lock;
-use crate::synchronizer::{GradSyncStrategy, GradientSynchronizer, DEFAULT_BUCKET_SIZE};
+use crate::synchronizer::{GradSyncStrategy, GradientSynchronizer, StepRecord, DEFAULT_BUCKET_SIZE};
 
 /// When a `GradientSynchronizer` reduces its buckets.
 #[pyclass(name = "GradSyncStrategy", module = "axonml_distributed", eq, eq_int, hash, frozen, from_py_object)]
@@ -61,6 +62,21 @@ impl SyncState {
 /// in a collective and need the GIL to return).
 fn state<'a>(py: Python<'_>, m: &'a Mutex<SyncState>) -> MutexGuard<'a, SyncState> {
     m.lock_py_attached(py).unwrap_or_else(|e| e.into_inner())
+}
+
+/// One step's figures (or the totals: `step` is then the number of steps) as a dict, times in seconds.
+fn step_dict<'py>(py: Python<'py>, r: &StepRecord) -> PyResult<Bound<'py, PyDict>> {
+    let s = |ns: u64| ns as f64 * 1e-9;
+    let d = PyDict::new(py);
+    d.set_item("step", r.step)?;
+    d.set_item("start_ns", r.start_ns)?;
+    d.set_item("compute_s", s(r.compute_ns))?;
+    d.set_item("visible_sync_s", s(r.visible_ns))?;
+    d.set_item("overlapped_sync_s", s(r.overlapped_ns))?;
+    d.set_item("comm_s", s(r.comm_ns))?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("buckets", r.buckets)?;
+    Ok(d)
 }
 
 /// Buckets gradients and averages them across a group, in place.
@@ -234,6 +250,23 @@ impl PyGradientSynchronizer {
         py.detach(|| sync.clear());
         st.grads.clear();
         Ok(())
+    }
+    /// The step begins now (its first training forward) unless it already began; without this call a
+    /// step begins at its first gradient.
+    fn begin_step(&self, py: Python<'_>) {
+        state(py, &self.state).sync.begin_step();
+    }
+    /// Where the steps reduced so far spent their time: {"totals": the sums over every step (its
+    /// "step" is the number of steps), "last": the last steps, oldest first}, each with "step",
+    /// "start_ns", "compute_s", "visible_sync_s", "overlapped_sync_s", "comm_s", "bytes", "buckets".
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = state(py, &self.state);
+        let stats = st.sync.stats();
+        let d = PyDict::new(py);
+        d.set_item("totals", step_dict(py, &stats.totals)?)?;
+        let last = stats.last.iter().map(|r| step_dict(py, r)).collect::<PyResult<Vec<_>>>()?;
+        d.set_item("last", PyList::new(py, last)?)?;
+        Ok(d)
     }
     /// Forget every gradient and bucket.
     fn clear(&self, py: Python<'_>) {

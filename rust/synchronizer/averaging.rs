@@ -8,7 +8,7 @@ use crate::backend::{abort_if_interrupted, Backend};
 use crate::bucket::GradientBucket;
 use crate::dtype::BufMut;
 use crate::error::Result;
-use crate::flight::{self, Recorder};
+use crate::flight::Recorder;
 use crate::group::ProcessGroup;
 use crate::reduce::ReduceOp;
 use crate::sync::lock;
@@ -67,13 +67,14 @@ impl Averaging for ProcessGroup {
     }
 }
 
-/// Average `bucket` over `comm` (with a timeline on, stamping when it returned). When that fails while a stopped peer may still write the buffer, the
-/// bucket is kept for the process's life: never freed or reused under the peer.
+/// Average `bucket` over `comm`, stamping when it returned. When that fails while a stopped peer may
+/// still write the buffer, the bucket is kept for the process's life: never freed or reused under the
+/// peer.
 fn reduce(comm: &dyn Backend, bucket: &SharedBucket) -> Result<()> {
-    let r = comm.all_reduce(lock(bucket).data_mut(), ReduceOp::Average);
-    if flight::timeline_on() {
-        lock(bucket).reduced_at = Some(Instant::now());
-    }
+    let mut b = lock(bucket);
+    let r = comm.all_reduce(b.data_mut(), ReduceOp::Average);
+    b.reduced_at = Some(Instant::now());
+    drop(b);
     if r.is_err() && comm.buffers_may_be_in_use() {
         std::mem::forget(bucket.clone());
     }

@@ -41,7 +41,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axonml_distributed.bench.common import Curve, human, progress
+from axonml_distributed.bench.common import Curve, human
+from axonml_distributed.progress import progress
 
 PEERS = ("vllm", "deepspeed", "gloo")
 OURS = ("axonml", "native")

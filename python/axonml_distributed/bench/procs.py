@@ -64,8 +64,9 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed import settings
-from axonml_distributed.bench.common import Curve, human, progress
+from axonml_distributed.bench.common import Curve, human
 from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, PAIRWISE, RESULT, busbw_factor
+from axonml_distributed.progress import progress
 
 WORKER = str(Path(__file__).with_name("procs_worker.py"))
 OURS = ("shm", "shm-segment")

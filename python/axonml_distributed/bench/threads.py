@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
-from axonml_distributed.bench.common import Curve, busbw_factor, human, progress
+from axonml_distributed.bench.common import Curve, busbw_factor, human
 from axonml_distributed.ddp import DistributedDataParallel
+from axonml_distributed.progress import progress
 from axonml_distributed.spawn import spawn
 
 

@@ -24,8 +24,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from axonml_distributed.bench.common import Curve, human, progress
+from axonml_distributed.bench.common import Curve, human
 from axonml_distributed.bench.procs import launch_workers
+from axonml_distributed.progress import progress
 
 WORKER = str(Path(__file__).with_name("torch_calls_worker.py"))
 # The worker's names (not imported: importing the worker imports torch).

@@ -1,9 +1,9 @@
 """DDP on torch modules: our DDP against torch's DDP over gloo, measured in the same run.
 
-``python -m axonml_distributed.bench --torch [--ranks 2,4] [--steps 10] [--repeat 2]`` launches each
-contender under ``python -m axonml_distributed.run`` (OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME=lo) and prints
-the training step time (zero_grad, forward, loss, backward with its gradient averaging, SGD step: the max
-over ranks of each rank's median step) of:
+``python -m axonml_distributed.bench --torch [--ranks 2,4] [--steps 10] [--repeat 2] [--autocast both]
+[--models toy,resnet18]`` launches each contender under ``python -m axonml_distributed.run``
+(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME=lo) and prints the training step time (zero_grad, forward, loss,
+backward with its gradient averaging, SGD step: the max over ranks of each rank's median step) of:
 
 - ``gloo``: torch's DistributedDataParallel over torch.distributed's gloo backend;
 - ``ours``: our DistributedDataParallel on the same torch module (averaging inside backward);
@@ -15,8 +15,14 @@ over ranks of each rank's median step) of:
   that module is importable; otherwise the table says why it was not measured.
 
 Models: the PyTorch DDP tutorial's ToyModel (batch 20) and a ResNet-18 (as torchvision's, written here:
-torchvision is not a dependency) on synthetic 64 px images, batch 8. Issue 11's targets, shown and never
-asserted: ours <= 0.5x gloo on the ToyModel and <= 0.8x on the ResNet-18, and ours no slower than explicit.
+torchvision is not a dependency) on synthetic 64 px images, batch 8; each in float32 and with forward and
+loss under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (rows "... bf16"; ``--autocast none`` or ``bf16``
+keeps one of the two). Issue 11's targets, shown and never asserted: ours <= 0.5x gloo on the ToyModel and
+<= 0.8x on the ResNet-18, and ours no slower than explicit. Issue 28's: ours and axonml at most 1.05x the
+local floor, in both precisions: a second table gives every contender's ratio to the floor, and a third
+where our DDP's time above the floor goes, from ``ddp.stats()`` on the slowest rank (the compute above the
+floor's forward and backward, the sync visible after backward, the rest; and the sync that ran hidden
+under backward).
 """
 
 from __future__ import annotations
@@ -31,10 +37,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axonml_distributed.bench.common import progress
+from axonml_distributed.progress import progress
 
 _RESULT = "BENCH-RESULT "
 TARGETS = {"toy": 0.5, "resnet18": 0.8}
+FLOOR_TARGET = 1.05
+# Rows of the tables: a model in float32 (its name) and under bf16 autocast (its name, then " bf16").
+BF16 = " bf16"
+AUTOCAST = {"none": ("",), "bf16": (BF16,), "both": ("", BF16)}
+# The figures of a step's breakdown, after its step time: ours from ddp.stats(), the floor's timed here.
+BREAKDOWN = ("compute", "visible", "overlapped")
 
 
 # --- models (torch is imported by the workers only) --------------------------------------------------------
@@ -109,7 +121,23 @@ def _median(xs: list[float]) -> float:
 def _time_steps(
     torch: Any, name: str, wrap: Callable[[Any], Any], sync: Callable[[Any], None], steps: int
 ) -> float:
-    build, batch, loss_fn = _models(torch)[name]
+    """The median step time of `_measure_steps` (the hosts bench's figure)."""
+    return _measure_steps(torch, name, wrap, sync, steps)["step"]
+
+
+def _measure_steps(
+    torch: Any,
+    name: str,
+    wrap: Callable[[Any], Any],
+    sync: Callable[[Any], None],
+    steps: int,
+    observe: Callable[[Any, list[tuple[float, float]]], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """Train `steps` timed steps (after two warm-up ones) of model row `name`; "step" is the median step
+    time, "fwd_bwd" the median from the forward until backward returned, and `observe(model, times)`
+    (the timed steps' (step, fwd_bwd) times) adds its own figures."""
+    build, batch, loss_fn = _models(torch)[name.removesuffix(BF16)]
+    autocast = name.endswith(BF16)
     torch.manual_seed(0)
     model = wrap(build())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -120,17 +148,33 @@ def _time_steps(
         x, y = batches[i % len(batches)]
         start = time.perf_counter()
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        # Parameters and gradients stay float32 (what DDP averages); the forward's matmuls run in bf16.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        computed = time.perf_counter()
         sync(model)
         opt.step()
-        times.append(time.perf_counter() - start)
-    return _median(times[2:])
+        times.append((time.perf_counter() - start, computed - start))
+    timed = times[2:]
+    out = {"step": _median([t for t, _ in timed]), "fwd_bwd": _median([c for _, c in timed])}
+    return out | (observe(model, timed) if observe else {})
+
+
+def _breakdown(model: Any, timed: list[tuple[float, float]]) -> dict[str, float]:
+    """Our DDP's timed steps as ``ddp.stats()`` saw them: median compute, visible and overlapped sync."""
+    last = model.stats().last[-len(timed) :]
+    return {
+        "compute": _median([s.compute_s for s in last]),
+        "visible": _median([s.visible_sync_s for s in last]),
+        "overlapped": _median([s.overlapped_sync_s for s in last]),
+    }
 
 
 # --- workers ---------------------------------------------------------------------------------------------
 
 
-def _worker_ours(steps: int) -> None:
+def _worker_ours(steps: int, rows: list[str]) -> None:
     import torch
 
     import axonml_distributed as ad
@@ -141,14 +185,19 @@ def _worker_ours(steps: int) -> None:
     def grads(model: Any) -> None:
         ad.sync_gradients([p.grad for p in model.parameters()])
 
-    for name in _models(torch):
-        for mode, wrap, sync in (
-            ("ours", ad.DistributedDataParallel, lambda m: None),
-            ("explicit", _broadcast_then_plain(ad), grads),
-            ("local", lambda m: m, lambda m: None),
+    for name in rows:
+        for mode, wrap, sync, observe, keys in (
+            ("ours", ad.DistributedDataParallel, lambda m: None, _breakdown, BREAKDOWN),
+            ("explicit", _broadcast_then_plain(ad), grads, None, ()),
+            ("local", lambda m: m, lambda m: None, None, ("fwd_bwd",)),
         ):
-            t = _time_steps(torch, name, wrap, sync, steps)
-            out[f"{mode}/{name}"] = float(ad.all_gather(torch.tensor([t])).max())
+            t = _measure_steps(torch, name, wrap, sync, steps, observe)
+            # The slowest rank's figures, so that a breakdown adds up to the step it explains.
+            figures = [t["step"], *(t[k] for k in keys)]
+            every = ad.all_gather(torch.tensor(figures, dtype=torch.float64)).reshape(-1, len(figures))
+            slowest = every[int(every[:, 0].argmax())].tolist()
+            out[f"{mode}/{name}"] = slowest[0]
+            out |= {f"{mode}/{name}/{k}": v for k, v in zip(keys, slowest[1:], strict=True)}
     if pg.rank() == 0:
         print(_RESULT + json.dumps(out), flush=True)
     ad.destroy_process_group()
@@ -162,7 +211,7 @@ def _broadcast_then_plain(ad: Any) -> Callable[[Any], Any]:
     return wrap
 
 
-def _worker_torch(steps: int, backend: str) -> None:
+def _worker_torch(steps: int, backend: str, rows: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -177,7 +226,7 @@ def _worker_torch(steps: int, backend: str) -> None:
         dist.all_gather_object(every, t)
         return max(every)
 
-    for name in _models(torch):
+    for name in rows:
         ddp = torch.nn.parallel.DistributedDataParallel
         out[f"{backend}/{name}"] = worst(_time_steps(torch, name, ddp, lambda m: None, steps))
     for size in (8, 64 << 20):
@@ -202,10 +251,11 @@ def _worker_torch(steps: int, backend: str) -> None:
 # --- the driver --------------------------------------------------------------------------------------------
 
 
-def _launch(n: int, worker: str, steps: int) -> dict[str, float]:
+def _launch(n: int, worker: str, steps: int, rows: list[str]) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "axonml_distributed.run", "--nproc-per-node", str(n)]
     cmd += ["-m", "axonml_distributed.bench.torch_ddp", "--worker", worker, "--steps", str(steps)]
+    cmd += ["--rows", json.dumps(rows)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith(_RESULT):
@@ -232,23 +282,39 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def _report(n: int, results: dict[str, float], loads: list[float], missing: str | None) -> None:
+def _signed(t: float | None) -> str:
+    return "-" if t is None else ("+" if t >= 0 else "-") + _ms(abs(t))
+
+
+def _rows(results: dict[str, float]) -> list[str]:
+    """The model rows measured, float32 ones first."""
+    names = {key.split("/")[1] for key in results}
+    return [m + suffix for suffix in AUTOCAST["both"] for m in TARGETS if m + suffix in names]
+
+
+def _report(
+    n: int, results: dict[str, float], loads: list[float], missing: str | None, rows: list[str] | None = None
+) -> None:
+    """The tables of `rows` (default: those with results; a row asked for and not measured says failed)."""
+
     def get(key: str) -> float | None:
         return results.get(key)
 
+    rows = _rows(results) if rows is None else rows
     load = f"{min(loads):.2f}..{max(loads):.2f}"
     print(f"\n{n} ranks; load average during the runs {load} ({os.cpu_count()} CPUs)")
     print("step time (max over ranks of the median step; median of the launches)")
-    head = f"{'model':>9} | {'gloo DDP':>10} | {'our DDP':>10} | {'explicit':>10} | {'ours/gloo':>9} | "
+    head = f"{'model':>13} | {'gloo DDP':>10} | {'our DDP':>10} | {'explicit':>10} | {'ours/gloo':>9} | "
     head += f"{'target':>7} | {'ours/explicit':>13} | {'axonml DDP':>10} | {'axonml/gloo':>11} | "
     head += f"{'local':>10} | {'local/gloo':>10}"
     print(head)
     print("-" * len(head))
-    for name, target in TARGETS.items():
+    for name in rows:
+        target = TARGETS[name.removesuffix(BF16)]
         gloo, ours, explicit = get(f"gloo/{name}"), get(f"ours/{name}"), get(f"explicit/{name}")
         axonml, local = get(f"axonml/{name}"), get(f"local/{name}")
         cells = [
-            f"{name:>9}",
+            f"{name:>13}",
             f"{_ms(gloo):>10}",
             f"{_ms(ours):>10}",
             f"{_ms(explicit):>10}",
@@ -267,6 +333,51 @@ def _report(n: int, results: dict[str, float], loads: list[float], missing: str 
         for size in (8, 64 << 20):
             g, a = get(f"gloo/all_reduce {size}"), get(f"axonml/all_reduce {size}")
             print(f"dist.all_reduce {size} B: gloo {_ms(g)}, axonml {_ms(a)}, axonml/gloo {_ratio(a, g)}")
+    _report_floor(rows, get, missing)
+    _report_breakdown(rows, get)
+
+
+def _report_floor(rows: list[str], get: Callable[[str], float | None], missing: str | None) -> None:
+    print(
+        f"\nstep time / the local floor (each rank training alone; target <= {FLOOR_TARGET}x for ours and "
+        "axonml)"
+    )
+    head = f"{'model':>13} | {'local':>10} | {'gloo':>7} | {'ours':>7} | {'explicit':>8} | {'axonml':>7}"
+    print(head)
+    print("-" * len(head))
+    for name in rows:
+        local = get(f"local/{name}")
+        ratio = {c: _ratio(get(f"{c}/{name}"), local) for c in ("gloo", "ours", "explicit", "axonml")}
+        axonml = "not meas." if missing else ratio["axonml"]
+        cells = [f"{name:>13}", f"{_ms(local):>10}", f"{ratio['gloo']:>7}", f"{ratio['ours']:>7}"]
+        print(" | ".join([*cells, f"{ratio['explicit']:>8}", f"{axonml:>7}"]))
+
+
+def _report_breakdown(rows: list[str], get: Callable[[str], float | None]) -> None:
+    print(
+        "\nour DDP above the floor, on its slowest rank (medians; ddp.stats()): compute = its forward and "
+        "backward\nagainst the floor's, visible = the sync waited for after backward, rest = zero_grad, "
+        "optimizer and glue;\noverlapped = the sync that ran hidden under backward (not in the step's sum)"
+    )
+    head = f"{'model':>13} | {'our DDP':>10} | {'local':>10} | {'above':>10} | {'compute':>10} | "
+    head += f"{'visible':>10} | {'rest':>10} | {'overlapped':>10}"
+    print(head)
+    print("-" * len(head))
+    for name in rows:
+        ours, local = get(f"ours/{name}"), get(f"local/{name}")
+        compute, fwd_bwd = get(f"ours/{name}/compute"), get(f"local/{name}/fwd_bwd")
+        visible, overlapped = get(f"ours/{name}/visible"), get(f"ours/{name}/overlapped")
+        above = None if ours is None or local is None else ours - local
+        more = None if compute is None or fwd_bwd is None else compute - fwd_bwd
+        rest = None if above is None or more is None or visible is None else above - more - visible
+        cells = [f"{name:>13}", f"{_ms(ours):>10}", f"{_ms(local):>10}", f"{_signed(above):>10}"]
+        cells += [
+            f"{_signed(more):>10}",
+            f"{_ms(visible):>10}",
+            f"{_signed(rest):>10}",
+            f"{_ms(overlapped):>10}",
+        ]
+        print(" | ".join(cells))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -275,14 +386,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",") if x], default=[2, 4])
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and launch (default 10)")
     p.add_argument("--repeat", type=int, default=2, help="launches per contender, taking turns (default 2)")
+    p.add_argument(
+        "--autocast",
+        choices=sorted(AUTOCAST),
+        default="both",
+        help="float32 steps (none), steps under bf16 autocast (bf16), or both (default)",
+    )
+    p.add_argument(
+        "--models",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(TARGETS),
+        help=f"models to train, of {','.join(TARGETS)} (default: all)",
+    )
     p.add_argument("--worker", choices=["ours", "gloo", "axonml"], help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=json.loads, help=argparse.SUPPRESS)
     args, _ = p.parse_known_args(argv)  # the parent bench's own options (--torch ...) are not ours
     if args.worker == "ours":
-        _worker_ours(args.steps)
+        _worker_ours(args.steps, args.rows)
         return 0
     if args.worker:
-        _worker_torch(args.steps, args.worker)
+        _worker_torch(args.steps, args.worker, args.rows)
         return 0
+    unknown = set(args.models) - set(TARGETS)
+    if unknown:
+        p.error(f"--models: no model {', '.join(sorted(unknown))} (there are {', '.join(TARGETS)})")
+    rows = [m + suffix for suffix in AUTOCAST[args.autocast] for m in TARGETS if m in args.models]
     missing = _axonml_backend()
     workers = ["gloo", "ours"] + ([] if missing else ["axonml"])
     for n in args.ranks:
@@ -292,10 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.repeat):
                 for worker in workers:  # in turns, so a burst of load hits every contender alike
                     loads.append(os.getloadavg()[0])
-                    for key, value in _launch(n, worker, args.steps).items():
+                    for key, value in _launch(n, worker, args.steps, rows).items():
                         runs.setdefault(key, []).append(value)
                     bar.update(1)
-        _report(n, {k: _median(v) for k, v in runs.items()}, loads, missing)
+        _report(n, {k: _median(v) for k, v in runs.items()}, loads, missing, rows)
     return 0
 
 

@@ -3,7 +3,6 @@ baseline it is checked against."""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from numpy.typing import NDArray
 
 from axonml_distributed import DistributedDataParallel, DistributedSampler, ReduceOp
 from axonml_distributed.demo.mlp import MLP, SGD, cross_entropy
+from axonml_distributed.progress import progress, write_above
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Config:
     backend: str
     check: bool
     json: bool
-    quiet: bool = False  # no per-epoch progress (the --scaling runs)
+    quiet: bool = False  # no progress bar or per-epoch lines (the --scaling runs)
     plot: Path | None = None
     scaling: bool = False
 
@@ -78,30 +78,8 @@ def accuracy(model: MLP, x: NDArray[np.float32], y: NDArray[np.intp]) -> float:
     return float(np.mean(model(x).argmax(axis=1) == y))
 
 
-class Progress:
-    """Per-epoch progress on stderr: a redrawn bar on a terminal, one plain line per epoch otherwise."""
-
-    def __init__(self, enabled: bool, epochs: int) -> None:
-        self.enabled = enabled
-        self.epochs = epochs
-        self.tty = sys.stderr.isatty()
-
-    def _label(self, epoch: int) -> str:
-        return f"epoch {epoch + 1:3d}/{self.epochs}"
-
-    def step(self, epoch: int, done: int, total: int) -> None:
-        if self.enabled and self.tty:
-            filled = 30 * done // total
-            bar = "#" * filled + "-" * (30 - filled)
-            sys.stderr.write(f"\r{self._label(epoch)} [{bar}] {done}/{total}")
-            sys.stderr.flush()
-
-    def epoch(self, epoch: int, loss: float, acc: float, seconds: float) -> None:
-        if self.enabled:
-            line = f"{self._label(epoch)}  loss {loss:.4f}  train acc {acc:6.2%}  {seconds:.2f} s"
-            # On a terminal, overwrite the bar; the padding clears its longer tail.
-            sys.stderr.write(f"\r{line:<60}\n" if self.tty else f"{line}\n")
-            sys.stderr.flush()
+def _epoch_line(epoch: int, epochs: int, loss: float, acc: float, seconds: float) -> str:
+    return f"epoch {epoch + 1:3d}/{epochs}  loss {loss:.4f}  train acc {acc:6.2%}  {seconds:.2f} s"
 
 
 def train(pg: Any, cfg: Config, data: Digits) -> dict[str, Any] | None:
@@ -113,33 +91,39 @@ def train(pg: Any, cfg: Config, data: Digits) -> dict[str, Any] | None:
     ddp.sync_parameters()
     optimizer = SGD(model.parameters(), cfg.lr, cfg.momentum)
     sampler = DistributedSampler(len(data.y_train), seed=cfg.seed, process_group=pg)
-    progress = Progress(is_main and not (cfg.json or cfg.quiet), cfg.epochs)
+    # Rank 0 shows a bar over every step (on a terminal) and a line per epoch on stderr.
+    shown = is_main and not (cfg.json or cfg.quiet)
     steps = -(-len(sampler) // cfg.batch_size)
     sync_seconds = compute_seconds = 0.0
     loss_per_epoch, accuracy_per_epoch = [], []
     train_start = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        epoch_start = time.perf_counter()
-        totals = np.zeros(3)  # summed loss, correct predictions, samples: all-reduced for a global view
-        for step, batch in enumerate(_batches(_shard(sampler, epoch), cfg.batch_size)):
-            t0 = time.perf_counter()
-            logits = ddp(data.x_train[batch])
-            labels = data.y_train[batch]
-            loss, dlogits = cross_entropy(logits, labels)
-            model.backward(dlogits)
-            t1 = time.perf_counter()
-            ddp.sync_gradients()
-            t2 = time.perf_counter()
-            optimizer.step()
-            # Compute is forward, backward and the SGD step; sync includes waiting for slower peers.
-            compute_seconds += (t1 - t0) + (time.perf_counter() - t2)
-            sync_seconds += t2 - t1
-            totals += (loss * len(batch), np.sum(logits.argmax(axis=1) == labels), len(batch))
-            progress.step(epoch, step + 1, steps)
-        pg.all_reduce(totals, ReduceOp.SUM)
-        loss_per_epoch.append(float(totals[0] / totals[2]))
-        accuracy_per_epoch.append(float(totals[1] / totals[2]))
-        progress.epoch(epoch, loss_per_epoch[-1], accuracy_per_epoch[-1], time.perf_counter() - epoch_start)
+    with progress(cfg.epochs * steps, "training", enabled=shown) as bar:
+        for epoch in range(cfg.epochs):
+            bar.set_description(f"epoch {epoch + 1}/{cfg.epochs}")
+            epoch_start = time.perf_counter()
+            totals = np.zeros(3)  # summed loss, correct predictions, samples: all-reduced for a global view
+            for batch in _batches(_shard(sampler, epoch), cfg.batch_size):
+                t0 = time.perf_counter()
+                logits = ddp(data.x_train[batch])
+                labels = data.y_train[batch]
+                loss, dlogits = cross_entropy(logits, labels)
+                model.backward(dlogits)
+                t1 = time.perf_counter()
+                ddp.sync_gradients()
+                t2 = time.perf_counter()
+                optimizer.step()
+                # Compute is forward, backward and the SGD step; sync includes waiting for slower peers.
+                compute_seconds += (t1 - t0) + (time.perf_counter() - t2)
+                sync_seconds += t2 - t1
+                totals += (loss * len(batch), np.sum(logits.argmax(axis=1) == labels), len(batch))
+                bar.update(1)
+            pg.all_reduce(totals, ReduceOp.SUM)
+            epoch_loss, epoch_acc = float(totals[0] / totals[2]), float(totals[1] / totals[2])
+            loss_per_epoch.append(epoch_loss)
+            accuracy_per_epoch.append(epoch_acc)
+            if shown:
+                seconds = time.perf_counter() - epoch_start
+                write_above(_epoch_line(epoch, cfg.epochs, epoch_loss, epoch_acc, seconds))
     train_seconds = time.perf_counter() - train_start
 
     # The largest difference between any two ranks, coordinate by coordinate; DDP promises exactly 0.
