@@ -47,6 +47,7 @@ from axonml_distributed.comm import (
     world_size,
 )
 from axonml_distributed.ddp import DDP, DistributedDataParallel
+from axonml_distributed.ddp_stats import DDPStats, StepStats
 from axonml_distributed.exceptions import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -83,6 +84,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DDP",
+    "DDPStats",
     "DistributedDataParallel",
     "DistributedError",
     "DistributedOptimizer",
@@ -95,6 +97,7 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "SpawnError",
+    "StepStats",
     "Work",
     "World",
     "__version__",
