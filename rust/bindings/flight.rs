@@ -271,9 +271,10 @@ impl PyFlightRecorder {
 
     /// Record collective `kind` number `seq` on the group (the same on every member) as scheduled now:
     /// `count` elements of `dtype` each member's part (as the core's signatures count), `elems` this
-    /// member's input and output elements, `root` a global rank, `op` a code or name; returns the call,
-    /// to mark started and ended.
-    #[pyo3(signature = (kind, seq, dtype, count, elems, root=None, op=None, prescale=1.0, postscale=1.0))]
+    /// member's input and output elements (None: as the kind and the group size give them; none for
+    /// the kinds of per-member sizes), `root` a global rank, `op` a code or name; returns the call, to
+    /// mark started and ended.
+    #[pyo3(signature = (kind, seq, dtype, count, elems=None, root=None, op=None, prescale=1.0, postscale=1.0))]
     #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
@@ -282,7 +283,7 @@ impl PyFlightRecorder {
         seq: u64,
         dtype: Option<&Bound<'_, PyAny>>,
         count: usize,
-        elems: (u64, u64),
+        elems: Option<(u64, u64)>,
         root: Option<usize>,
         op: Option<&Bound<'_, PyAny>>,
         prescale: f64,
@@ -296,6 +297,11 @@ impl PyFlightRecorder {
         sig.dtype = dtype.map(dtype_arg).transpose()?;
         sig.op = op_arg(op)?;
         sig.root = root.map(|r| u32::try_from(r).unwrap_or(u32::MAX));
+        let elems = elems.unwrap_or_else(|| {
+            let size = sig.dtype.map_or(1, |t| t.size().max(1));
+            let (sb, rb) = crate::algo::spans(&sig, self.inner.members.len(), root == Some(self.inner.rank));
+            ((sb / size) as u64, (rb / size) as u64)
+        });
         Ok(self.begin(py, Recorded::Collective(sig), elems))
     }
 
