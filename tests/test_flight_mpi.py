@@ -55,10 +55,13 @@ def test_an_mpi_job_s_record_and_stats_are_the_calls_it_made(tmp_path: Path) -> 
         want = [(k, t, c, seq, "completed") for seq, (k, t, c, _) in enumerate([*COLLECTIVES, BARRIER], 1)]
         assert got == want, got
         assert all(e["route"] == "mpi" and e["process_group"][0] == group for e in dump["entries"])
-        p2p = [(e["kind"], e["peer"], e["tag"], e["count"], e["call"]) for e in dump["entries"] if e["is_p2p"]]
+        p2p = [
+            (e["kind"], e["peer"], e["tag"], e["count"], e["call"]) for e in dump["entries"] if e["is_p2p"]
+        ]
         if rank == 0:
             want_p2p = [
-                ("send", 1, tag, c, f"send({c} x {t} to rank 1, tag {tag})") for _, _, tag, t, c, _ in MESSAGES
+                ("send", 1, tag, c, f"send({c} x {t} to rank 1, tag {tag})")
+                for _, _, tag, t, c, _ in MESSAGES
             ]
         else:
             want_p2p = [("recv", 0, tag, c, call) for _, _, tag, _, c, call in MESSAGES]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,24 @@ def _entries(record: Mapping[str, Any], pg: tuple[str, str]) -> list[dict[str, A
         if not native["p2p"]:
             last_seq = native["seq"]
     return out
+
+
+def to_job_ranks(records: list[dict[str, Any]]) -> int | None:
+    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
+    ranks from 0 (so do its recorders): give the native `records` of this process the job's ranks instead
+    (rank and group members; the recorders of the calls gloo carries between hosts, world "hosts", have
+    them already), and return the job's size; None otherwise, when the recorders' ranks are the job's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
+    if layout is None or len(layout.hosts) < 2:
+        return None
+    for record in records:
+        if record["world"] != "hosts":
+            record["rank"] = layout.local_ranks[record["rank"]]
+            record["ranks"] = [layout.local_ranks[r] for r in record["ranks"]]
+    return int(dist.get_world_size())
 
 
 def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
