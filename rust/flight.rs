@@ -251,6 +251,9 @@ pub struct Frame {
 /// A caller's Python stack, innermost frame first.
 pub type Stack = Arc<[Frame]>;
 
+/// The stack of the call in one slot of a recorder's ring, with the call's record id.
+type KeptStack = Mutex<Option<(u64, Stack)>>;
+
 thread_local! {
     /// The stack of the Python caller whose call this thread runs ([`with_stack`]).
     static CALLER: RefCell<Option<Stack>> = const { RefCell::new(None) };
@@ -373,7 +376,7 @@ pub struct Recorder {
     /// Calls recorded so far (the next record's id), stored once its slot is written.
     recorded: AtomicU64,
     /// The stacks of the calls in `ring` (by the same slot, with their record id), when kept.
-    stacks: Box<[Mutex<Option<(u64, Stack)>>]>,
+    stacks: Box<[KeptStack]>,
     /// The last calls recorded by several threads at once (`begin_shared`).
     shared: Mutex<Shared>,
     /// Point-to-point calls recorded so far.
@@ -699,7 +702,7 @@ impl Recorder {
     }
 
     /// The slot of the stack of this handle's record `id`, when stacks are kept.
-    fn stack_slot(&self, id: u64) -> Option<&Mutex<Option<(u64, Stack)>>> {
+    fn stack_slot(&self, id: u64) -> Option<&KeptStack> {
         let len = u64::try_from(self.stacks.len()).ok().filter(|&n| n > 0)?;
         self.stacks.get(usize::try_from(id % len).ok()?)
     }
@@ -730,7 +733,9 @@ impl Recorder {
             let id = shared.next;
             shared.next += 1;
             let len = shared.slots.len() as u64;
-            if let Some(slot) = usize::try_from(id.checked_rem(len).unwrap_or(0)).ok().and_then(|i| shared.slots.get_mut(i)) {
+            if let Some(slot) =
+                usize::try_from(id.checked_rem(len).unwrap_or(0)).ok().and_then(|i| shared.slots.get_mut(i))
+            {
                 *slot = Some(entry);
             }
             id
@@ -945,5 +950,52 @@ mod tests {
         }
         drop(taken);
         assert!(weak.upgrade().is_none(), "no longer held once taken with the timeline off");
+    }
+
+    #[test]
+    fn sends_and_receives_from_many_threads_keep_the_last_calls_and_every_total() {
+        let names = Arc::new(Names::new(next_world()));
+        let r = Recorder::new("test", 0, 3, vec![0, 1, 2], names);
+        let len = r.ring.len();
+        // A receive that outlives a whole ring of later calls: its end must not touch their entries.
+        let slow = r.begin_shared(Recorded::P2p(P2p::new(false, None, 9, DType::U8, 1)), (1, 1));
+        let (threads, each) = (4, len);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let r = &r;
+                s.spawn(move || {
+                    for _ in 0..each {
+                        let p2p = P2p::new(t % 2 == 0, Some(1 + t % 2), t as u64, DType::F32, 3);
+                        let f = r.begin_shared(Recorded::P2p(p2p), (3, 3));
+                        r.end(f, true, None, p2p.bytes());
+                    }
+                });
+            }
+        });
+        let mut slow = slow;
+        slow.received_from(2);
+        r.end(slow, false, None, 1);
+        let got = r.entries();
+        assert_eq!(got.len(), len);
+        assert!(got.windows(2).all(|w| w[0].record_id < w[1].record_id));
+        for e in &got {
+            let Recorded::P2p(p) = e.call else { panic!("{e:?}") };
+            assert_eq!((p.tag < threads as u64, p.count, e.state), (true, 3, State::Completed), "{e:?}");
+        }
+        // Numbered 1.. in the order they were recorded, one number each.
+        let mut seqs: Vec<u64> = (got.iter())
+            .map(|e| match e.call {
+                Recorded::P2p(p) => p.seq,
+                Recorded::Collective(_) => 0,
+            })
+            .collect();
+        seqs.dedup();
+        assert_eq!(seqs.len(), len);
+        let stats = r.stats();
+        let (send, recv) = (stats[KINDS - 2], stats[KINDS - 1]);
+        let sends = (threads / 2 * each) as u64;
+        assert_eq!((send.calls, send.bytes, send.failed), (sends, 12 * sends, 0));
+        assert_eq!((recv.calls, recv.bytes, recv.failed), (sends + 1, 12 * sends, 1));
+        assert_eq!((kind_name(KINDS - 2), kind_name(KINDS - 1)), ("send", "recv"));
     }
 }

@@ -15,7 +15,9 @@ use pyo3::types::{PyDict, PyInt, PyList};
 
 use crate::config;
 use crate::dtype::DType;
-use crate::flight::{self, BucketEvent, Entry, Flight, Frame, Names, P2p, Recorded, Recorder, Route, Stack, Stats};
+use crate::flight::{
+    self, BucketEvent, Entry, Flight, Frame, Names, P2p, Recorded, Recorder, Route, Stack, Stats,
+};
 use crate::reduce::{ReduceOp, Scale};
 use crate::signature::{CollKind, Signature};
 use crate::sync::lock;
@@ -179,7 +181,8 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
     static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static NAMES: Mutex<Option<CodeNames>> = Mutex::new(None);
     let walk = || -> PyResult<Stack> {
-        let getframe = GETFRAME.get_or_try_init(py, || py.import("sys")?.getattr("_getframe").map(Bound::unbind))?;
+        let getframe =
+            GETFRAME.get_or_try_init(py, || py.import("sys")?.getattr("_getframe").map(Bound::unbind))?;
         let mut at = getframe.bind(py).call0()?;
         let mut frames = Vec::with_capacity(config::FLIGHT_RECORDER_FRAMES);
         let mut names = lock(&NAMES);
@@ -358,7 +361,9 @@ impl PyFlightCall {
     #[pyo3(signature = (ok, route=None, source=None))]
     fn end(&self, ok: bool, route: Option<&str>, source: Option<usize>) -> PyResult<()> {
         let route = route
-            .map(|name| Route::from_name(name).ok_or_else(|| PyValueError::new_err(format!("no route {name:?}"))))
+            .map(|name| {
+                Route::from_name(name).ok_or_else(|| PyValueError::new_err(format!("no route {name:?}")))
+            })
             .transpose()?;
         if let Some(mut f) = lock(&self.flight).take() {
             if let Some(src) = source {
