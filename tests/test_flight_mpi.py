@@ -5,6 +5,7 @@ the job makes, and what `trace analyze` says of a job whose rank 1 went astray."
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ MESSAGES = [
 ]
 
 
-def _job(tmp_path: Path, mode: str) -> dict[str, Any]:
-    out = passes(2, "flight.py", str(tmp_path), mode)
+def _job(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = passes(2, "flight.py", str(tmp_path), mode, env=env)
     assert out.count(f"flight {mode} OK") == 2, out
     return trace.load(tmp_path)
 
@@ -93,3 +94,26 @@ def test_a_mismatched_mpi_job_s_analysis_names_the_rank_and_call(tmp_path: Path)
         1: "broadcast(#5, 4 x float32, root=0)",
     }
     assert "ranks diverged at #5: rank 1 called it differently" in analysis.summary()
+
+
+@needs_mpi
+@pytest.mark.timeout(240)
+def test_an_mpi_job_s_timeline_holds_its_calls(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    _job(tmp_path, "plain", env={"AXONML_TIMELINE": str(path)})
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = Counter(
+        (e["pid"], tracks[(e["pid"], e["tid"])].split(" ")[0], e["name"], e["args"]["bytes"])
+        for e in events
+        if e["ph"] == "X" and e["cat"] != "phase"
+    )
+    want: Counter[tuple[int, str, str, int]] = Counter()
+    for rank in (0, 1):
+        for kind, _, _, nbytes in [*COLLECTIVES, BARRIER]:
+            want[(rank, "group", kind, nbytes)] += 1
+        for _, _, _, dtype, count, _ in MESSAGES:
+            want[
+                (rank, "p2p", "send" if rank == 0 else "recv", {"int32": 4, "float64": 8}[dtype] * count)
+            ] += 1
+    assert spans == want, spans
