@@ -14,7 +14,10 @@ receive from any source still waiting), numbered by ``p2p_seq_id`` (this rank's 
 with the group's last collective as ``collective_seq_id``. ``frames`` is the caller's Python stack,
 innermost first, when AXONML_FLIGHT_RECORDER_STACKS is on (else empty). Torch's analyzer
 (``torch.distributed.flight_recorder.fr_trace``) loads only pickled dumps, so it cannot open these
-files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested). Standard library only:
+files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested) when they hold
+collectives only: it takes a send or receive whose ``p2p_seq_id`` equals the ``collective_seq_id`` of the
+collective before it for one coalesced call with it and fails (filter ``is_p2p`` entries out to use it;
+``trace analyze`` reads both). Standard library only:
 the launcher merges these files (written with `error_file.write_json`, atomically).
 """
 
