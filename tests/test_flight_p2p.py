@@ -1,10 +1,14 @@
 """Sends and receives in the flight recorder and the timeline (rust/flight.rs, recorded by the engine where
 it checks their peer): each rank's records and totals against the messages the test exchanged, in the
-thread world and the shared-memory world."""
+thread world, the shared-memory world and torch's point to point over the "axonml" backend."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -140,3 +144,42 @@ def test_sends_and_receives_are_on_the_timeline_shm(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
     assert ok(run_world(2, w_timeline, str(path), timeout=30)) == ["done", "done"]
     _check_timeline(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(180)
+def test_torch_s_batch_isend_irecv_over_axonml_is_recorded(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    job = Path(__file__).parent / "torch_jobs" / "flight_p2p.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(_free_port()), str(job), str(tmp_path)]
+    keep = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    run = subprocess.run(
+        cmd, env={**keep, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=150
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    content = trace.load(tmp_path)
+    for rank in (0, 1):
+        other = 1 - rank
+        entries = content["ranks"][str(rank)]["entries"]
+        got = sorted(
+            (e["kind"], e["peer"], e["tag"], e["dtype"], e["count"], e["state"])
+            for e in entries
+            if e["is_p2p"]
+        )
+        # The ring's receive from the previous rank and send to the next (here both the other rank), then
+        # rank 0's isend of 7 float64 with tag 3 to rank 1.
+        want = [("recv", other, 0, "float32", 5, "completed"), ("send", other, 0, "float32", 5, "completed")]
+        want.append(
+            ("send", 1, 3, "float64", 7, "completed")
+            if rank == 0
+            else ("recv", 0, 3, "float64", 7, "completed")
+        )
+        assert got == sorted(want), got
