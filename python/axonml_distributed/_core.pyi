@@ -105,6 +105,7 @@ def flight_records() -> list[dict[str, Any]]:
     as [{"name", "filename", "line"}], innermost first, or None), "input_elems", "output_elems",
     "state", "created_ns", "started_ns", "completed_ns", "route")."""
 
+@final
 class FlightCall:
     """A call a `FlightRecorder` recorded, scheduled: mark it started and ended."""
 
@@ -115,11 +116,12 @@ class FlightCall:
         """It returned, successfully (`ok`) or not, carried by `route` ("mpi", "gloo", ...); `source`: the
         sender of a receive from any source. A second end is ignored."""
 
+@final
 class FlightRecorder:
     """The flight recorder of a group whose calls Python drives (the MPI group, the gloo legs across
     hosts), in the engine's recorder: `flight_records`, the timeline and `trace analyze` see its calls."""
 
-    def __init__(self, world: str, rank: int, world_size: int, ranks: Sequence[int]) -> None:
+    def __new__(cls, world: str, rank: int, world_size: int, ranks: Sequence[int]) -> FlightRecorder:
         """Global rank `rank`'s recorder of the group over `ranks` (global, sorted), the first group of a
         new world of `world_size` ranks carried by `world` ("mpi" or "hosts")."""
 
