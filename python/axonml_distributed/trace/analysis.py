@@ -45,8 +45,8 @@ class GroupAnalysis:
             out.append(f"  rank {rank}: {where}")
         for rank in self.no_record:
             out.append(f"  rank {rank}: no record (killed, or it never failed in Python)")
-        for rank, calls in sorted(self.pending_p2p.items()):
-            out.append(f"  rank {rank}: not completed: {'; '.join(calls)}")
+        for rank, pending in sorted(self.pending_p2p.items()):
+            out.append(f"  rank {rank}: not completed: {'; '.join(pending)}")
         if self.diverged_at is not None:
             calls = ", ".join(f"rank {r} called {c}" for r, c in sorted(self.calls_at_divergence.items()))
             out.append(

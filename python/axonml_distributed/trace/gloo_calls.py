@@ -121,7 +121,7 @@ class GlooCalls:
         kind = _KINDS.get(theirs)
         if kind is None:
             return None
-        opts = next((a for a in given if type(a).__name__.endswith("Options")), None)
+        opts: Any = next((a for a in given if type(a).__name__.endswith("Options")), None)
         count = row[2] if row is not None else 0
         root = int(opts.rootRank) if hasattr(opts, "rootRank") else None
         op = opts.reduceOp if hasattr(opts, "reduceOp") else None
