@@ -19,6 +19,7 @@ import pytest
 import axonml_distributed as ad
 from axonml_distributed import trace
 from shm_run import connect, ok, run_world
+from threads_run import outcomes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -183,3 +184,20 @@ def test_torch_s_batch_isend_irecv_over_axonml_is_recorded(tmp_path: Path) -> No
             else ("recv", 0, 3, "float64", 7, "completed")
         )
         assert got == sorted(want), got
+
+
+def test_a_receive_that_failed_is_what_the_analysis_names() -> None:
+    def fn(pg: ad.ProcessGroup) -> dict[str, Any]:
+        pg.all_reduce(np.ones(2, np.float32))
+        if pg.rank() == 1:
+            # Rank 0 never sends: the receive times out, or finds rank 0 gone.
+            with pytest.raises(ad.DistributedError):
+                pg.recv(np.empty(6, np.int64), 0, tag=8)
+        return trace.flight_record()["ranks"][str(pg.rank())]
+
+    dumps = outcomes(2, fn, timeout=0.3)
+    analysis = trace.analyze(trace.merge([{"world_size": 2, "ranks": {str(d["rank"]): d for d in dumps}}]))
+    (group,) = analysis.groups
+    assert group.pending_p2p == {1: ["recv(6 x int64 from rank 0, tag 8) failed"]}, group
+    assert analysis.summary() == f"group {group.name}: rank 1's recv(6 x int64 from rank 0, tag 8) failed"
+    assert "  rank 1: not completed: recv(6 x int64 from rank 0, tag 8) failed" in analysis.lines()

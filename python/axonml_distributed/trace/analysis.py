@@ -62,7 +62,7 @@ class GroupAnalysis:
             if self.no_record:
                 line += f"; no record from {_ranks(self.no_record)}"
             out.append(line)
-        elif self.diverged_at is None:
+        elif self.diverged_at is None and not self.pending_p2p:
             out.append("  every rank completed every recorded call")
         return out
 
@@ -82,7 +82,8 @@ class Analysis:
         return out
 
     def summary(self) -> str:
-        """One line: the first divergence, else the first call not every rank completed."""
+        """One line: the first divergence, else the first call not every rank completed, else the first
+        send or receive not completed."""
         for group in self.groups:
             if group.diverged_at is not None:
                 return (
@@ -97,6 +98,9 @@ class Analysis:
                 if group.no_record:
                     text += f"; {_ranks(group.no_record)} left no record"
                 return text
+        for group in self.groups:
+            for rank, pending in sorted(group.pending_p2p.items()):
+                return f"group {group.name}: rank {rank}'s {pending[0]}"
         return "every rank completed every recorded call"
 
 
