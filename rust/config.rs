@@ -186,3 +186,16 @@ pub(crate) fn flight_recorder_entries() -> usize {
             .map_or(FLIGHT_RECORDER_ENTRIES, |n| n.min(FLIGHT_RECORDER_MAX))
     })
 }
+
+/// Frames of the caller's Python stack a recorded call keeps when `AXONML_FLIGHT_RECORDER_STACKS` is on.
+pub const FLIGHT_RECORDER_FRAMES: usize = 8;
+
+/// `AXONML_FLIGHT_RECORDER_STACKS=1`: each recorded call keeps its caller's Python stack (its last
+/// [`FLIGHT_RECORDER_FRAMES`] frames), as torch's recorder keeps stacks when asked to; off by default,
+/// since walking the frames costs each call (read once).
+pub fn flight_recorder_stacks() -> bool {
+    static STACKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *STACKS.get_or_init(|| {
+        std::env::var("AXONML_FLIGHT_RECORDER_STACKS").is_ok_and(|v| !matches!(v.trim(), "" | "0"))
+    })
+}

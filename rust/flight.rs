@@ -6,6 +6,15 @@
 //! every rank say who was where (the Python package dumps them as JSON, in the shape of torch's flight
 //! recorder dumps, and analyses them: `axonml_distributed.trace`).
 //!
+//! Point-to-point calls (the engine's sends and receives, `Engine::p2p`) and the calls of groups driven
+//! from Python (the MPI group and the gloo legs across hosts, through the bindings' `FlightRecorder`)
+//! go to a second ring of the recorder ([`Recorder::begin_shared`]): several threads record there at
+//! once (a rank's sends and receives run on lanes of their own), so it takes a lock, which the engine's
+//! collectives, one at a time, do without.
+//!
+//! With `AXONML_FLIGHT_RECORDER_STACKS` on, each call keeps its caller's Python stack: the bindings
+//! capture it and run the call under it ([`with_stack`]), and recording takes it from there.
+//!
 //! Every live recorder of the process is listed ([`all`]), so that one call dumps them all (the thread
 //! world has many ranks in one process).
 //!
@@ -14,6 +23,7 @@
 //! takes ([`take_timeline`]) and writes as a trace (`axonml_distributed.trace.timeline_file`). Off, a call
 //! pays one relaxed load of the switch, and nothing is allocated.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -67,12 +77,24 @@ pub enum Route {
     Staged = 4,
     /// Pipelined through staging buffers in pairs, by the plan of a collective with per-member sizes.
     Pairwise = 5,
+    /// Carried by MPI (the MPI group).
+    Mpi = 6,
+    /// Carried by torch's gloo (between hosts).
+    Gloo = 7,
 }
 
 impl Route {
     /// Every route, in code order.
-    pub const ALL: [Route; 6] =
-        [Route::Nothing, Route::OneShot, Route::Direct, Route::Cma, Route::Staged, Route::Pairwise];
+    pub const ALL: [Route; 8] = [
+        Route::Nothing,
+        Route::OneShot,
+        Route::Direct,
+        Route::Cma,
+        Route::Staged,
+        Route::Pairwise,
+        Route::Mpi,
+        Route::Gloo,
+    ];
 
     /// Its name in records and statistics.
     pub const fn name(self) -> &'static str {
@@ -83,18 +105,186 @@ impl Route {
             Route::Cma => "cma",
             Route::Staged => "staged",
             Route::Pairwise => "pairwise",
+            Route::Mpi => "mpi",
+            Route::Gloo => "gloo",
+        }
+    }
+
+    /// The route of this name, if any.
+    pub fn from_name(name: &str) -> Option<Route> {
+        Route::ALL.into_iter().find(|r| r.name() == name)
+    }
+}
+
+/// A point-to-point call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2p {
+    /// A send (else a receive).
+    pub send: bool,
+    /// Global rank of the peer: the receiver of a send, the sender of a receive; `None` for a receive
+    /// from any source until its message came.
+    pub peer: Option<usize>,
+    /// A receive from any source.
+    pub any_source: bool,
+    /// The message's tag.
+    pub tag: u64,
+    /// Its element type.
+    pub dtype: DType,
+    /// Its elements.
+    pub count: u64,
+    /// Position among the point-to-point calls this rank recorded on the communicator (1 for the
+    /// first; [`Recorder::begin_shared`] numbers them), as torch's `p2p_seq_id`.
+    pub seq: u64,
+}
+
+impl P2p {
+    /// A send (else a receive) of `count` x `dtype` to or from `peer` (`None`: from any source), not
+    /// numbered yet.
+    pub fn new(send: bool, peer: Option<usize>, tag: u64, dtype: DType, count: usize) -> Self {
+        let count = count as u64;
+        P2p { send, peer, any_source: peer.is_none(), tag, dtype, count, seq: 0 }
+    }
+
+    /// Bytes of its message.
+    pub fn bytes(&self) -> u64 {
+        self.count.saturating_mul(self.dtype.size() as u64)
+    }
+
+    /// "send" or "recv".
+    pub const fn kind(&self) -> &'static str {
+        if self.send {
+            "send"
+        } else {
+            "recv"
         }
     }
 }
 
+/// What a recorded call was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// A collective, with its sequence number (the same on every member).
+    Collective(Signature),
+    /// A send or a receive.
+    P2p(P2p),
+}
+
+impl Recorded {
+    /// Its kind's name ("all_reduce", "send", "recv").
+    pub const fn kind(&self) -> &'static str {
+        match self {
+            Recorded::Collective(sig) => sig.kind.name(),
+            Recorded::P2p(p) => p.kind(),
+        }
+    }
+
+    /// Its kind's position in [`Stats`] (see [`KINDS`]).
+    const fn kind_index(&self) -> usize {
+        match self {
+            Recorded::Collective(sig) => sig.kind as usize - 1,
+            Recorded::P2p(p) if p.send => CollKind::ALL.len(),
+            Recorded::P2p(_) => CollKind::ALL.len() + 1,
+        }
+    }
+
+    /// Its element type, if it carries data.
+    pub const fn dtype(&self) -> Option<DType> {
+        match self {
+            Recorded::Collective(sig) => sig.dtype,
+            Recorded::P2p(p) => Some(p.dtype),
+        }
+    }
+
+    /// Its message's elements (a member's part, for a collective).
+    pub const fn count(&self) -> u64 {
+        match self {
+            Recorded::Collective(sig) => sig.count,
+            Recorded::P2p(p) => p.count,
+        }
+    }
+}
+
+impl std::fmt::Display for Recorded {
+    /// A collective as its signature; a send or receive as errors name it ("send(4 x float32 to rank
+    /// 1, tag 0)").
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recorded::Collective(sig) => sig.fmt(f),
+            Recorded::P2p(p) => {
+                let (kind, dir) = if p.send { ("send", "to") } else { ("recv", "from") };
+                write!(f, "{kind}({} x {} {dir} ", p.count, p.dtype)?;
+                match p.peer {
+                    Some(peer) if !p.any_source => write!(f, "rank {peer}")?,
+                    Some(peer) => write!(f, "any source: rank {peer}")?,
+                    None => f.write_str("any source")?,
+                }
+                write!(f, ", tag {})", p.tag)
+            }
+        }
+    }
+}
+
+/// The kinds the statistics count, in [`Stats`] order: the collectives in code order, then "send" and
+/// "recv".
+pub const KINDS: usize = CollKind::ALL.len() + 2;
+
+/// The name of the kind at position `i` of [`Stats`].
+pub fn kind_name(i: usize) -> &'static str {
+    match CollKind::ALL.get(i) {
+        Some(kind) => kind.name(),
+        None if i == CollKind::ALL.len() => "send",
+        None => "recv",
+    }
+}
+
+/// One frame of a caller's Python stack, as torch's recorder lists them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The function's name.
+    pub name: Arc<str>,
+    /// Its file.
+    pub filename: Arc<str>,
+    /// The line it was at.
+    pub line: u32,
+}
+
+/// A caller's Python stack, innermost frame first.
+pub type Stack = Arc<[Frame]>;
+
+/// The stack of the call in one slot of a recorder's ring, with the call's record id.
+type KeptStack = Mutex<Option<(u64, Stack)>>;
+
+thread_local! {
+    /// The stack of the Python caller whose call this thread runs ([`with_stack`]).
+    static CALLER: RefCell<Option<Stack>> = const { RefCell::new(None) };
+}
+
+/// Run `f` as the call of a Python caller whose stack is `stack` (captured while it held the GIL): the
+/// calls recorded meanwhile on this thread keep it.
+pub fn with_stack<T>(stack: Option<Stack>, f: impl FnOnce() -> T) -> T {
+    let Some(stack) = stack else { return f() };
+    let before = CALLER.with(|c| c.replace(Some(stack)));
+    let out = f();
+    CALLER.with(|c| *c.borrow_mut() = before);
+    out
+}
+
+/// The stack of the caller this thread runs a call for, when stacks are kept at all.
+fn caller_stack() -> Option<Stack> {
+    if !config::flight_recorder_stacks() {
+        return None;
+    }
+    CALLER.with(|c| c.borrow().clone())
+}
+
 /// One recorded call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Entry {
     /// Position among every call this rank recorded, on any communicator (0 for the first), as
     /// torch's recorder numbers its entries.
     pub record_id: u64,
-    /// The call's signature, with its sequence number (the same on every member).
-    pub sig: Signature,
+    /// The call.
+    pub call: Recorded,
     /// Elements of this member's input and output buffers.
     pub elems: (u64, u64),
     /// Where the call is.
@@ -108,9 +298,11 @@ pub struct Entry {
     pub completed_ns: Option<u64>,
     /// How its data moved, once known.
     pub route: Option<Route>,
+    /// Its caller's Python stack, innermost first, when kept (`AXONML_FLIGHT_RECORDER_STACKS`).
+    pub frames: Option<Stack>,
 }
 
-/// Totals of one collective kind on one handle.
+/// Totals of one kind on one handle.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct KindStats {
     /// Calls entered (numbered).
@@ -127,8 +319,8 @@ pub struct KindStats {
     pub routes: [u64; Route::ALL.len()],
 }
 
-/// Totals per collective kind, by [`CollKind`] code minus one.
-pub type Stats = [KindStats; CollKind::ALL.len()];
+/// Totals per kind, in [`KINDS`] order ([`kind_name`]).
+pub type Stats = [KindStats; KINDS];
 
 /// One gradient bucket's reduction in a step, as its synchronizer saw it (wall-clock nanoseconds, as
 /// [`Entry`]'s times).
@@ -179,11 +371,17 @@ pub struct Recorder {
     pub world: &'static str,
     /// This rank's names and call count, shared by all its communicators.
     names: Arc<Names>,
-    /// The last calls: record `id` (of this handle's) sits in slot `id % len`.
+    /// The last collectives the engine ran: record `id` (of this handle's) sits in slot `id % len`.
     ring: Box<[Slot]>,
     /// Calls recorded so far (the next record's id), stored once its slot is written.
     recorded: AtomicU64,
-    totals: [Totals; CollKind::ALL.len()],
+    /// The stacks of the calls in `ring` (by the same slot, with their record id), when kept.
+    stacks: Box<[KeptStack]>,
+    /// The last calls recorded by several threads at once (`begin_shared`).
+    shared: Mutex<Shared>,
+    /// Point-to-point calls recorded so far.
+    p2p_calls: AtomicU64,
+    totals: [Totals; KINDS],
     /// Kept for the timeline while it is on (written by the thread in a call; taken by the writer).
     log: Mutex<Log>,
 }
@@ -267,13 +465,14 @@ fn decode(w: &[u64; WORDS]) -> Option<Entry> {
     let at = |ns: u64| (ns != 0).then_some(ns);
     Some(Entry {
         record_id: w[0],
-        sig,
+        call: Recorded::Collective(sig),
         elems: (w[7], w[8]),
         state: *state,
         created_ns: w[9],
         started_ns: at(w[10]),
         completed_ns: at(w[11]),
         route: Route::ALL.get(usize::from(byte(32))).copied(),
+        frames: None,
     })
 }
 
@@ -291,6 +490,28 @@ struct Totals {
 /// Add `by` to a counter only one thread writes.
 fn bump(counter: &AtomicU64, by: u64) {
     counter.store(counter.load(Relaxed).saturating_add(by), Relaxed);
+}
+
+/// Add `by` to a counter several threads write.
+fn add(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Relaxed);
+}
+
+/// The ring of calls recorded by several threads: call `id` (of this ring's) sits in slot `id % len`
+/// until a later one takes it.
+#[derive(Default)]
+struct Shared {
+    slots: Vec<Option<Entry>>,
+    next: u64,
+}
+
+impl Shared {
+    /// The entry of this ring's call `id`, if still there.
+    fn get(&mut self, id: u64, record_id: u64) -> Option<&mut Entry> {
+        let len = u64::try_from(self.slots.len()).ok().filter(|&n| n > 0)?;
+        let slot = self.slots.get_mut(usize::try_from(id % len).ok()?)?;
+        slot.as_mut().filter(|e| e.record_id == record_id)
+    }
 }
 
 /// The wall clock at one instant, read once: later instants convert to wall-clock time by difference,
@@ -369,14 +590,30 @@ pub fn take_timeline() -> Vec<(Arc<Recorder>, Log)> {
     logs
 }
 
-/// A call in flight, as the engine holds it between [`Recorder::begin`] and [`Recorder::end`].
-pub(crate) struct Flight {
+/// A call in flight, as its recorder's caller holds it between [`Recorder::begin`] (or
+/// [`Recorder::begin_shared`]) and [`Recorder::end`].
+pub struct Flight {
+    /// Its position in its ring.
     id: u64,
-    kind: CollKind,
+    record_id: u64,
+    /// In the ring of `begin_shared`.
+    shared: bool,
+    call: Recorded,
+    elems: (u64, u64),
+    frames: Option<Stack>,
     created: Instant,
     started: Option<Instant>,
-    /// With the timeline on when the call was numbered: what its log entry needs besides times.
-    logged: Option<(Signature, (u64, u64), u64)>,
+    /// The timeline was on when the call was numbered: it is logged when it ends.
+    logged: bool,
+}
+
+impl Flight {
+    /// A receive from any source got its message from global rank `peer`.
+    pub fn received_from(&mut self, peer: usize) {
+        if let Recorded::P2p(p) = &mut self.call {
+            p.peer = Some(peer);
+        }
+    }
 }
 
 impl Recorder {
@@ -391,7 +628,11 @@ impl Recorder {
         anchor();
         let (occurrence, index) = names.next(&members);
         let world_ordinal = names.world;
-        let ring = (0..config::flight_recorder_entries()).map(|_| Slot::default()).collect();
+        let len = config::flight_recorder_entries();
+        let ring = (0..len).map(|_| Slot::default()).collect();
+        let stacks_len = if config::flight_recorder_stacks() { len } else { 0 };
+        let stacks = (0..stacks_len).map(|_| Mutex::default()).collect();
+        let shared = Mutex::new(Shared { slots: vec![None; len], next: 0 });
         let recorder = Arc::new(Recorder {
             rank,
             world_size,
@@ -403,6 +644,9 @@ impl Recorder {
             names,
             ring,
             recorded: AtomicU64::new(0),
+            stacks,
+            shared,
+            p2p_calls: AtomicU64::new(0),
             totals: Default::default(),
             log: Mutex::default(),
         });
@@ -429,6 +673,10 @@ impl Recorder {
         let created = Instant::now();
         let record_id = self.names.calls.fetch_add(1, Relaxed);
         let id = self.recorded.load(Relaxed);
+        let frames = caller_stack();
+        if let (Some(stack), Some(kept)) = (&frames, self.stack_slot(id)) {
+            *lock(kept) = Some((record_id, stack.clone()));
+        }
         if let Some(slot) = self.slot(id) {
             let created_ns = wall_ns(created);
             slot.write(|w| {
@@ -448,15 +696,65 @@ impl Recorder {
         }
         self.recorded.store(id + 1, Release);
         bump(&self.totals[sig.kind as usize - 1].calls, 1);
-        let logged = timeline_on().then_some((*sig, elems, record_id));
-        Flight { id, kind: sig.kind, created, started: None, logged }
+        let call = Recorded::Collective(*sig);
+        let logged = timeline_on();
+        Flight { id, record_id, shared: false, call, elems, frames, created, started: None, logged }
+    }
+
+    /// The slot of the stack of this handle's record `id`, when stacks are kept.
+    fn stack_slot(&self, id: u64) -> Option<&KeptStack> {
+        let len = u64::try_from(self.stacks.len()).ok().filter(|&n| n > 0)?;
+        self.stacks.get(usize::try_from(id % len).ok()?)
+    }
+
+    /// Record `call`, whose buffers hold `elems` elements, as scheduled now, in the ring that several
+    /// threads may write at once: a send or receive (numbered here among this handle's), or a call of
+    /// a group driven from Python (a collective numbered by its group).
+    pub fn begin_shared(&self, mut call: Recorded, elems: (u64, u64)) -> Flight {
+        let created = Instant::now();
+        if let Recorded::P2p(p) = &mut call {
+            p.seq = self.p2p_calls.fetch_add(1, Relaxed) + 1;
+        }
+        let frames = caller_stack();
+        let record_id = self.names.calls.fetch_add(1, Relaxed);
+        let entry = Entry {
+            record_id,
+            call,
+            elems,
+            state: State::Scheduled,
+            created_ns: wall_ns(created),
+            started_ns: None,
+            completed_ns: None,
+            route: None,
+            frames: frames.clone(),
+        };
+        let id = {
+            let mut shared = lock(&self.shared);
+            let id = shared.next;
+            shared.next += 1;
+            let len = shared.slots.len() as u64;
+            if let Some(slot) =
+                usize::try_from(id.checked_rem(len).unwrap_or(0)).ok().and_then(|i| shared.slots.get_mut(i))
+            {
+                *slot = Some(entry);
+            }
+            id
+        };
+        add(&self.totals[call.kind_index()].calls, 1);
+        let logged = timeline_on();
+        Flight { id, record_id, shared: true, call, elems, frames, created, started: None, logged }
     }
 
     /// Every member arrived at the call in `flight`, now (returned).
-    pub(crate) fn started(&self, flight: &mut Flight) -> Instant {
+    pub fn started(&self, flight: &mut Flight) -> Instant {
         let now = Instant::now();
         flight.started = Some(now);
-        if let Some(slot) = self.slot(flight.id) {
+        if flight.shared {
+            if let Some(e) = lock(&self.shared).get(flight.id, flight.record_id) {
+                e.state = State::Started;
+                e.started_ns = Some(wall_ns(now));
+            }
+        } else if let Some(slot) = self.slot(flight.id) {
             slot.write(|w| {
                 w[4].store(with_state(w[4].load(Relaxed), State::Started, None), Relaxed);
                 w[10].store(wall_ns(now), Relaxed);
@@ -467,38 +765,47 @@ impl Recorder {
 
     /// The call in flight returned (`ok`: successfully), its data moved by `route` (when it got that
     /// far), `bytes` its message's size.
-    pub(crate) fn end(&self, flight: Flight, ok: bool, route: Option<Route>, bytes: u64) {
+    /// A call that never started (a send or receive: the engine cannot tell when its peer came) counts
+    /// its whole time as waiting.
+    pub fn end(&self, flight: Flight, ok: bool, route: Option<Route>, bytes: u64) {
         let now = Instant::now();
         let state = if ok { State::Completed } else { State::Failed };
-        if let Some(slot) = self.slot(flight.id) {
+        if flight.shared {
+            if let Some(e) = lock(&self.shared).get(flight.id, flight.record_id) {
+                (e.state, e.route, e.completed_ns, e.call) = (state, route, Some(wall_ns(now)), flight.call);
+            }
+        } else if let Some(slot) = self.slot(flight.id) {
             slot.write(|w| {
                 w[4].store(with_state(w[4].load(Relaxed), state, route), Relaxed);
                 w[11].store(wall_ns(now), Relaxed);
             });
         }
-        if let Some((sig, elems, record_id)) = flight.logged {
+        if flight.logged {
             lock(&self.log).calls.push(Entry {
-                record_id,
-                sig,
-                elems,
+                record_id: flight.record_id,
+                call: flight.call,
+                elems: flight.elems,
                 state,
                 created_ns: wall_ns(flight.created),
                 started_ns: flight.started.map(wall_ns),
                 completed_ns: Some(wall_ns(now)),
                 route,
+                frames: flight.frames,
             });
         }
-        let totals = &self.totals[flight.kind as usize - 1];
+        // The engine's collectives run one at a time: their totals have one writer.
+        let count = if flight.shared { add } else { bump };
+        let totals = &self.totals[flight.call.kind_index()];
         if !ok {
-            bump(&totals.failed, 1);
+            count(&totals.failed, 1);
             return;
         }
-        bump(&totals.bytes, bytes);
+        count(&totals.bytes, bytes);
         let started = flight.started.unwrap_or(now);
-        bump(&totals.wait_ns, ns(flight.created, started));
-        bump(&totals.move_ns, ns(started, now));
+        count(&totals.wait_ns, ns(flight.created, started));
+        count(&totals.move_ns, ns(started, now));
         if let Some(r) = route {
-            bump(&totals.routes[r as usize], 1);
+            count(&totals.routes[r as usize], 1);
         }
     }
 
@@ -511,8 +818,16 @@ impl Recorder {
     /// is left out).
     pub fn entries(&self) -> Vec<Entry> {
         let recorded = usize::try_from(self.recorded.load(Acquire)).unwrap_or(usize::MAX);
-        let mut entries: Vec<Entry> =
-            self.ring.iter().take(recorded).filter_map(|slot| decode(&slot.read()?)).collect();
+        let mut entries: Vec<Entry> = (self.ring.iter().enumerate().take(recorded))
+            .filter_map(|(i, slot)| {
+                let mut e = decode(&slot.read()?)?;
+                if let Some((id, stack)) = self.stacks.get(i).and_then(|kept| lock(kept).clone()) {
+                    e.frames = (id == e.record_id).then_some(stack);
+                }
+                Some(e)
+            })
+            .collect();
+        entries.extend(lock(&self.shared).slots.iter().flatten().cloned());
         entries.sort_by_key(|e| e.record_id);
         entries
     }
@@ -591,7 +906,7 @@ mod tests {
         let oldest = n - r.ring.len() as u64 + 1;
         for (e, seq) in got.iter().zip(oldest..) {
             let want = Signature::new(CollKind::Reduce, seq, 5).dtype(DType::F64).op(ReduceOp::Max).root(1);
-            assert_eq!((e.record_id, e.sig, e.elems), (seq - 1, want, (5, 5)));
+            assert_eq!((e.record_id, e.call, e.elems), (seq - 1, Recorded::Collective(want), (5, 5)));
             let state = if seq % 2 == 0 { State::Completed } else { State::Failed };
             assert_eq!((e.state, e.route), (state, Some(Route::Staged)));
             assert!(e.created_ns <= e.started_ns.unwrap() && e.started_ns <= e.completed_ns);
@@ -623,12 +938,64 @@ mod tests {
         let taken = take_timeline();
         let (recorder, log) = taken.iter().find(|(k, _)| Arc::as_ptr(k) == weak.as_ptr()).unwrap();
         assert_eq!(recorder.rank, 1);
-        let seqs: Vec<u64> = log.calls.iter().map(|e| e.sig.seq).collect();
+        let seqs: Vec<u64> = (log.calls.iter())
+            .map(|e| match e.call {
+                Recorded::Collective(sig) => sig.seq,
+                Recorded::P2p(_) => 0,
+            })
+            .collect();
         assert_eq!(seqs, (2..n + 2).collect::<Vec<_>>());
         for e in &log.calls {
             assert!(e.created_ns <= e.started_ns.unwrap() && e.started_ns <= e.completed_ns);
         }
         drop(taken);
         assert!(weak.upgrade().is_none(), "no longer held once taken with the timeline off");
+    }
+
+    #[test]
+    fn sends_and_receives_from_many_threads_keep_the_last_calls_and_every_total() {
+        let names = Arc::new(Names::new(next_world()));
+        let r = Recorder::new("test", 0, 3, vec![0, 1, 2], names);
+        let len = r.ring.len();
+        // A receive that outlives a whole ring of later calls: its end must not touch their entries.
+        let slow = r.begin_shared(Recorded::P2p(P2p::new(false, None, 9, DType::U8, 1)), (1, 1));
+        let (threads, each) = (4, len);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let r = &r;
+                s.spawn(move || {
+                    for _ in 0..each {
+                        let p2p = P2p::new(t % 2 == 0, Some(1 + t % 2), t as u64, DType::F32, 3);
+                        let f = r.begin_shared(Recorded::P2p(p2p), (3, 3));
+                        r.end(f, true, None, p2p.bytes());
+                    }
+                });
+            }
+        });
+        let mut slow = slow;
+        slow.received_from(2);
+        r.end(slow, false, None, 1);
+        let got = r.entries();
+        assert_eq!(got.len(), len);
+        assert!(got.windows(2).all(|w| w[0].record_id < w[1].record_id));
+        for e in &got {
+            let Recorded::P2p(p) = e.call else { panic!("{e:?}") };
+            assert_eq!((p.tag < threads as u64, p.count, e.state), (true, 3, State::Completed), "{e:?}");
+        }
+        // Numbered 1.. in the order they were recorded, one number each.
+        let mut seqs: Vec<u64> = (got.iter())
+            .map(|e| match e.call {
+                Recorded::P2p(p) => p.seq,
+                Recorded::Collective(_) => 0,
+            })
+            .collect();
+        seqs.dedup();
+        assert_eq!(seqs.len(), len);
+        let stats = r.stats();
+        let (send, recv) = (stats[KINDS - 2], stats[KINDS - 1]);
+        let sends = (threads / 2 * each) as u64;
+        assert_eq!((send.calls, send.bytes, send.failed), (sends, 12 * sends, 0));
+        assert_eq!((recv.calls, recv.bytes, recv.failed), (sends + 1, 12 * sends, 1));
+        assert_eq!((kind_name(KINDS - 2), kind_name(KINDS - 1)), ("send", "recv"));
     }
 }

@@ -100,7 +100,57 @@ SEGMENT_HEADER: dict[str, tuple[int, int]]  # "magic", "version", "world", "uid"
 def flight_records() -> list[dict[str, Any]]:
     """Every flight recorder of this process (one per rank and communicator it is a member of): "rank",
     "world_size", "ranks", "occurrence", "index", "world", "world_ordinal", and "entries", its last
-    calls, oldest first."""
+    calls, oldest first (each: "record_id", "kind", "call", "dtype", "count", "bytes", "seq", "root",
+    "op", "p2p", for a send or receive "peer", "any_source", "tag", then "frames" (the caller's stack
+    as [{"name", "filename", "line"}], innermost first, or None), "input_elems", "output_elems",
+    "state", "created_ns", "started_ns", "completed_ns", "route")."""
+
+@final
+class FlightCall:
+    """A call a `FlightRecorder` recorded, scheduled: mark it started and ended."""
+
+    def started(self) -> None:
+        """Every member arrived: it moves data from now on."""
+
+    def end(self, ok: bool, route: str | None = None, source: int | None = None) -> None:
+        """It returned, successfully (`ok`) or not, carried by `route` ("mpi", "gloo", ...); `source`: the
+        sender of a receive from any source. A second end is ignored."""
+
+@final
+class FlightRecorder:
+    """The flight recorder of a group whose calls Python drives (the MPI group, the gloo legs across
+    hosts), in the engine's recorder: `flight_records`, the timeline and `trace analyze` see its calls."""
+
+    def __new__(cls, world: str, rank: int, world_size: int, ranks: Sequence[int]) -> FlightRecorder:
+        """Global rank `rank`'s recorder of the group over `ranks` (global, sorted), the first group of a
+        new world of `world_size` ranks carried by `world` ("mpi" or "hosts")."""
+
+    def new_group(self, ranks: Sequence[int]) -> FlightRecorder:
+        """The recorder of this rank's next group over `ranks`, in the same world."""
+
+    def collective(
+        self,
+        kind: str,
+        seq: int,
+        dtype: int | str | None,
+        count: int,
+        elems: tuple[int, int] | None = None,
+        root: int | None = None,
+        op: int | str | None = None,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+    ) -> FlightCall:
+        """Record collective `kind` number `seq` (alike on every member) as scheduled now: `count`
+        elements of `dtype` (a code, or a name such as "float32" or "torch.float32") each member's part,
+        `elems` this member's input and output elements (None: from the kind and the group), `root` a
+        global rank, `op` a code (negative: none) or name."""
+
+    def p2p(self, send: bool, peer: int | None, tag: int, dtype: int | str, count: int) -> FlightCall:
+        """Record a send (`send`) or receive of `count` x `dtype` with global rank `peer` (None: a receive
+        from any source) and `tag` as scheduled now."""
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Totals per kind, as `ProcessGroup.stats()`."""
 
 def set_timeline(on: bool) -> None:
     """Turn the timeline on or off: while on, every recorder of this process logs each call it finishes
@@ -210,8 +260,9 @@ class ProcessGroup:
     def size(self) -> int: ...
     def ranks(self) -> list[int]: ...
     def sequence_number(self) -> int: ...
-    # This rank's totals per collective kind it called on the group: {"all_reduce": {"calls", "failed",
-    # "bytes", "wait_s", "move_s", "routes": {"oneshot": n, ...}}, ...}; {} on a non-member.
+    # This rank's totals per kind it called on the group (collectives, "send", "recv"): {"all_reduce":
+    # {"calls", "failed", "bytes", "wait_s", "move_s", "routes": {"oneshot": n, ...}}, ...}; {} on a
+    # non-member.
     def stats(self) -> dict[str, dict[str, Any]]: ...
     def contains(self, rank: int) -> bool: ...
     def group_rank(self, rank: int) -> int: ...
@@ -409,6 +460,8 @@ __all__ = [
     "World",
     "check_op",
     "flight_records",
+    "FlightCall",
+    "FlightRecorder",
     "set_timeline",
     "take_timeline",
     "wall_ns",

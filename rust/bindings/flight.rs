@@ -1,28 +1,57 @@
 //! The flight recorder for Python (`crate::flight`): every recorder of this process as plain values
 //! (`flight_records`, which the package writes as JSON: `axonml_distributed.trace`), a group's
-//! totals (`ProcessGroup.stats`), and the timeline's switch and logs (`set_timeline`,
-//! `take_timeline`, `wall_ns`).
+//! totals (`ProcessGroup.stats`), the timeline's switch and logs (`set_timeline`, `take_timeline`,
+//! `wall_ns`), the recorder of a group driven from Python (`FlightRecorder`: the MPI group, the gloo
+//! legs across hosts), and the caller's Python stack when the records keep it (`caller_stack`).
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyInt, PyList};
 
-use crate::flight::{self, BucketEvent, Entry, Recorder, Route, Stats};
-use crate::signature::CollKind;
+use crate::config;
+use crate::dtype::DType;
+use crate::flight::{
+    self, BucketEvent, Entry, Flight, Frame, Names, P2p, Recorded, Recorder, Route, Stack, Stats,
+};
+use crate::reduce::{ReduceOp, Scale};
+use crate::signature::{CollKind, Signature};
+use crate::sync::lock;
 
 /// One recorded call as a dict; `None` for what it does not have.
 fn entry<'py>(py: Python<'py>, e: &Entry) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    let sig = &e.sig;
     d.set_item("record_id", e.record_id)?;
-    d.set_item("seq", sig.seq)?;
-    d.set_item("kind", sig.kind.name())?;
-    d.set_item("call", sig.to_string())?;
-    d.set_item("dtype", sig.dtype.map(|t| t.name()))?;
-    d.set_item("count", sig.count)?;
+    d.set_item("kind", e.call.kind())?;
+    d.set_item("call", e.call.to_string())?;
+    let dtype = e.call.dtype();
+    d.set_item("dtype", dtype.map(|t| t.name()))?;
+    d.set_item("count", e.call.count())?;
     // The message's size as the statistics count it (a member's part: count times element size).
-    d.set_item("bytes", sig.count.saturating_mul(sig.dtype.map_or(0, |t| t.size() as u64)))?;
-    d.set_item("root", sig.root)?;
-    d.set_item("op", sig.op.map(|o| o.name()))?;
+    d.set_item("bytes", e.call.count().saturating_mul(dtype.map_or(0, |t| t.size() as u64)))?;
+    match &e.call {
+        Recorded::Collective(sig) => {
+            d.set_item("seq", sig.seq)?;
+            d.set_item("root", sig.root)?;
+            d.set_item("op", sig.op.map(|o| o.name()))?;
+            d.set_item("p2p", false)?;
+        }
+        Recorded::P2p(p) => {
+            d.set_item("seq", p.seq)?;
+            d.set_item("root", py.None())?;
+            d.set_item("op", py.None())?;
+            d.set_item("p2p", true)?;
+            d.set_item("peer", p.peer)?;
+            d.set_item("any_source", p.any_source)?;
+            d.set_item("tag", p.tag)?;
+        }
+    }
+    let frames = e.frames.as_deref().map(|fs| fs.iter().map(|f| frame(py, f)).collect::<PyResult<Vec<_>>>());
+    d.set_item("frames", frames.transpose()?)?;
     d.set_item("input_elems", e.elems.0)?;
     d.set_item("output_elems", e.elems.1)?;
     d.set_item("state", e.state.name())?;
@@ -103,11 +132,12 @@ pub(crate) fn wall_ns() -> u64 {
     flight::wall_ns(std::time::Instant::now())
 }
 
-/// Totals per collective kind (only the kinds called): calls, failed calls, bytes of the completed
-/// calls' messages, seconds waiting for peers and moving data, and completed calls per route.
+/// Totals per kind (only the kinds called: collectives, "send", "recv"): calls, failed calls, bytes of
+/// the completed calls' messages, seconds waiting for peers and moving data, and completed calls per
+/// route.
 pub(crate) fn stats<'py>(py: Python<'py>, stats: &Stats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    for (kind, s) in CollKind::ALL.iter().zip(stats) {
+    for (i, s) in stats.iter().enumerate() {
         if s.calls == 0 {
             continue;
         }
@@ -124,7 +154,223 @@ pub(crate) fn stats<'py>(py: Python<'py>, stats: &Stats) -> PyResult<Bound<'py, 
             }
         }
         k.set_item("routes", routes)?;
-        d.set_item(kind.name(), k)?;
+        d.set_item(flight::kind_name(i), k)?;
     }
     Ok(d)
+}
+
+/// One stack frame as torch's recorder writes it.
+fn frame<'py>(py: Python<'py>, f: &Frame) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &*f.name)?;
+    d.set_item("filename", &*f.filename)?;
+    d.set_item("line", f.line)?;
+    Ok(d)
+}
+
+/// The names of the code objects stacks were taken in, by the object's address (each kept alive here, so
+/// the address stays its own): a frame then costs three attribute reads, not two string copies.
+type CodeNames = HashMap<usize, (Py<PyAny>, Arc<str>, Arc<str>)>;
+
+/// The stack of the Python code calling now (its innermost `config::FLIGHT_RECORDER_FRAMES` frames),
+/// when `AXONML_FLIGHT_RECORDER_STACKS` is on; `None` otherwise, or if it cannot be read.
+pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
+    if !config::flight_recorder_stacks() {
+        return None;
+    }
+    static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static NAMES: Mutex<Option<CodeNames>> = Mutex::new(None);
+    let walk = || -> PyResult<Stack> {
+        let getframe =
+            GETFRAME.get_or_try_init(py, || py.import("sys")?.getattr("_getframe").map(Bound::unbind))?;
+        let mut at = getframe.bind(py).call0()?;
+        let mut frames = Vec::with_capacity(config::FLIGHT_RECORDER_FRAMES);
+        let mut names = lock(&NAMES);
+        let names = names.get_or_insert_with(HashMap::new);
+        while frames.len() < config::FLIGHT_RECORDER_FRAMES && !at.is_none() {
+            let code = at.getattr(intern!(py, "f_code"))?;
+            let (_, name, filename) = match names.entry(code.as_ptr() as usize) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let name: String = code.getattr(intern!(py, "co_name"))?.extract()?;
+                    let filename: String = code.getattr(intern!(py, "co_filename"))?.extract()?;
+                    v.insert((code.clone().unbind(), name.into(), filename.into()))
+                }
+            };
+            let line = at.getattr(intern!(py, "f_lineno"))?.extract::<Option<u32>>()?.unwrap_or(0);
+            frames.push(Frame { name: name.clone(), filename: filename.clone(), line });
+            at = at.getattr(intern!(py, "f_back"))?;
+        }
+        Ok(frames.into())
+    };
+    walk().ok()
+}
+
+/// The element type named `dtype`: the core's code, or its name ("float32"; torch's "torch.float32").
+fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<DType> {
+    let found = if dtype.is_instance_of::<PyInt>() {
+        u8::try_from(dtype.extract::<i64>()?).ok().and_then(DType::from_code)
+    } else {
+        let text = dtype.str()?.to_string();
+        let name = text.strip_prefix("torch.").unwrap_or(&text).to_owned();
+        DType::ALL.into_iter().find(|t| t.name() == name)
+    };
+    found.ok_or_else(|| PyValueError::new_err(format!("no element type {dtype}")))
+}
+
+/// The reduction operator named `op`: the core's code (negative: none) or its name.
+fn op_arg(op: Option<&Bound<'_, PyAny>>) -> PyResult<Option<ReduceOp>> {
+    let Some(op) = op else { return Ok(None) };
+    if op.is_instance_of::<PyInt>() {
+        let code = op.extract::<i64>()?;
+        if code < 0 {
+            return Ok(None);
+        }
+        return u8::try_from(code)
+            .ok()
+            .and_then(ReduceOp::from_code)
+            .map(Some)
+            .ok_or_else(|| PyValueError::new_err(format!("no reduce op of code {code}")));
+    }
+    super::op::parse_op(Some(op)).map(Some)
+}
+
+/// The flight recorder of a group whose calls Python drives (the MPI group; the gloo legs of a group
+/// across hosts): it records them in the engine's own recorder, so that `flight_records`, the timeline,
+/// `dump_flight_recorder` and `trace analyze` see them as the native groups' calls.
+#[pyclass(name = "FlightRecorder", module = "axonml_distributed", frozen)]
+pub(crate) struct PyFlightRecorder {
+    inner: Arc<Recorder>,
+    names: Arc<Names>,
+    world: &'static str,
+}
+
+/// The worlds a recorder from Python may name (the records keep a static name).
+const PYTHON_WORLDS: [&str; 2] = ["mpi", "hosts"];
+
+#[pymethods]
+impl PyFlightRecorder {
+    /// The recorder of global rank `rank`'s group over `ranks` (global, sorted), the world's group of a
+    /// new world of `world_size` ranks carried by `world` ("mpi" or "hosts"); `new_group` makes the
+    /// recorders of its other groups.
+    #[new]
+    fn new(world: &str, rank: usize, world_size: usize, ranks: Vec<usize>) -> PyResult<Self> {
+        let world = PYTHON_WORLDS
+            .into_iter()
+            .find(|w| *w == world)
+            .ok_or_else(|| PyValueError::new_err(format!("world must be one of {PYTHON_WORLDS:?}")))?;
+        let names = Arc::new(Names::new(flight::next_world()));
+        let inner = Recorder::new(world, rank, world_size, ranks, names.clone());
+        Ok(PyFlightRecorder { inner, names, world })
+    }
+
+    /// The recorder of this rank's next group over `ranks`, in the same world (every member makes its
+    /// groups in the same order, so they name it alike).
+    fn new_group(&self, ranks: Vec<usize>) -> Self {
+        let r = &self.inner;
+        let inner = Recorder::new(self.world, r.rank, r.world_size, ranks, self.names.clone());
+        PyFlightRecorder { inner, names: self.names.clone(), world: self.world }
+    }
+
+    /// Record collective `kind` number `seq` on the group (the same on every member) as scheduled now:
+    /// `count` elements of `dtype` each member's part (as the core's signatures count), `elems` this
+    /// member's input and output elements (None: as the kind and the group size give them; none for
+    /// the kinds of per-member sizes), `root` a global rank, `op` a code or name; returns the call, to
+    /// mark started and ended.
+    #[pyo3(signature = (kind, seq, dtype, count, elems=None, root=None, op=None, prescale=1.0, postscale=1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        seq: u64,
+        dtype: Option<&Bound<'_, PyAny>>,
+        count: usize,
+        elems: Option<(u64, u64)>,
+        root: Option<usize>,
+        op: Option<&Bound<'_, PyAny>>,
+        prescale: f64,
+        postscale: f64,
+    ) -> PyResult<PyFlightCall> {
+        let kind = CollKind::ALL
+            .into_iter()
+            .find(|k| k.name() == kind)
+            .ok_or_else(|| PyValueError::new_err(format!("no collective {kind:?}")))?;
+        let mut sig = Signature::new(kind, seq, count).scale(Scale { pre: prescale, post: postscale });
+        sig.dtype = dtype.map(dtype_arg).transpose()?;
+        sig.op = op_arg(op)?;
+        sig.root = root.map(|r| u32::try_from(r).unwrap_or(u32::MAX));
+        let elems = elems.unwrap_or_else(|| {
+            let size = sig.dtype.map_or(1, |t| t.size().max(1));
+            let (sb, rb) = crate::algo::spans(&sig, self.inner.members.len(), root == Some(self.inner.rank));
+            ((sb / size) as u64, (rb / size) as u64)
+        });
+        Ok(self.begin(py, Recorded::Collective(sig), elems))
+    }
+
+    /// Record a send (`send`) or receive of `count` x `dtype` to or from global rank `peer` (None: a
+    /// receive from any source) with `tag` as scheduled now; returns the call.
+    #[pyo3(signature = (send, peer, tag, dtype, count))]
+    fn p2p(
+        &self,
+        py: Python<'_>,
+        send: bool,
+        peer: Option<usize>,
+        tag: u64,
+        dtype: &Bound<'_, PyAny>,
+        count: usize,
+    ) -> PyResult<PyFlightCall> {
+        let p2p = P2p::new(send, peer, tag, dtype_arg(dtype)?, count);
+        Ok(self.begin(py, Recorded::P2p(p2p), (p2p.count, p2p.count)))
+    }
+
+    /// Totals per kind, as `ProcessGroup.stats()`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats(py, &self.inner.stats())
+    }
+}
+
+impl PyFlightRecorder {
+    fn begin(&self, py: Python<'_>, call: Recorded, elems: (u64, u64)) -> PyFlightCall {
+        let flight = flight::with_stack(caller_stack(py), || self.inner.begin_shared(call, elems));
+        let bytes = call.count().saturating_mul(call.dtype().map_or(0, |t| t.size() as u64));
+        PyFlightCall { recorder: self.inner.clone(), flight: Mutex::new(Some(flight)), bytes }
+    }
+}
+
+/// A call a `FlightRecorder` recorded: mark it started (every member arrived) and ended.
+#[pyclass(name = "FlightCall", module = "axonml_distributed", frozen)]
+pub(crate) struct PyFlightCall {
+    recorder: Arc<Recorder>,
+    /// Until it ended.
+    flight: Mutex<Option<Flight>>,
+    bytes: u64,
+}
+
+#[pymethods]
+impl PyFlightCall {
+    /// Every member arrived: it moves data from now on.
+    fn started(&self) {
+        if let Some(f) = lock(&self.flight).as_mut() {
+            self.recorder.started(f);
+        }
+    }
+
+    /// It returned, successfully (`ok`) or not, its data carried by `route` ("mpi", "gloo"); `source`:
+    /// the sender of a receive from any source. A second end is ignored.
+    #[pyo3(signature = (ok, route=None, source=None))]
+    fn end(&self, ok: bool, route: Option<&str>, source: Option<usize>) -> PyResult<()> {
+        let route = route
+            .map(|name| {
+                Route::from_name(name).ok_or_else(|| PyValueError::new_err(format!("no route {name:?}")))
+            })
+            .transpose()?;
+        if let Some(mut f) = lock(&self.flight).take() {
+            if let Some(src) = source {
+                f.received_from(src);
+            }
+            self.recorder.end(f, ok, route, self.bytes);
+        }
+        Ok(())
+    }
 }

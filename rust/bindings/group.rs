@@ -83,7 +83,7 @@ impl PyProcessGroup {
             }
             return Ok(result.map_or_else(|| py.None(), Bound::unbind));
         }
-        let (lane, job) = queued(comm.clone(), call);
+        let (lane, job) = queued(py, comm.clone(), call);
         let work = self.inner.submit(lane, job)?;
         let w = PyWork { work, result: result.map(Bound::unbind), comm, source };
         Ok(Bound::new(py, w)?.into_any().unbind())

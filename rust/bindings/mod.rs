@@ -58,7 +58,9 @@ mod _core {
     #[pymodule_export]
     use super::buckets::{assign_buckets, BucketMemory, PyGradientBucket};
     #[pymodule_export]
-    use super::flight::{flight_records, set_timeline, take_timeline, wall_ns};
+    use super::flight::{
+        flight_records, set_timeline, take_timeline, wall_ns, PyFlightCall, PyFlightRecorder,
+    };
     #[pymodule_export]
     use super::group::PyProcessGroup;
     #[pymodule_export]

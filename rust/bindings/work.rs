@@ -7,8 +7,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::collectives::{Prepared, Source};
+use super::flight::caller_stack;
 use crate::backend::{abort_if_interrupted, Backend};
 use crate::error::Result;
+use crate::flight;
 use crate::work::{Lane, Work};
 
 /// What a Ctrl-C interrupts here (see [`abort_if_interrupted`]).
@@ -20,9 +22,10 @@ const QUEUED: &str = "its queued work";
 pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepared<'_>) -> PyResult<()> {
     let Prepared { lane, arrays, job } = call;
     let c = comm.clone();
+    let stack = caller_stack(py);
     let r = py.detach(move || {
         abort_if_interrupted(&*c, c.lanes().flush(lane), QUEUED)?;
-        job.run(&*c)
+        flight::with_stack(stack, || job.run(&*c))
     });
     if r.is_err() && comm.buffers_may_be_in_use() {
         std::mem::forget(arrays);
@@ -34,13 +37,15 @@ pub(crate) fn run_blocking(py: Python<'_>, comm: &Arc<dyn Backend>, call: Prepar
 /// (or keeps them for good, as in [`run_blocking`]). They go without taking the GIL: pyo3 defers the
 /// release to the next thread that holds it, so the work completes without waiting for the GIL.
 pub(crate) fn queued(
+    py: Python<'_>,
     comm: Arc<dyn Backend>,
     call: Prepared<'_>,
 ) -> (Lane, impl FnOnce() -> Result<()> + Send + 'static) {
     let Prepared { lane, arrays, job } = call;
     let keep: Vec<Py<PyAny>> = arrays.into_iter().map(|a| a.obj.unbind()).collect();
+    let stack = caller_stack(py);
     let run = move || {
-        let r = job.run(&*comm);
+        let r = flight::with_stack(stack, || job.run(&*comm));
         if r.is_err() && comm.buffers_may_be_in_use() {
             std::mem::forget(keep);
         } else {

@@ -12,7 +12,7 @@ use crate::collective::Collective;
 use crate::config::LEAVE_GRACE;
 use crate::dtype::{Buf, BufMut};
 use crate::error::Result;
-use crate::flight::Recorder;
+use crate::flight::{P2p, Recorder};
 use crate::work::Lanes;
 
 /// A public backend type that is an [`Engine`] over its world's store; every such type is a
@@ -74,16 +74,19 @@ impl<T: AsEngine> Backend for T {
     fn send(&self, buf: Buf<'_>, dst: usize, tag: u64) -> Result<()> {
         let op = call::send_op(&buf, dst, tag);
         let e = self.engine();
-        e.p2p(dst, call::SEND_TO, op, |op| e.store.send(buf, dst, tag, op))
+        let p2p = P2p::new(true, Some(dst), tag, buf.dtype(), buf.len());
+        e.p2p(p2p, call::SEND_TO, op, |op| e.store.send(buf, dst, tag, op))
     }
     fn recv(&self, buf: BufMut<'_>, src: usize, tag: u64) -> Result<()> {
         let op = call::recv_op(&buf, src, tag);
         let e = self.engine();
-        e.p2p(src, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
+        let p2p = P2p::new(false, Some(src), tag, buf.dtype(), buf.len());
+        e.p2p(p2p, call::RECEIVE_FROM, op, |op| e.store.recv(buf, src, tag, op))
     }
     fn recv_any(&self, buf: BufMut<'_>, tag: u64) -> Result<usize> {
         let op = call::recv_any_op(&buf, tag);
-        self.engine().recv_any(op, |from, op| self.engine().store.recv_any(buf, from, tag, op))
+        let p2p = P2p::new(false, None, tag, buf.dtype(), buf.len());
+        self.engine().recv_any(p2p, op, |from, op| self.engine().store.recv_any(buf, from, tag, op))
     }
 
     fn sequence_number(&self) -> u64 {

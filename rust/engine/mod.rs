@@ -41,7 +41,8 @@
 //!
 //! Every numbered call is recorded once, here, in the handle's flight recorder (`flight`): scheduled
 //! when numbered, started when every member arrived, completed or failed when it returns, with the
-//! route its data took; the same record keeps each kind's totals (`ProcessGroup::stats`).
+//! route its data took; the same record keeps each kind's totals (`ProcessGroup::stats`). Sends and
+//! receives are recorded here too, once their peer is checked: scheduled, then completed or failed.
 //!
 //! Pages and one-shot buffers alternate so that a member publishing call k+1 never overwrites what a
 //! slower peer still reads for call k: to reach k+2 every peer must have arrived at k+1, which it does
@@ -69,7 +70,7 @@ use crate::algo::{self, pairwise, spans, staged::Staged};
 use crate::call::{self, Call};
 use crate::config::{CMA_DEATH_GRACE, MAX_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::flight::{self, Names, Recorder};
+use crate::flight::{self, Names, P2p, Recorded, Recorder};
 use crate::reduce::ReduceOp;
 use crate::signature::{describe_mismatch, describe_progress, mismatch_error, CollKind, Progress, Signature};
 use crate::sync::wait::{current_cpu, leave_core, Stop};
@@ -636,23 +637,39 @@ impl<S: Store> Engine<S> {
         Ok(Engine::with_lanes(store, self.lanes.child(), self.names.clone()))
     }
 
-    /// A send or receive: the peer checked, then the world's own point-to-point path.
-    fn p2p(&self, peer: usize, what: &str, op: String, go: impl FnOnce(&str) -> Result<()>) -> Result<()> {
+    /// A send or receive (`p2p`): the peer checked, then the world's own point-to-point path, recorded.
+    fn p2p(&self, p2p: P2p, what: &str, op: String, go: impl FnOnce(&str) -> Result<()>) -> Result<()> {
+        let peer = p2p.peer.unwrap_or(usize::MAX);
         call::peer(self.store.members(), self.store.rank(), peer, what).map_err(|e| self.fail(e))?;
         self.check_abort(&op, false)?;
-        go(&op).map_err(|e| self.fail(e))
+        let flight = self.flight.begin_shared(Recorded::P2p(p2p), (p2p.count, p2p.count));
+        let result = go(&op).map_err(|e| self.fail(e));
+        self.flight.end(flight, result.is_ok(), None, p2p.bytes());
+        result
     }
 
     /// A receive from any other member: `go` gets them in the order to try (round robin from the one
     /// after the previous such receive's sender) and returns the sender.
-    fn recv_any(&self, op: String, go: impl FnOnce(&[usize], &str) -> Result<usize>) -> Result<usize> {
+    /// `p2p` describes it, recorded.
+    fn recv_any(
+        &self,
+        p2p: P2p,
+        op: String,
+        go: impl FnOnce(&[usize], &str) -> Result<usize>,
+    ) -> Result<usize> {
         let (members, me) = (self.store.members(), self.store.rank());
         call::any_peer(members, me).map_err(|e| self.fail(e))?;
         self.check_abort(&op, false)?;
         let start = self.any_next.load(Relaxed) % members.len();
         let from: Vec<usize> =
             members[start..].iter().chain(&members[..start]).copied().filter(|&r| r != me).collect();
-        let src = go(&from, &op).map_err(|e| self.fail(e))?;
+        let mut flight = self.flight.begin_shared(Recorded::P2p(p2p), (p2p.count, p2p.count));
+        let got = go(&from, &op).map_err(|e| self.fail(e));
+        if let Ok(src) = got {
+            flight.received_from(src);
+        }
+        self.flight.end(flight, got.is_ok(), None, p2p.bytes());
+        let src = got?;
         let at = members.iter().position(|&r| r == src).unwrap_or(0);
         self.any_next.store(at + 1, Relaxed);
         Ok(src)

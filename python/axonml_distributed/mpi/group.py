@@ -13,7 +13,14 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-from axonml_distributed._core import KIND_CODES, ProcessGroup, checked_timeout, validate_ranks
+from axonml_distributed._core import (
+    KIND_CODES,
+    FlightCall,
+    FlightRecorder,
+    ProcessGroup,
+    checked_timeout,
+    validate_ranks,
+)
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import CollectiveMismatchError, CollectiveTimeoutError
 from axonml_distributed.mpi import plans
@@ -40,6 +47,7 @@ from axonml_distributed.mpi.check import (
 )
 from axonml_distributed.mpi.plans import Call
 from axonml_distributed.mpi.queue import (
+    MPI_ROUTE,
     MonitorExpired,
     MpiWork,
     OpQueue,
@@ -77,8 +85,15 @@ class MpiProcessGroup:
         # return the checked (dtype, count, root, op, layout), not a Work: typed Any.
         self._calls: Any = ProcessGroup.call_check(ranks, rank, self.world_size())
         self._queue = None
+        # The flight recorder of this rank's handle (a member's): its calls, recorded as the native groups'
+        # (`pg.stats()`, `dump_flight_recorder`, the timeline, `trace analyze`), route "mpi".
+        self._flight: FlightRecorder | None = None
         if comm is not None:
             self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None)
+            if world is None:
+                self._flight = FlightRecorder("mpi", rank, self.world_size(), ranks)
+            else:
+                self._flight = world._member_recorder().new_group(ranks)
 
     def __repr__(self) -> str:
         return f"MpiProcessGroup(rank={self._rank}, ranks={self._ranks})"
@@ -109,6 +124,12 @@ class MpiProcessGroup:
     def timeout(self) -> float:
         """How long an operation on this group waits, in seconds, before it aborts the job."""
         return self._timeout
+
+    def stats(self) -> dict[str, Any]:
+        """Totals per kind of this rank's calls on the group, as the native groups' ``stats()``; every
+        completed call's route is "mpi". A call counts as waiting for its peers until the signature
+        check saw every member (without the check, until it was issued to MPI)."""
+        return self._member_recorder().stats()
 
     def group_rank(self, global_rank: int) -> int:
         index = self._index.get(global_rank)  # the common case, without a call into the core
@@ -365,8 +386,13 @@ class MpiProcessGroup:
             return f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
 
         with queue.lock:
-            req = queue.comm.Isend([buf, dt], peer, tag)
-            return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op))
+            flight = self._member_recorder().p2p(True, dst, tag, code, buf.size)
+            try:
+                req = queue.comm.Isend([buf, dt], peer, tag)
+            except BaseException:
+                flight.end(False, MPI_ROUTE)
+                raise
+            return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op, flight))
 
     def recv(self, buf: Buf, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
         return _inplace(self._recv(numpy_view(buf), src, tag, None, async_op))
@@ -480,8 +506,13 @@ class MpiProcessGroup:
             return self._ranks[status.Get_source()] if src is None else None
 
         with queue.lock:
-            req = queue.comm.Irecv([buf, dt], peer, tag)
-            return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op)
+            flight = self._member_recorder().p2p(False, src, tag, code, buf.size)
+            try:
+                req = queue.comm.Irecv([buf, dt], peer, tag)
+            except BaseException:
+                flight.end(False, MPI_ROUTE)
+                raise
+            return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op, flight)
 
     def _collective(
         self, kind: str, plan: Callable[[MPI.Intracomm], Call], async_op: bool
@@ -506,20 +537,48 @@ class MpiProcessGroup:
             if self._check:
                 check_signatures(queue, invalid_signature(code), seq, self._ranks, describe)
             raise
-        if self._check:
-            root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
-            mine = signature(1, code, call.dtype, call.count, root, call.op, call.pre, call.post)
-            check_signatures(queue, mine, seq, self._ranks, describe)
-            if call.layout is not None:
-                agreed = (seq, code, call.dtype, call.count, root, call.op, call.pre, call.post)
-                check_layouts(queue, agreed, call.layout, self._ranks, describe)
-        return queue.run(call.start(), call.start, call.finish, call.result, call.nbytes, describe, async_op)
+        root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
+        flight = self._member_recorder().collective(
+            kind,
+            seq,
+            None if call.dtype < 0 else call.dtype,
+            call.count,
+            root=None if root < 0 else root,
+            op=call.op,
+            prescale=call.pre,
+            postscale=call.post,
+        )
+        try:
+            if self._check:
+                mine = signature(1, code, call.dtype, call.count, root, call.op, call.pre, call.post)
+                check_signatures(queue, mine, seq, self._ranks, describe)
+                if call.layout is not None:
+                    agreed = (seq, code, call.dtype, call.count, root, call.op, call.pre, call.post)
+                    check_layouts(queue, agreed, call.layout, self._ranks, describe)
+            flight.started()
+            req = call.start()
+        except BaseException:
+            flight.end(False, MPI_ROUTE)
+            raise
+        return queue.run(req, call.start, call.finish, call.result, call.nbytes, describe, async_op, flight)
 
     def _all_reduce_now(self, queue: OpQueue, buf: np.ndarray, code: int, dt: MPI.Datatype, rop: Op) -> None:
         """A blocking all_reduce on an idle queue, of valid arguments that MPI reduces as they are (not
         float16): `_issue` and `queue.run` for this one case, without the plan, handle and closures that
         cost more than the MPI call itself for small messages."""
         queue.seq += 1
+        flight = self._member_recorder().collective("all_reduce", queue.seq, code, buf.size, op=rop.code)
+        try:
+            self._all_reduce_recorded(queue, buf, code, dt, rop, flight)
+        except BaseException:
+            flight.end(False, MPI_ROUTE)
+            raise
+        flight.end(True, MPI_ROUTE)
+
+    def _all_reduce_recorded(
+        self, queue: OpQueue, buf: np.ndarray, code: int, dt: MPI.Datatype, rop: Op, flight: FlightCall
+    ) -> None:
+        """`_all_reduce_now`'s call, recorded in `flight` (marked started once every member came)."""
         # Errors here are raised before the lock is released, while queue.seq is still this call's: the
         # bound method describes it without building a partial per call.
         describe = self._describe_current_all_reduce
@@ -531,11 +590,13 @@ class MpiProcessGroup:
                 # rank's data rode along (see FUSE_SLOTS in mpi.check).
                 flat = buf if buf.ndim == 1 else buf.reshape(-1)
                 if check_signatures(queue, mine, queue.seq, self._ranks, describe, flat):
+                    flight.started()
                     if rop.average:
                         finish_result(buf, len(self._ranks), 1.0)
                     return
             else:
                 check_signatures(queue, mine, queue.seq, self._ranks, describe)
+        flight.started()
         req = queue.comm.Iallreduce(MPI.IN_PLACE, [buf, dt], rop.mpi_op)
         queue.wait_request(req, buf.nbytes, describe)
         if rop.average:
@@ -546,6 +607,12 @@ class MpiProcessGroup:
 
     def _describe_current_all_reduce(self) -> str:
         return self._describe("all_reduce", self._member_queue("all_reduce").seq)
+
+    def _member_recorder(self) -> FlightRecorder:
+        """This member's flight recorder; ValueError on a non-member."""
+        if self._flight is None:
+            raise ValueError(f"rank {self._rank} is not a member of MPI group {self._ranks}")
+        return self._flight
 
     def _member_queue(self, what: str) -> OpQueue:
         queue = self._queue

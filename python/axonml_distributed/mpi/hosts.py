@@ -220,7 +220,9 @@ class MpiHostsProcessGroup(MpiProcessGroup):
 
     def _completed(self, result: Any) -> MpiWork:
         """The handle of a two-level call made with async_op: complete (see the module docs)."""
-        work = MpiWork(self._member_queue("all_reduce"), MPI.REQUEST_NULL, None, None, result, 0, lambda: "")
+        work = MpiWork(
+            self._member_queue("all_reduce"), MPI.REQUEST_NULL, None, None, result, 0, lambda: "", None
+        )
         work.done = True
         return work
 
@@ -246,10 +248,28 @@ class MpiHostsProcessGroup(MpiProcessGroup):
         queue = self._member_queue("all_reduce")
         with queue.lock:
             queue.seq += 1
-            if self._check:
-                mine = signature(1, ALL_REDUCE_CODE, code, count, -1, op_code, pre, post)
-                check_signatures(queue, mine, queue.seq, self._ranks, self._describe_current_all_reduce)
-            queue.drain()
+            # Recorded as this group's call (its levels are recorded as the host's and the cross group's).
+            flight = self._member_recorder().collective(
+                "all_reduce", queue.seq, code, count, op=op_code, prescale=pre, postscale=post
+            )
+            try:
+                if self._check:
+                    mine = signature(1, ALL_REDUCE_CODE, code, count, -1, op_code, pre, post)
+                    check_signatures(queue, mine, queue.seq, self._ranks, self._describe_current_all_reduce)
+                queue.drain()
+            except BaseException:
+                flight.end(False)
+                raise
+        flight.started()
+        try:
+            self._two_levels(arr, op_code, pre, post)
+        except BaseException:
+            flight.end(False)
+            raise
+        flight.end(True)
+
+    def _two_levels(self, arr: np.ndarray, op_code: int, pre: float, post: float) -> None:
+        """The two levels of `_reduce_over_hosts`, once every member came."""
         # MPI takes buffers not aligned for their dtype, the shared-memory world does not: reduce an
         # aligned copy of those. (The core accepts only contiguous ones.)
         direct = arr.flags.aligned and arr.flags.c_contiguous

@@ -24,7 +24,11 @@ from axonml_distributed.exceptions import (
 from axonml_distributed.mpi.args import Describe, Finish, Result
 
 if TYPE_CHECKING:
+    from axonml_distributed._core import FlightCall
     from axonml_distributed.mpi.check import SignatureCheck
+
+# The route of every operation of the MPI group in its flight recorder.
+MPI_ROUTE = "mpi"
 
 # --- waiting -----------------------------------------------------------------------------------------
 
@@ -198,6 +202,7 @@ class MpiWork:
         "done",
         "error",
         "finish",
+        "flight",
         "nbytes",
         "req",
         "result",
@@ -213,6 +218,7 @@ class MpiWork:
         result: Result,
         nbytes: int,
         describe: Describe,
+        flight: FlightCall | None,
     ) -> None:
         self._queue = queue
         self.req = req
@@ -224,6 +230,9 @@ class MpiWork:
         self.result = result
         self.nbytes = nbytes
         self.describe = describe
+        # The operation's record in the group's flight recorder, ended when it completes (None: a handle
+        # made complete, whose call was recorded as it ran).
+        self.flight = flight
         self.done = False
         self.error: BaseException | None = None
 
@@ -277,11 +286,13 @@ class OpQueue:
         nbytes: int,
         describe: Describe,
         async_op: bool,
+        flight: FlightCall,
     ) -> MpiWork | Result:
         """Take over a request just issued, with `lock` held: with `async_op` its handle, else its result
-        once it and every earlier operation completed."""
+        once it and every earlier operation completed. `flight`: its record, ended when it completes
+        (successfully or not)."""
         if async_op or self._pending:
-            work = MpiWork(self, req, buffers, finish, result, nbytes, describe)
+            work = MpiWork(self, req, buffers, finish, result, nbytes, describe, flight)
             self._pending.append(work)
             if async_op:
                 return work
@@ -290,8 +301,13 @@ class OpQueue:
         # Blocking with nothing queued ahead, the usual case: completed here, without a handle (the
         # caller holds the buffers until this returns).
         status = MPI.Status()
-        self.wait_request(req, nbytes, describe, status)
-        got = None if finish is None else finish(status)
+        try:
+            self.wait_request(req, nbytes, describe, status)
+            got = None if finish is None else finish(status)
+        except BaseException:
+            flight.end(False, MPI_ROUTE)
+            raise
+        flight.end(True, MPI_ROUTE, _sender(got))
         return result if got is None else got
 
     def drain(self) -> None:
@@ -339,9 +355,13 @@ class OpQueue:
             if not finished:
                 if not block:
                     return
+                if front.flight is not None:
+                    front.flight.end(False, MPI_ROUTE)
                 raise self._expired(front.describe())
             self._pending.popleft()
             front.done, front.buffers = True, None
+            if front.flight is not None:
+                front.flight.end(front.error is None, MPI_ROUTE, _sender(front.result))
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout if self.monitor_deadline is None else self.monitor_deadline
@@ -362,6 +382,11 @@ class OpQueue:
             call=describe,
             waited=self.timeout,
         )
+
+
+def _sender(got: object) -> int | None:
+    """The sender's rank a receive from any source returned (its only int result), for its record."""
+    return got if type(got) is int else None
 
 
 def mpi_error(describe: str, exc: MPI.Exception) -> DistributedError:

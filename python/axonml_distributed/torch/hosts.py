@@ -58,6 +58,7 @@ from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, 
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
+from axonml_distributed.trace.gloo_calls import GlooCalls
 
 # Ops both levels carry (AVG as SUM and one division, PREMUL_SUM as a scaling and SUM); gloo has no
 # AVG or PREMUL_SUM of its own, so a flat call does the same around gloo's SUM.
@@ -198,6 +199,9 @@ class HostsProcessGroup(NamedGroup):
             self._two_level = TwoLevelAllReduce(local, segment)
             self._local = local
             self._host_ranks = world.local_ranks
+        world_size = sum(len(host) for host in world.hosts)
+        cross_ranks = layout.peers() if self._cross is not None else None
+        self._gloo_calls = GlooCalls(layout.rank, world_size, ranks, cross_ranks)
         self._lane = _Lane()
         self._timeout = timeout
         _LIVE.add(self)
@@ -263,15 +267,17 @@ class HostsProcessGroup(NamedGroup):
 
     def _flat_allreduce(self, tensors: list[torch.Tensor], opts: Any, kind: Any) -> Any:
         """One gloo call over every rank; AVG and PREMUL_SUM around gloo's SUM."""
+        numel = sum(t.numel() for t in tensors)
+        flight = self._gloo_calls.collective("all_reduce", tensors, numel, op=opts.reduceOp)
         if kind not in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
-            return self._flat.allreduce(tensors, opts)
+            return self._gloo_calls.run(flight, lambda: self._flat.allreduce(tensors, opts))
         if kind == dist.ReduceOp.PREMUL_SUM:
             for t in tensors:
                 t.mul_(float(opts.reduceOp.factor))
         summed = dist.AllreduceOptions()
         summed.reduceOp = dist.ReduceOp.SUM
         summed.timeout = opts.timeout
-        work = self._flat.allreduce(tensors, summed)
+        work = self._gloo_calls.run(flight, lambda: self._flat.allreduce(tensors, summed))
         if kind != dist.ReduceOp.AVG:
             return work
         work.wait()
@@ -294,7 +300,8 @@ class HostsProcessGroup(NamedGroup):
         opts.reduceOp = cross_op
 
         def cross(shard: torch.Tensor) -> Any:
-            return self._cross.allreduce([shard], opts)
+            flight = self._gloo_calls.cross_shard(shard, cross_op)
+            return self._gloo_calls.run(flight, lambda: self._cross.allreduce([shard], opts))
 
         for t in tensors:
             flat = t.view(-1)
@@ -380,13 +387,15 @@ def _forward(theirs: str) -> Callable[..., Any]:
     # torch calls some by keyword (`group.barrier(opts=opts)`).
     def method(self: HostsProcessGroup, *args: Any, **kwargs: Any) -> Any:
         given = [*args, *kwargs.values()]
+        row = None
         if theirs not in _UNSIGNED:
             row, splits = forwarded(theirs, given, self.size(), self.rank())
             self._check(Signature(row, self._flat, self.size(), splits), theirs)
         _refuse_not_gloo(tensors_in(given), theirs)
         # gloo runs a group's calls in order: so do we, after the two-level all_reduces before it.
         self._lane.drain()
-        return getattr(self._flat, theirs)(*args, **kwargs)
+        flight = self._gloo_calls.forwarded(theirs, given, tensors_in(given), row)
+        return self._gloo_calls.run(flight, lambda: getattr(self._flat, theirs)(*args, **kwargs))
 
     method.__name__ = theirs
     return method

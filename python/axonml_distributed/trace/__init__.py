@@ -12,7 +12,7 @@ from typing import Any
 
 from axonml_distributed.error_file import write_json
 from axonml_distributed.trace.analysis import Analysis, GroupAnalysis, analyze
-from axonml_distributed.trace.record import build, load, merge, read
+from axonml_distributed.trace.record import build, load, merge, read, to_job_ranks
 from axonml_distributed.trace.spans import trace_span
 from axonml_distributed.trace.timeline_file import timeline
 
@@ -22,7 +22,9 @@ def flight_record(error: str | None = None) -> dict[str, Any]:
     writes them; `error`: what ended the process, when it is failing."""
     from axonml_distributed import _core
 
-    return build(_core.flight_records(), error)
+    records = _core.flight_records()
+    to_job_ranks(records)
+    return build(records, error)
 
 
 def dump_flight_recorder(path: str | os.PathLike[str], error: str | None = None) -> None:

@@ -4,7 +4,9 @@ each DDP gradient bucket, the user's spans), each span a complete event ("ph": "
 microseconds since the first span) and its phases complete events inside it.
 
 The engine's records (`_core.take_timeline`) become spans here (`engine_spans`); spans recorded in
-Python come as they are (`spans`).
+Python come as they are (`spans`). A group's sends and receives have a track of their own beside its
+collectives' ("p2p w1:0,1#1"): they may overlap the collectives and each other (each runs on a lane of
+its own), and they have no phases (the engine cannot tell when the peer came).
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ GROUPS_ORDER = 1 << 20
 
 
 def engine_spans(records: Iterable[Mapping[str, Any]]) -> list[Span]:
-    """The spans of the engine's timeline records: each finished call on its group's track, with its
-    phases (a call that failed before every member arrived only waited), and each reduced bucket."""
+    """The spans of the engine's timeline records: each finished collective on its group's track, with
+    its phases (a call that failed before every member arrived only waited), each send and receive on
+    the group's point-to-point track, and each reduced bucket."""
     spans: list[Span] = []
     for record in records:
         rank = record["rank"]
         name = group_name(record["world_ordinal"], record["ranks"], record["occurrence"])
         for e in record["entries"]:
             created, started, completed = e["created_ns"], e["started_ns"], e["completed_ns"]
-            phases = [[WAITING, created, completed if started is None else started]]
+            p2p = e["p2p"]
+            phases = [] if p2p else [[WAITING, created, completed if started is None else started]]
             if started is not None:
                 phases.append([MOVING, started, completed])
             args = {
@@ -49,14 +53,15 @@ def engine_spans(records: Iterable[Mapping[str, Any]]) -> list[Span]:
                 "root": e["root"],
                 "group": name,
                 "call": e["call"],
+                **({"peer": e["peer"], "tag": e["tag"]} if p2p else {}),
             }
             spans.append(
                 {
                     "rank": rank,
-                    "track": f"group {name}",
+                    "track": f"p2p {name}" if p2p else f"group {name}",
                     "order": GROUPS_ORDER + record["index"],
                     "name": e["kind"],
-                    "cat": "collective",
+                    "cat": "p2p" if p2p else "collective",
                     "start_ns": created,
                     "end_ns": completed,
                     "args": args,

@@ -6,10 +6,18 @@ A file holds the dumps of one or more ranks: ``{"format": FORMAT, "version": VER
 (``version``, ``rank``, ``pg_config``, ``entries``), its entries torch's fields where they mean the same
 (``record_id``, ``pg_id``, ``process_group``, ``collective_seq_id``, ``profiling_name``,
 ``input_sizes``, ``input_dtypes``, ``output_sizes``, ``output_dtypes``, ``state``, ``time_created_ns``,
-``time_discovered_started_ns``, ``time_discovered_completed_ns``, ``frames``, ...) and ours beside them
-(``call``, ``kind``, ``dtype``, ``count``, ``root``, ``op``, ``route``). Torch's analyzer
+``time_discovered_started_ns``, ``time_discovered_completed_ns``, ``is_p2p``, ``p2p_seq_id``,
+``frames``, ...) and ours beside them (``call``, ``kind``, ``dtype``, ``count``, ``root``, ``op``,
+``route``; for a send or receive ``peer``, its global rank, and ``tag``). A send or receive is named
+as torch names them, by group ranks ("axonml:send 0->1", "axonml:recv 1<-0", "axonml:recv 1<-?" for a
+receive from any source still waiting), numbered by ``p2p_seq_id`` (this rank's n-th on the group),
+with the group's last collective as ``collective_seq_id``. ``frames`` is the caller's Python stack,
+innermost first, when AXONML_FLIGHT_RECORDER_STACKS is on (else empty). Torch's analyzer
 (``torch.distributed.flight_recorder.fr_trace``) loads only pickled dumps, so it cannot open these
-files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested). Standard library only:
+files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested) when they hold
+collectives only: it takes a send or receive whose ``p2p_seq_id`` equals the ``collective_seq_id`` of the
+collective before it for one coalesced call with it and fails (filter ``is_p2p`` entries out to use it;
+``trace analyze`` reads both). Standard library only:
 the launcher merges these files (written with `error_file.write_json`, atomically).
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,18 +68,33 @@ def group_name(world: int, ranks: Iterable[int], occurrence: int) -> str:
     return f"w{world}:" + ",".join(map(str, ranks)) + f"#{occurrence}"
 
 
-def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[str, Any]:
+def _profiling_name(native: Mapping[str, Any], rank: int, ranks: Sequence[int]) -> str:
+    """torch's name of a call: its kind, and for a send or receive the group ranks at either end."""
+    if not native["p2p"]:
+        return f"{LIBRARY}:{native['kind']}"
+    index = {r: i for i, r in enumerate(ranks)}
+    me, peer = index.get(rank, rank), native["peer"]
+    other = "?" if peer is None else str(index.get(peer, peer))
+    return f"{LIBRARY}:send {me}->{other}" if native["kind"] == "send" else f"{LIBRARY}:recv {me}<-{other}"
+
+
+def _entry(
+    native: Mapping[str, Any], pg: tuple[str, str], pg_id: int, rank: int, ranks: Sequence[int], last_seq: int
+) -> dict[str, Any]:
+    """One native entry in torch's shape; `last_seq`: the group's last collective on this rank before it."""
     dtype = native["dtype"]
     dtypes = [_TORCH_DTYPES.get(dtype, dtype)] if dtype is not None else []
     state = native["state"]
+    p2p = native["p2p"]
+    seq = native["seq"]
     return {
         "record_id": native["record_id"],
         "pg_id": pg_id,
         "process_group": list(pg),
-        "collective_seq_id": native["seq"],
-        "p2p_seq_id": 0,
-        "op_id": native["seq"],
-        "profiling_name": f"{LIBRARY}:{native['kind']}",
+        "collective_seq_id": last_seq if p2p else seq,
+        "p2p_seq_id": seq if p2p else 0,
+        "op_id": seq,
+        "profiling_name": _profiling_name(native, rank, ranks),
         "time_created_ns": native["created_ns"],
         "time_discovered_started_ns": native["started_ns"],
         "time_discovered_completed_ns": native["completed_ns"],
@@ -80,8 +104,8 @@ def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[s
         "output_dtypes": dtypes,
         "state": state,
         "retired": state in ("completed", "failed"),
-        "is_p2p": False,
-        "frames": [],
+        "is_p2p": p2p,
+        "frames": native["frames"] or [],
         "call": native["call"],
         "kind": native["kind"],
         "dtype": dtype,
@@ -89,7 +113,36 @@ def _entry(native: Mapping[str, Any], pg: tuple[str, str], pg_id: int) -> dict[s
         "root": native["root"],
         "op": native["op"],
         "route": native["route"],
+        **({"peer": native["peer"], "tag": native["tag"]} if p2p else {}),
     }
+
+
+def _entries(record: Mapping[str, Any], pg: tuple[str, str]) -> list[dict[str, Any]]:
+    """A native record's entries in torch's shape (oldest first, as the record lists them)."""
+    out, last_seq = [], 0
+    for native in record["entries"]:
+        out.append(_entry(native, pg, record["index"], record["rank"], record["ranks"], last_seq))
+        if not native["p2p"]:
+            last_seq = native["seq"]
+    return out
+
+
+def to_job_ranks(records: list[dict[str, Any]]) -> int | None:
+    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
+    ranks from 0 (so do its recorders): give the native `records` of this process the job's ranks instead
+    (rank and group members; the recorders of the calls gloo carries between hosts, world "hosts", have
+    them already), and return the job's size; None otherwise, when the recorders' ranks are the job's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
+    if layout is None or len(layout.hosts) < 2:
+        return None
+    for record in records:
+        if record["world"] != "hosts":
+            record["rank"] = layout.local_ranks[record["rank"]]
+            record["ranks"] = [layout.local_ranks[r] for r in record["ranks"]]
+    return int(dist.get_world_size())
 
 
 def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
@@ -116,7 +169,7 @@ def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dic
         name = group_name(record["world_ordinal"], record["ranks"], record["occurrence"])
         desc = "default_pg" if record["index"] == 0 else "undefined"
         dump["pg_config"][name] = {"name": name, "desc": desc, "ranks": str(list(record["ranks"]))}
-        dump["entries"] += [_entry(e, (name, desc), record["index"]) for e in record["entries"]]
+        dump["entries"] += _entries(record, (name, desc))
     for dump in dumps.values():
         dump["entries"].sort(key=lambda e: e["record_id"])
     return {"format": FORMAT, "version": VERSION, "world_size": world_size, "ranks": dumps}

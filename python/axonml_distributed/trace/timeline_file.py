@@ -10,7 +10,7 @@ Worlds:
 - the thread world (`spawn`): one process holds every rank, so its file holds them all;
 - the shared-memory world of processes (and the torch backend "axonml", which runs on the same
   engine): each process writes its part, ``path.rank{R}`` (R its rank in the job: across hosts, where
-  each host's world numbers its ranks from 0, the job's, `_host_ranks`), when its timeline ends. For
+  each host's world numbers its ranks from 0, the job's, `record.to_job_ranks`), when its timeline ends. For
   AXONML_TIMELINE under axonml-run, the launcher merges the parts into ``path`` after the job,
   whatever its outcome, and removes them. Otherwise (a `timeline()` block, or another launcher) rank
   0 merges them when its own timeline ends, after waiting up to `MERGE_WAIT` seconds for the others'
@@ -39,6 +39,7 @@ from axonml_distributed import _core, settings
 from axonml_distributed.error_file import write_json
 from axonml_distributed.trace import spans
 from axonml_distributed.trace.chrome import chrome_trace, engine_spans
+from axonml_distributed.trace.record import to_job_ranks
 
 PART_FORMAT = "axonml-timeline-part"
 PART_VERSION = 1
@@ -80,11 +81,8 @@ def finish(wait: bool = True) -> Path | None:
         return None
     _core.set_timeline(False)
     records = _core.take_timeline()
+    job_size = to_job_ranks(records)
     engine = engine_spans(records)
-    host_ranks, job_size = _host_ranks()
-    if host_ranks is not None:
-        for span in engine:
-            span["rank"] = host_ranks[span["rank"]]
     kept = engine + spans.stop()
     if not kept:
         return None
@@ -93,7 +91,7 @@ def finish(wait: bool = True) -> Path | None:
         world_size = job_size
     else:
         world_size = max(sizes) if sizes else settings.world_size() or 1
-    held = {r["rank"] if host_ranks is None else host_ranks[r["rank"]] for r in records}
+    held = {r["rank"] for r in records}
     # A span whose rank nothing named is the process's: the one rank its groups hold, else rank 0.
     mine = min(held) if len(held) == 1 else 0
     for span in kept:
@@ -143,19 +141,6 @@ def timeline(path: str | os.PathLike[str]) -> Iterator[None]:
             warnings.warn(f"timeline {path} not written: {e!r}", stacklevel=3)
         raise
     finish()
-
-
-def _host_ranks() -> tuple[tuple[int, ...] | None, int | None]:
-    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
-    ranks from 0 (so do its recorders): the global rank of each of them, in local order, and the job's
-    size. (None, None) otherwise: the recorders' ranks are the job's."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None, None
-    layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
-    if layout is None or len(layout.hosts) < 2:
-        return None, None
-    return tuple(layout.local_ranks), int(dist.get_world_size())
 
 
 def merge_parts(path: str | os.PathLike[str], world_size: int, job: str, wait: float = 0.0) -> list[int]:

@@ -1,0 +1,181 @@
+"""The flight record of the calls that gloo carries for a group across hosts (`torch.hosts.
+HostsProcessGroup`): its forwarded calls and flat all_reduces, in the group's recorder, and the
+all-reduces of the shards between hosts, in the recorder of this rank's peers on the other hosts (every
+member of that group reduces the same shard sizes); route "gloo". They sit in the engine's flight
+recorder (`_core.FlightRecorder`, world "hosts"), so `dump_flight_recorder`, the timeline and `trace
+analyze` show where each rank was across hosts, beside the calls inside each host (the host's world).
+
+A call ends when gloo's work completes (its future's callback). gloo's sends and receives have no future:
+each ends when the group's next call finds its work completed (recorded then); one that
+never completes stays scheduled, as a send or receive stuck on a dead host should."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from axonml_distributed._core import FlightCall, FlightRecorder
+
+ROUTE = "gloo"
+
+# gloo's methods (as `HostsProcessGroup` forwards them) -> our collectives.
+_KINDS = {
+    "broadcast": "broadcast",
+    "allgather": "all_gather",
+    "allgather_coalesced": "all_gather",
+    "all_gather_single": "all_gather",
+    "_allgather_base": "all_gather",
+    "all_gather_single_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_single_coalesced": "reduce_scatter",
+    "reduce": "reduce",
+    "gather": "gather",
+    "gather_single": "gather",
+    "gather_into_tensor": "gather",
+    "scatter": "scatter",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single",
+}
+# torch's reduce ops -> ours (PREMUL_SUM: a scaling, then SUM).
+_OPS = {
+    "SUM": "SUM",
+    "AVG": "AVERAGE",
+    "PREMUL_SUM": "SUM",
+    "PRODUCT": "PRODUCT",
+    "MIN": "MIN",
+    "MAX": "MAX",
+    "BAND": "BAND",
+    "BOR": "BOR",
+    "BXOR": "BXOR",
+}
+
+# The recorder of the last group made over every rank of the job: the job's, whose naming the other
+# groups share.
+_world: FlightRecorder | None = None
+
+
+def op_name(op: Any) -> str | None:
+    """Our name of torch's reduce op `op` (a ReduceOp or its RedOpType), if any."""
+    kind = op.op if hasattr(op, "op") else op
+    return _OPS.get(getattr(kind, "name", ""))
+
+
+class GlooCalls:
+    """The recording of one group's gloo calls on this rank (see the module docs)."""
+
+    def __init__(
+        self, rank: int, world_size: int, ranks: list[int], cross_ranks: Sequence[int] | None
+    ) -> None:
+        global _world
+        if len(ranks) == world_size or _world is None:
+            _world = self._flight = FlightRecorder("hosts", rank, world_size, ranks)
+        else:
+            self._flight = _world.new_group(ranks)
+        self._cross = None if cross_ranks is None else self._flight.new_group(sorted(cross_ranks))
+        self._ranks = ranks
+        self._seq = self._cross_seq = 0
+        # Sends and receives under way: gloo's work and its record.
+        self._pending: list[tuple[Any, FlightCall]] = []
+
+    def collective(
+        self,
+        kind: str,
+        tensors: Sequence[torch.Tensor],
+        count: int,
+        root: int | None = None,
+        op: Any = None,
+        prescale: float = 1.0,
+    ) -> FlightCall:
+        """Record collective `kind` of the group on `tensors` (its part `count` elements, `root` a group
+        rank), started (gloo has every member's data from here on)."""
+        self._settle()
+        self._seq += 1
+        dtype = str(tensors[0].dtype) if tensors else None
+        root = None if root is None or root < 0 else self._ranks[root]
+        name = op_name(op) if op is not None else None
+        flight = self._flight.collective(
+            kind, self._seq, dtype, max(count, 0), root=root, op=name, prescale=prescale
+        )
+        flight.started()
+        return flight
+
+    def forwarded(
+        self, theirs: str, given: list[Any], tensors: list[torch.Tensor], row: list[int] | None
+    ) -> Any:
+        """Record gloo's method `theirs` called with `given` (its tensors `tensors`; `row` its signature
+        row, None for point to point): the call, for `done`, or None for a method not recorded."""
+        if theirs in ("send", "recv", "recv_anysource"):
+            self._settle()
+            peer = None if theirs == "recv_anysource" else self._ranks[int(given[1])]
+            dtype = str(tensors[0].dtype)
+            count = sum(t.numel() for t in tensors)
+            tag = int(given[-1]) if theirs == "recv_anysource" else int(given[2])
+            return self._flight.p2p(theirs == "send", peer, tag, dtype, count)
+        kind = _KINDS.get(theirs)
+        if kind is None:
+            return None
+        opts: Any = next((a for a in given if type(a).__name__.endswith("Options")), None)
+        count = row[2] if row is not None else 0
+        root = int(opts.rootRank) if hasattr(opts, "rootRank") else None
+        op = opts.reduceOp if hasattr(opts, "reduceOp") else None
+        return self.collective(kind, tensors if kind != "barrier" else [], count, root, op)
+
+    def cross_shard(self, shard: torch.Tensor, op: Any) -> FlightCall:
+        """Record one shard's all-reduce between hosts, in the group of this rank's peers there."""
+        assert self._cross is not None
+        self._cross_seq += 1
+        flight = self._cross.collective(
+            "all_reduce", self._cross_seq, str(shard.dtype), shard.numel(), op=op_name(op)
+        )
+        flight.started()
+        return flight
+
+    def run(self, flight: FlightCall | None, call: Callable[[], Any]) -> Any:
+        """gloo's work of `call()`, the call of `flight` (None: not recorded), whose record ends when the
+        work completes, or at once when `call` raises."""
+        try:
+            work = call()
+        except BaseException:
+            if flight is not None:
+                flight.end(False, ROUTE)
+            raise
+        if flight is not None:
+            self._done(flight, work)
+        return work
+
+    def _done(self, flight: FlightCall, work: Any) -> None:
+        """End `flight` when gloo's `work` completes."""
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a send or receive: no future
+            self._pending.append((work, flight))
+            return
+
+        def end(f: Any) -> None:
+            try:
+                f.value()
+            except Exception:  # noqa: BLE001 - the caller's wait raises it; the record says failed
+                flight.end(False, ROUTE)
+            else:
+                flight.end(True, ROUTE)
+
+        future.add_done_callback(end)
+
+    def _settle(self) -> None:
+        """End the records of the sends and receives gloo has completed."""
+        if not self._pending:
+            return
+        still = []
+        for work, flight in self._pending:
+            if work.is_completed():
+                flight.end(True, ROUTE)
+            else:
+                still.append((work, flight))
+        self._pending = still
