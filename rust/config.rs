@@ -42,6 +42,13 @@ pub(crate) fn wait_budgets() -> (Duration, Duration) {
         (us("AXONML_WAIT_SPIN_US", SPIN), us("AXONML_WAIT_YIELD_US", YIELD))
     })
 }
+/// A spinning wait that outlasts its spin (its condition came in the yields or after a sleep) paces its
+/// thread down: the next waits spin this many halvings of the budget (60 µs becomes under 1 µs, a
+/// few batches of polls), then sleep, with no longer spin and no yields; each wait caught within its
+/// short spin takes one halving back. On a loaded machine, or where the ranks waited for must take a
+/// lock such as the GIL first, spinning only holds a core they need: 2 in-process ranks beside 4
+/// CPU-bound processes went from 2.3 ms to 26 µs per 8 B all_reduce.
+pub(crate) const PACE_MAX_HALVINGS: u32 = 6;
 /// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 /// A rank leaving the world (its `spawn` function returned) waits at most this long for what it queued

@@ -4,7 +4,9 @@
 //! rank being waited for), and on for longer while the ranks waited for run on other cores (a yield
 //! would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time slice);
 //! then yield (long when every rank has a core, short when a yielding rank would
-//! compete with the ones it waits for), then sleep on a futex in slices. Each slice checks the deadline and
+//! compete with the ones it waits for), then sleep on a futex in slices. Spinning is paced per thread
+//! ([`Pace`]): after a wait that outlasted its spin, the next ones spin a few polls and sleep, until
+//! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
@@ -12,12 +14,13 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::thread::{self, futex};
 
 use crate::config::{
-    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, SLICE, SPIN_APART, YIELD_OVERSUBSCRIBED,
+    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_MAX_HALVINGS, SLICE, SPIN_APART,
+    YIELD_OVERSUBSCRIBED,
 };
 use crate::error::{Error, Result};
 
@@ -160,25 +163,64 @@ impl Wait<'_> {
         &self,
         mut ready: impl FnMut() -> bool,
         mut quick: impl FnMut() -> Result<()>,
-        mut slow: impl FnMut() -> Result<()>,
+        slow: impl FnMut() -> Result<()>,
         mut apart: impl FnMut() -> bool,
     ) -> std::result::Result<(), Stop> {
         let start = Instant::now();
         let (spin, yields) = wait_budgets();
-        let yields = if self.spin { yields } else { yields.min(YIELD_OVERSUBSCRIBED) };
-        if self.spin {
-            // A spin budget of 0 (`AXONML_WAIT_SPIN_US=0`) turns the longer spin off too.
-            let mut spinning = |t| t < spin || !spin.is_zero() && t < SPIN_APART.max(spin) && apart();
-            while spinning(start.elapsed()) {
-                for _ in 0..64 {
-                    if ready() {
-                        return Ok(());
+        if !self.spin {
+            return self.sleep(start, yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
+        }
+        // `AXONML_WAIT_SPIN_US=0` turns all spinning off, the longer spin and the probe too.
+        if spin.is_zero() {
+            return self.sleep(start, yields, ready, quick, slow);
+        }
+        // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (its
+        // recent waits outlasted the spin) spins a fraction and goes to sleep, which on a loaded
+        // machine hands the core to the ranks it waits for at once. The first batch of polls always
+        // runs: it is how a paced-down thread sees its peers keep up again.
+        let pace = Pace::get();
+        let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
+        let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
+        let mut first = true;
+        loop {
+            for _ in 0..64 {
+                if ready() {
+                    // Caught after the short spin, in the longer one: the ranks waited for run on other
+                    // cores, busy, so this says nothing of the machine.
+                    if first || start.elapsed() <= short {
+                        pace.record(Outcome::Quick);
                     }
-                    std::hint::spin_loop();
+                    return Ok(());
                 }
-                quick().map_err(Stop::Failed)?;
+                std::hint::spin_loop();
+            }
+            first = false;
+            quick().map_err(Stop::Failed)?;
+            let t = start.elapsed();
+            if t >= short && !(t < long && apart()) {
+                break;
             }
         }
+        // Anything later means the ranks waited for were not running while this thread spun
+        // (descheduled, or waiting for a wake-up or a lock such as the GIL).
+        let ended = self.sleep(start, yields, ready, quick, slow);
+        if ended.is_ok() {
+            pace.record(Outcome::Slow);
+        }
+        ended
+    }
+
+    /// The rest of a wait after its spin: yield until `yields` after `start`, then sleep on the event
+    /// in slices.
+    fn sleep(
+        &self,
+        start: Instant,
+        yields: Duration,
+        mut ready: impl FnMut() -> bool,
+        mut quick: impl FnMut() -> Result<()>,
+        mut slow: impl FnMut() -> Result<()>,
+    ) -> std::result::Result<(), Stop> {
         // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
         let yield_end = (start + yields).min(self.deadline);
         while Instant::now() < yield_end {
@@ -219,6 +261,50 @@ impl Wait<'_> {
     }
 }
 
+/// How a thread's recent spinning waits went, which sets how long its next one busy-waits: the number
+/// of halvings of its spin budget (0: calm, the full budgets). A quick wait takes one back; a wait that
+/// outlasted its spins goes all the way down at once (it may have cost a time slice), so a thread
+/// comes back to the full budget only after several quick waits in a row.
+#[derive(Clone, Copy)]
+struct Pace(u32);
+
+/// How a spinning wait that ended well went, for its thread's [`Pace`].
+enum Outcome {
+    /// Within the short spin.
+    Quick,
+    /// After the spins, in the yields or asleep.
+    Slow,
+}
+
+thread_local! {
+    static PACE: Cell<Pace> = const { Cell::new(Pace(0)) };
+}
+
+impl Pace {
+    fn get() -> Pace {
+        PACE.get()
+    }
+
+    fn calm(self) -> bool {
+        self.0 == 0
+    }
+
+    fn scale(self, budget: Duration) -> Duration {
+        budget / (1u32 << self.0)
+    }
+
+    fn record(self, outcome: Outcome) {
+        let halvings = match outcome {
+            Outcome::Quick => self.0.saturating_sub(1),
+            Outcome::Slow => PACE_MAX_HALVINGS,
+        };
+        // The calm fast path writes nothing.
+        if halvings != self.0 {
+            PACE.set(Pace(halvings));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,6 +340,72 @@ mod tests {
             let again = leave_core();
             // Checked only when a loaded machine did not stall the thread past the interval.
             assert!(!again || t.elapsed() >= MOVE_EVERY, "{first} {again}");
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// Waits on a fresh thread, each ready only once the waiter sleeps (a peer that never runs
+    /// while it spins), and returns how many times each polled its condition before that.
+    fn polls_of_waits_that_sleep(waits: usize) -> Vec<usize> {
+        let (event, go) = (Event::default(), AtomicU32::new(0));
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                (1..=waits as u32)
+                    .map(|k| {
+                        let mut polls = 0;
+                        let w = Wait {
+                            event: &event,
+                            shared: false,
+                            spin: true,
+                            deadline: Instant::now() + Duration::from_secs(60),
+                            op: "test",
+                        };
+                        let ready = || {
+                            polls += 1;
+                            go.load(SeqCst) >= k
+                        };
+                        assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
+                        polls
+                    })
+                    .collect()
+            });
+            for k in 1..=waits as u32 {
+                // Released only once asleep: `sleepers` is raised just before the futex wait.
+                while event.sleepers.load(SeqCst) == 0 {
+                    std::thread::yield_now();
+                }
+                go.store(k, SeqCst);
+                event.notify(false);
+                while event.sleepers.load(SeqCst) != 0 {
+                    std::thread::yield_now();
+                }
+            }
+            waiter.join().unwrap()
+        })
+    }
+
+    #[test]
+    fn a_thread_whose_wait_slept_polls_briefly_before_sleeping_again() {
+        let polls = polls_of_waits_that_sleep(3);
+        // The first spins its full budget and yields (thousands of polls); the later ones, paced down
+        // after it, run a probe of a few batches of 64 and sleep.
+        assert!(polls[1..].iter().all(|&p| p < 1000), "{polls:?}");
+    }
+
+    #[test]
+    fn quick_waits_bring_a_paced_thread_back_to_its_full_budget() {
+        std::thread::spawn(|| {
+            Pace(0).record(Outcome::Slow);
+            assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
+            assert_eq!(Pace::get().scale(Duration::from_micros(64)), Duration::from_micros(1));
+            for _ in 0..PACE_MAX_HALVINGS {
+                assert!(!Pace::get().calm());
+                Pace::get().record(Outcome::Quick);
+            }
+            assert!(Pace::get().calm());
+            Pace::get().record(Outcome::Quick);
+            assert!(Pace::get().calm());
         })
         .join()
         .unwrap();
