@@ -27,6 +27,8 @@ def _value(fut: torch.futures.Future[Any]) -> Any:
     return fut.value()
 
 
+_init = dist.Work.__init__  # looked up once: every asynchronous call makes a Work
+
 # Makes a work's `_Settling` at most once (taken only on the way to a future or a profiler event).
 _SETTLING = threading.Lock()
 
@@ -35,9 +37,10 @@ class _Settling:
     """What a work needs to run something once its native works finish (a copy-back, a profiler
     event's end, its future's completion): the first thread to finish it runs them; the others wait."""
 
-    __slots__ = ("running", "state", "finished", "source", "future", "event")
+    __slots__ = ("finish", "running", "state", "finished", "source", "future", "event")
 
-    def __init__(self) -> None:
+    def __init__(self, finish: Callable[[], object] | None) -> None:
+        self.finish = finish  # the copy-back, if any
         self.running = threading.Lock()  # held by the thread finishing it; the others wait on it
         self.state = threading.Lock()  # `finished`, `source` and `event` change together: settled once
         self.finished = False
@@ -57,7 +60,7 @@ class Work(dist.Work):
     is just waited for) takes no lock: each native work settles once by itself, in the core, and
     `wait()` only waits for them. The rest (`_Settling`) is made when first needed."""
 
-    __slots__ = ("_natives", "_result", "_finish", "_completer", "_error", "_settling")
+    __slots__ = ("_natives", "_result", "_completer", "_error", "_settling")
 
     def __init__(
         self,
@@ -66,13 +69,12 @@ class Work(dist.Work):
         finish: Callable[[], object] | None,
         completer: Callable[[], Completer],
     ) -> None:
-        dist.Work.__init__(self)  # not super(): finding it costs as much as a field
+        _init(self)  # not super(): finding it costs as much as a field
         self._natives = natives
         self._result = result
-        self._finish = finish
         self._completer = completer
         self._error: BaseException | None = None
-        self._settling = None if finish is None else _Settling()
+        self._settling = None if finish is None else _Settling(finish)
 
     @classmethod
     def done(cls, result: Any, error: Exception | None, completer: Callable[[], Completer]) -> Work:
@@ -88,17 +90,17 @@ class Work(dist.Work):
             with _SETTLING:
                 settling = self._settling
                 if settling is None:
-                    settling = self._settling = _Settling()
+                    settling = self._settling = _Settling(None)
         return settling
 
-    def _wait_natives(self) -> None:
+    def _wait_natives(self, finish: Callable[[], object] | None = None) -> None:
         """Wait for the native works (our errors, raised there, are kept as the work's error; Ctrl-C
-        ends the wait on the main thread), then run the copy-back."""
+        ends the wait on the main thread), then run the copy-back `finish`."""
         try:
             for w in self._natives:
                 w.wait()
-            if self._finish is not None:
-                self._finish()
+            if finish is not None:
+                finish()
         except BaseException as e:  # the future and wait() report it
             if self._error is None:  # another thread waiting for the same works found it first
                 self._error = e
@@ -112,7 +114,7 @@ class Work(dist.Work):
         with s.running:  # bounded: the thread inside waits with the group's timeout
             if s.finished:
                 return None
-            self._wait_natives()
+            self._wait_natives(s.finish)
             with s.state:
                 s.finished = True
                 source, event = s.source, s.event
@@ -145,9 +147,10 @@ class Work(dist.Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
         not used); re-raise its error."""
-        if self._settling is None:
+        s = self._settling
+        if s is None:
             self._wait_natives()  # nothing else to run once: no lock (see the class docs)
-        elif not self._settling.finished:
+        elif not s.finished:
             self._complete()
         if self._error is not None:
             raise self._error
