@@ -95,7 +95,10 @@ class Work(dist.Work):
 
     def _wait_natives(self, finish: Callable[[], object] | None = None) -> None:
         """Wait for the native works (our errors, raised there, are kept as the work's error; Ctrl-C
-        ends the wait on the main thread), then run the copy-back `finish`."""
+        ends the wait on the main thread), then run the copy-back `finish`. Not again once it failed
+        (or a Ctrl-C ended a wait for it)."""
+        if self._error is not None:
+            return
         try:
             for w in self._natives:
                 w.wait()
@@ -165,7 +168,7 @@ class Work(dist.Work):
     def is_completed(self) -> bool:
         s = self._settling
         if s is None:
-            if not self._natives_completed():
+            if self._error is None and not self._natives_completed():
                 return False
             self._wait_natives()  # returns at once: only to keep their error
             return True
@@ -194,8 +197,8 @@ class Work(dist.Work):
         # Nobody but us has chained on it yet: settled here, no callbacks of others run here.
         if finished:
             self._settle(source)
-        elif self._natives_completed():
-            self._complete()  # only the copy-back is left: here, at once
+        elif self._error is not None or self._natives_completed():
+            self._complete()  # nothing to wait for: here, at once
         else:
             self._completer().put(self)
         return future
