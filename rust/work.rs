@@ -54,6 +54,11 @@ impl Work {
         r.clone()
     }
 
+    /// The job's result if it has run, without waiting.
+    pub fn result(&self) -> Option<Result<()>> {
+        lock(&self.state.result).clone()
+    }
+
     /// True once the job has run.
     pub fn is_completed(&self) -> bool {
         lock(&self.state.result).is_some()
