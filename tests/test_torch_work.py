@@ -51,10 +51,12 @@ def _work(native: Any, finish: Any = None) -> Work:
     return Work([native], ["result"], finish, lambda: completer)
 
 
-def _async_opts() -> Any:
-    o = dist.AllreduceOptions()
-    o.asyncOp = True
-    return o
+def _all_reduce_async(pg: AxonmlProcessGroup, tensors: list[Any]) -> Work:
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = True
+    work = pg.allreduce(tensors, opts)
+    assert work is not None
+    return work
 
 
 def test_a_future_asked_for_after_the_wait_holds_the_output_tensors_at_once() -> None:
@@ -62,7 +64,7 @@ def test_a_future_asked_for_after_the_wait_holds_the_output_tensors_at_once() ->
     tensors (torch's gloo returns them), and callbacks chained on it run."""
     pg = AxonmlProcessGroup(ad.ProcessGroup(ad.ThreadBackend.create_world(1)[0]), 0, 1)
     t = torch.arange(4.0)
-    work = pg.allreduce([t], _async_opts())
+    work = _all_reduce_async(pg, [t])
     assert work.wait() and work.is_completed() and work.exception() is None
     fut = work.get_future()
     assert fut.done(), "the work finished already: its future is complete as it is handed out"
@@ -185,7 +187,7 @@ def test_a_timeout_fails_the_work_its_future_and_every_wait() -> None:
     used), with the core's timeout error, kept for exception() and a later future."""
     backends = ad.ThreadBackend.create_world(2, timeout=0.3)
     pg = AxonmlProcessGroup(ad.ProcessGroup(backends[0]), 0, 2)
-    work = pg.allreduce([torch.ones(3)], _async_opts())  # rank 1 never arrives
+    work = _all_reduce_async(pg, [torch.ones(3)])  # rank 1 never arrives
     with pytest.raises(ad.CollectiveTimeoutError) as raised:
         work.wait()
     assert work.exception() is raised.value and work.is_completed() and not work.is_success()
@@ -196,7 +198,7 @@ def test_a_timeout_fails_the_work_its_future_and_every_wait() -> None:
 def test_ctrl_c_ends_a_wait_and_the_work_stays_interrupted() -> None:
     backends = ad.ThreadBackend.create_world(2, timeout=60)
     pg = AxonmlProcessGroup(ad.ProcessGroup(backends[0]), 0, 2)
-    work = pg.allreduce([torch.ones(3)], _async_opts())  # rank 1 never arrives
+    work = _all_reduce_async(pg, [torch.ones(3)])  # rank 1 never arrives
     start = time.monotonic()
     sigint_once_in("w.wait()")  # once inside Work.wait's wait for the native work
     with pytest.raises(KeyboardInterrupt) as raised:
@@ -207,3 +209,15 @@ def test_ctrl_c_ends_a_wait_and_the_work_stays_interrupted() -> None:
     with pytest.raises(KeyboardInterrupt) as again:
         work.wait()
     assert again.value is raised.value and work.exception() is raised.value and work.is_completed()
+
+
+def test_a_coalesced_async_call_waits_for_every_part_and_copies_each_back() -> None:
+    """The coalesced forms merge their parts' works into one: its native works and copy-backs (a
+    non-contiguous output is gathered into a contiguous copy first) are every part's."""
+    pg = AxonmlProcessGroup(ad.ProcessGroup(ad.ThreadBackend.create_world(1)[0]), 0, 1)
+    inputs = [torch.arange(6.0), torch.arange(6.0) + 10]
+    outputs = [torch.zeros(3, 2).t(), torch.zeros(6)]  # the first is not contiguous
+    work = pg.allgather_into_tensor_coalesced(outputs, inputs, None)  # no options: asynchronous
+    assert work is not None and work.wait()
+    for out, inp in zip(outputs, inputs, strict=True):
+        assert torch.equal(out.reshape(-1), inp)

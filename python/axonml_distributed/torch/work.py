@@ -83,6 +83,12 @@ class Work(dist.Work):
         work._error = error
         return work
 
+    @property
+    def _finish(self) -> Callable[[], object] | None:
+        """The copy-back it was made with (the coalesced calls chain their parts' into one work)."""
+        settling = self._settling
+        return None if settling is None else settling.finish
+
     def _settled(self) -> _Settling:
         """Its `_Settling`, made now if it has none yet."""
         settling = self._settling
