@@ -4,7 +4,9 @@ A blocking call from torch's Python API never gets here (it runs on the calling 
 Work). An asynchronous one gets a `Work`; whoever needs it finished first finishes it, once: a thread
 in `wait()` (no hand-off), or, once torch asked for its future (DDP's reducer does for every bucket),
 the lane's `Completer` thread, which then completes the future at once, running its callbacks there
-(as gloo runs them on its worker threads) rather than handing them to yet another thread.
+(as gloo runs them on its worker threads) rather than handing them to yet another thread. A work
+that is only waited for (the common `dist.all_reduce(t, async_op=True).wait()`) has nothing to finish
+once: its native works settle themselves in the core, so it takes no lock and makes no future.
 """
 
 # mypy: disable-error-code="override"
