@@ -10,8 +10,7 @@
 //! from any source have a lane per tag, and receives with one tag start in issue order across it and
 //! the per-source lanes ([`Lane::follows`]), so they match messages in the order they were posted.
 
-use std::collections::HashMap;
-use std::sync::mpsc::{channel, Sender};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Instant;
 
@@ -53,6 +52,11 @@ impl Work {
             r = self.state.finished.wait_timeout(r, nap).unwrap_or_else(|e| e.into_inner()).0;
         }
         r.clone()
+    }
+
+    /// The job's result if it has run, without waiting.
+    pub fn result(&self) -> Option<Result<()>> {
+        lock(&self.state.result).clone()
     }
 
     /// True once the job has run.
@@ -107,18 +111,95 @@ impl Lane {
 
 /// A lazily started worker thread and the last job given to it.
 struct Queue {
-    tx: Sender<Job>,
+    inbox: Arc<Inbox>,
     last: Work,
 }
 
-fn start_worker() -> Sender<Job> {
-    let (tx, rx) = channel::<Job>();
-    // The thread ends when its sender (the communicator's lanes) is dropped.
-    std::thread::Builder::new()
-        .name("axonml-work".into())
-        .spawn(move || rx.into_iter().for_each(|job| job()))
-        .expect("spawning a work thread");
-    tx
+/// The jobs given to a lane's worker thread. Not a channel: std's wakes the worker while the sender
+/// still holds the channel's lock, so a worker woken on the sender's core (a busy machine puts it
+/// there) preempts the sender, finds the lock taken and sleeps again: a third context switch per call.
+/// Here the worker is woken after the lock is released.
+struct Inbox {
+    state: Mutex<Pending>,
+    ready: Condvar,
+}
+
+/// An inbox's state, under its lock.
+#[derive(Default)]
+struct Pending {
+    jobs: VecDeque<Job>,
+    /// The lane is gone: the worker runs what is left and ends.
+    closed: bool,
+    /// The worker thread ended (a job unwound, which jobs must not): the next job starts another.
+    dead: bool,
+}
+
+impl Queue {
+    fn start() -> Queue {
+        Queue { inbox: Inbox::serve(VecDeque::new()), last: Work::default() }
+    }
+
+    fn push(&mut self, job: Job) {
+        let mut pending = lock(&self.inbox.state);
+        if pending.dead {
+            let jobs = std::mem::take(&mut pending.jobs);
+            drop(pending);
+            self.inbox = Inbox::serve(jobs);
+            pending = lock(&self.inbox.state);
+        }
+        pending.jobs.push_back(job);
+        drop(pending);
+        self.inbox.ready.notify_one();
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        lock(&self.inbox.state).closed = true;
+        self.inbox.ready.notify_one();
+    }
+}
+
+impl Inbox {
+    /// A new inbox holding `jobs`, and its worker thread.
+    fn serve(jobs: VecDeque<Job>) -> Arc<Inbox> {
+        let inbox = Arc::new(Inbox {
+            state: Mutex::new(Pending { jobs, ..Pending::default() }),
+            ready: Condvar::new(),
+        });
+        let serving = inbox.clone();
+        std::thread::Builder::new()
+            .name("axonml-work".into())
+            .spawn(move || serving.run())
+            .expect("spawning a work thread");
+        inbox
+    }
+
+    /// The worker thread's loop: the jobs in order, until the lane is gone and none is left.
+    fn run(&self) {
+        struct Ended<'a>(&'a Inbox);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.state).dead = true;
+            }
+        }
+        let _ended = Ended(self);
+        loop {
+            let job = {
+                let mut pending = lock(&self.state);
+                loop {
+                    if let Some(job) = pending.jobs.pop_front() {
+                        break job;
+                    }
+                    if pending.closed {
+                        return;
+                    }
+                    pending = self.ready.wait(pending).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            job();
+        }
+    }
 }
 
 /// The lanes of one communicator (see the module docs).
@@ -164,12 +245,8 @@ impl Lanes {
             before.iter().for_each(|w| drop(w.result_by(None)));
             handle.finish(job())
         });
-        let q = queues.entry(lane).or_insert_with(|| Queue { tx: start_worker(), last: Work::default() });
-        if let Err(unsent) = q.tx.send(task) {
-            // Only if the worker thread died: start another one for the job.
-            q.tx = start_worker();
-            let _ = q.tx.send(unsent.0);
-        }
+        let q = queues.entry(lane).or_insert_with(Queue::start);
+        q.push(task);
         q.last = work.clone();
         work
     }
@@ -203,5 +280,60 @@ impl Lanes {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A job that unwinds ends its worker thread (jobs must not; `ProcessGroup::submit` catches
+    /// panics): the jobs queued behind it, and later ones, still run, in order, on another thread.
+    #[test]
+    fn jobs_behind_one_that_unwinds_still_run_in_order() {
+        let lanes = Lanes::default();
+        let (hold, held) = channel::<()>();
+        let ran = Arc::new(Mutex::new(vec![]));
+        let push = |ran: &Arc<Mutex<Vec<i32>>>, i| {
+            lock(ran).push(i);
+            Ok(())
+        };
+        let (r1, r2) = (ran.clone(), ran.clone());
+        let first = lanes.submit(Lane::Collectives, move || {
+            held.recv().ok();
+            panic!("a job that unwinds")
+        });
+        let queued = lanes.submit(Lane::Collectives, move || push(&r1, 1));
+        hold.send(()).unwrap();
+        while !lock(&lanes.own.queues)[&Lane::Collectives].inbox.state.lock().unwrap().dead {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let later = lanes.submit(Lane::Collectives, move || push(&r2, 2));
+        assert!(later.wait().is_ok() && queued.is_completed() && !first.is_completed());
+        assert_eq!(*lock(&ran), [1, 2]);
+    }
+
+    /// Every job runs once, in issue order, whether the worker sleeps between them or not.
+    #[test]
+    fn a_lane_runs_its_jobs_once_in_issue_order() {
+        let lanes = Lanes::default();
+        let ran = Arc::new(Mutex::new(vec![]));
+        let works: Vec<Work> = (0..2000)
+            .map(|i| {
+                if i % 100 == 0 {
+                    std::thread::sleep(Duration::from_millis(1)); // let the worker go to sleep
+                }
+                let ran = ran.clone();
+                lanes.submit(Lane::Collectives, move || {
+                    lock(&ran).push(i);
+                    Ok(())
+                })
+            })
+            .collect();
+        assert!(works.iter().all(|w| w.wait().is_ok()));
+        assert_eq!(*lock(&ran), (0..2000).collect::<Vec<_>>());
     }
 }

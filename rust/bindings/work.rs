@@ -72,8 +72,15 @@ impl PyWork {
     /// return its result (None for in-place collectives, the new array for the `*_tensor` ones, the
     /// sender's global rank for `recv_any`).
     fn wait(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let (w, comm) = (self.work.clone(), self.comm.clone());
-        py.detach(|| abort_if_interrupted(&*comm, w.wait(), QUEUED))?;
+        match self.work.result() {
+            // Finished already (a short call often is by the time it is waited for): no need to let
+            // the GIL go and take it back.
+            Some(r) => r?,
+            None => {
+                let (w, comm) = (self.work.clone(), self.comm.clone());
+                py.detach(|| abort_if_interrupted(&*comm, w.wait(), QUEUED))?;
+            }
+        }
         if let Some(src) = self.source.as_ref().and_then(|s| s.get()) {
             return Ok(Some(src.into_pyobject(py)?.into_any().unbind()));
         }

@@ -4,7 +4,9 @@ A blocking call from torch's Python API never gets here (it runs on the calling 
 Work). An asynchronous one gets a `Work`; whoever needs it finished first finishes it, once: a thread
 in `wait()` (no hand-off), or, once torch asked for its future (DDP's reducer does for every bucket),
 the lane's `Completer` thread, which then completes the future at once, running its callbacks there
-(as gloo runs them on its worker threads) rather than handing them to yet another thread.
+(as gloo runs them on its worker threads) rather than handing them to yet another thread. A work
+that is only waited for (the common `dist.all_reduce(t, async_op=True).wait()`) has nothing to finish
+once: its native works settle themselves in the core, so it takes no lock and makes no future.
 """
 
 # mypy: disable-error-code="override"
@@ -27,28 +29,40 @@ def _value(fut: torch.futures.Future[Any]) -> Any:
     return fut.value()
 
 
+_init = dist.Work.__init__  # looked up once: every asynchronous call makes a Work
+
+# Makes a work's `_Settling` at most once (taken only on the way to a future or a profiler event).
+_SETTLING = threading.Lock()
+
+
+class _Settling:
+    """What a work needs to run something once its native works finish (a copy-back, a profiler
+    event's end, its future's completion): the first thread to finish it runs them; the others wait."""
+
+    __slots__ = ("finish", "running", "state", "finished", "source", "future", "event")
+
+    def __init__(self, finish: Callable[[], object] | None) -> None:
+        self.finish = finish  # the copy-back, if any
+        self.running = threading.Lock()  # held by the thread finishing it; the others wait on it
+        self.state = threading.Lock()  # `finished`, `source` and `event` change together: settled once
+        self.finished = False
+        self.source: torch.futures.Future[Any] | None = None
+        self.future: torch.futures.Future[Any] | None = None
+        self.event: Event | None = None
+
+
 class Work(dist.Work):
     """A torch Work over native works on one lane: `wait()` re-raises their errors; the future
     completes (with `result`) once they have finished and any copy-back has run. The future, and the
     completer's part, only when asked for.
 
     Every asynchronous call makes one, so it costs little: its fields are slots (made and read faster
-    than a dict's; torch's own Works take no other attributes either), and `wait()` on a finished one
-    returns at once."""
+    than a dict's; torch's own Works take no other attributes either). A work with nothing to run once
+    its native works finish (no copy-back, no future asked for, no profiler event: an async call that
+    is just waited for) takes no lock: each native work settles once by itself, in the core, and
+    `wait()` only waits for them. The rest (`_Settling`) is made when first needed."""
 
-    __slots__ = (
-        "_natives",
-        "_result",
-        "_finish",
-        "_completer",
-        "_running",
-        "_state",
-        "_finished",
-        "_error",
-        "_source",
-        "_future",
-        "_event",
-    )
+    __slots__ = ("_natives", "_result", "_completer", "_error", "_settling")
 
     def __init__(
         self,
@@ -57,53 +71,74 @@ class Work(dist.Work):
         finish: Callable[[], object] | None,
         completer: Callable[[], Completer],
     ) -> None:
-        dist.Work.__init__(self)  # not super(): finding it costs as much as a field
+        _init(self)  # not super(): finding it costs as much as a field
         self._natives = natives
         self._result = result
-        self._finish = finish
         self._completer = completer
-        self._running = threading.Lock()  # held by the thread finishing it; the others wait on it
-        self._state = threading.Lock()  # `_finished` and `_source` change together: settled once
-        self._finished = False
         self._error: BaseException | None = None
-        self._source: torch.futures.Future[Any] | None = None
-        self._future: torch.futures.Future[Any] | None = None
-        self._event: Event | None = None
+        self._settling = None if finish is None else _Settling(finish)
 
     @classmethod
     def done(cls, result: Any, error: Exception | None, completer: Callable[[], Completer]) -> Work:
         """A work that ran on the calling thread already, with its error if it failed."""
         work = cls([], result, None, completer)
-        work._finished, work._error = True, error
+        work._error = error
         return work
 
-    def _run(self) -> torch.futures.Future[Any] | None:
-        """Wait for the native works and copy results back, unless done already (another thread
-        doing it first: wait for it). Returns the future for this thread to settle, if any."""
-        if self._finished:
-            return None
-        with self._running:  # bounded: the thread inside waits with the group's timeout
-            if self._finished:
-                return None
-            try:
-                for w in self._natives:
-                    w.wait()  # our errors, raised here; Ctrl-C ends it on the main thread
-                if self._finish is not None:
-                    self._finish()
-            except BaseException as e:  # the future and wait() report it
+    @property
+    def _finish(self) -> Callable[[], object] | None:
+        """The copy-back it was made with (the coalesced calls chain their parts' into one work)."""
+        settling = self._settling
+        return None if settling is None else settling.finish
+
+    def _settled(self) -> _Settling:
+        """Its `_Settling`, made now if it has none yet."""
+        settling = self._settling
+        if settling is None:
+            with _SETTLING:
+                settling = self._settling
+                if settling is None:
+                    settling = self._settling = _Settling(None)
+        return settling
+
+    def _wait_natives(self, finish: Callable[[], object] | None = None) -> None:
+        """Wait for the native works (our errors, raised there, are kept as the work's error; Ctrl-C
+        ends the wait on the main thread), then run the copy-back `finish`. Not again once it failed
+        (or a Ctrl-C ended a wait for it)."""
+        if self._error is not None:
+            return
+        try:
+            for w in self._natives:
+                w.wait()
+            if finish is not None:
+                finish()
+        except BaseException as e:  # the future and wait() report it
+            if self._error is None:  # another thread waiting for the same works found it first
                 self._error = e
-            with self._state:
-                self._finished = True
-                source, event = self._source, self._event
+
+    def _run(self) -> torch.futures.Future[Any] | None:
+        """Finish it, unless done already (another thread doing it first: wait for it). Returns the
+        future for this thread to settle, if any."""
+        s = self._settled()
+        if s.finished:
+            return None
+        with s.running:  # bounded: the thread inside waits with the group's timeout
+            if s.finished:
+                return None
+            self._wait_natives(s.finish)
+            with s.state:
+                s.finished = True
+                source, event = s.source, s.event
             if event is not None:  # finished: its profiler event ends, before the future's callbacks run
                 event.end()
             return source
 
     def record(self, event: Event) -> None:
         """End the profiler event of the call that returned this work once the work has finished."""
-        with self._state:
-            if not self._finished:
-                self._event = event
+        s = self._settled()
+        with s.state:
+            if not s.finished:
+                s.event = event
                 return
         event.end()
 
@@ -123,16 +158,31 @@ class Work(dist.Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
         not used); re-raise its error."""
-        if not self._finished:
+        s = self._settling
+        if s is None:
+            self._wait_natives()  # nothing else to run once: no lock (see the class docs)
+        elif not s.finished:
             self._complete()
         if self._error is not None:
             raise self._error
         return True
 
+    def _natives_completed(self) -> bool:
+        for w in self._natives:
+            if not w.is_completed():
+                return False
+        return True
+
     def is_completed(self) -> bool:
-        if not self._finished and all(w.is_completed() for w in self._natives):
+        s = self._settling
+        if s is None:
+            if self._error is None and not self._natives_completed():
+                return False
+            self._wait_natives()  # returns at once: only to keep their error
+            return True
+        if not s.finished and self._natives_completed():
             self._complete()  # only the copy-back and the future are left
-        return self._finished
+        return s.finished
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -141,21 +191,25 @@ class Work(dist.Work):
         return self._error
 
     def get_future(self) -> torch.futures.Future[Any]:
-        with self._state:
-            if self._future is not None:
-                return self._future
+        s = self._settled()
+        with s.state:
+            if s.future is not None:
+                return s.future
             # torch's Future.set_exception completes the future with a value that raises in Python
             # only; torch's C++ (DDP's reducer) would read it as the result. A callback that raises
             # errors its future in C++ too, so the public future is the source's continuation.
             source: torch.futures.Future[Any] = torch.futures.Future()
-            self._source = source
-            self._future = source.then(_value)
-            finished = self._finished
+            s.source = source
+            future = s.future = source.then(_value)
+            finished = s.finished
+        # Nobody but us has chained on it yet: settled here, no callbacks of others run here.
         if finished:
-            self._settle(source)  # nobody but us has chained on it yet: no callbacks of others run here
+            self._settle(source)
+        elif self._error is not None or self._natives_completed():
+            self._complete()  # nothing to wait for: here, at once
         else:
             self._completer().put(self)
-        return self._future
+        return future
 
 
 class AnySourceWork(Work):
