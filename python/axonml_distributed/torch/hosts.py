@@ -52,6 +52,7 @@ from axonml_distributed.exceptions import (
     PeerFailureError,
 )
 from axonml_distributed.hosts.addresses import AddressBook, local_addresses
+from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
@@ -151,14 +152,16 @@ def join_host(store: dist.Store, layout: HostLayout, timeout: datetime.timedelta
 
 def local_group(
     host_world: Backend, world: HostLayout, group: HostLayout, timeout: datetime.timedelta
-) -> ProcessGroup:
-    """The group's ranks on this host as a group of the host's world (whose ranks are local indices)."""
+) -> HostGroup:
+    """The group's ranks on this host as a group of the host's world (whose ranks are local indices),
+    its errors in the job's ranks."""
     if host_world.world_size() == len(group.local_ranks):
-        return ProcessGroup(host_world, None, timeout)
-    if len(group.local_ranks) == 1:
-        return ProcessGroup(ThreadBackend.single(timeout.total_seconds()))
+        return HostGroup(ProcessGroup(host_world, None, timeout), world.local_ranks)
+    if len(group.local_ranks) == 1:  # a world of its own, whose rank 0 is this rank
+        return HostGroup(ProcessGroup(ThreadBackend.single(timeout.total_seconds())), group.local_ranks)
     index = world.local_ranks.index
-    return ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
+    native = ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
+    return HostGroup(native, world.local_ranks)
 
 
 class HostsProcessGroup(NamedGroup):
@@ -198,7 +201,6 @@ class HostsProcessGroup(NamedGroup):
             self._cross_ranks = layout.peers()
             self._two_level = TwoLevelAllReduce(local, segment)
             self._local = local
-            self._host_ranks = world.local_ranks
         world_size = sum(len(host) for host in world.hosts)
         cross_ranks = layout.peers() if self._cross is not None else None
         self._gloo_calls = GlooCalls(layout.rank, world_size, ranks, cross_ranks)
@@ -211,6 +213,13 @@ class HostsProcessGroup(NamedGroup):
 
     def _get_sequence_number_for_group(self) -> int:
         return self._flat._get_sequence_number_for_group() + self._two_level_calls
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Totals per kind of this rank's calls on the group that gloo carries, as the native groups'
+        ``stats()`` (calls, failed, bytes, wait_s, move_s, routes; route "gloo"): every call forwarded
+        to gloo and each small all_reduce, one call each; a two-level all_reduce counts as its shards'
+        all-reduces between hosts (its part inside the host is in the host's world)."""
+        return self._gloo_calls.stats()
 
     def shutdown(self, wait: float | None = None) -> None:
         """torch's `destroy_process_group` (and the interpreter's exit, for a group never destroyed):
@@ -317,7 +326,7 @@ class HostsProcessGroup(NamedGroup):
         """Every rank of the group made the same call, or this raises before any buffer changes."""
         try:
             signature.check(self._ranks)
-        except CollectiveMismatchError:
+        except (CollectiveMismatchError, ValueError):
             raise  # every rank saw the same signatures and raises alike: nothing to abort
         except Exception as e:
             # Any rank of the group may be the one gone: gloo names a socket, not a rank.
@@ -326,7 +335,7 @@ class HostsProcessGroup(NamedGroup):
 
     def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
         """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
-        by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
+        by their global ranks (the host's level says them so already: `HostGroup`). A failure of the
         engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
         name instead the ranks noted as the job's first failure (a closed socket may be a rank that
         failed after them, on any host), else, where gloo's error (or a host peer's abort quoting one)
@@ -353,17 +362,13 @@ class HostsProcessGroup(NamedGroup):
             self._note.write(
                 named, f"ranks {named} (the host at {where}) left without a word, as rank {me} saw"
             )
-        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
-            host = self._host_ranks
-            table = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours (`in_job_ranks`)
             kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
-            inside = f"host ranks to global ranks: {table}; "
-            if named:
-                inside += f"the failure began with rank(s) {named} ({who}); "
+            began = f"the failure began with rank(s) {named} ({who}); " if named else ""
             return kind(
-                f"rank {me}: {call} failed inside this host ({inside}{context}): {e}",
+                f"rank {me}: {call} failed inside this host ({began}{context}): {e}",
                 rank=me,
-                ranks=named or [host[r] for r in e.ranks if 0 <= r < len(host)],
+                ranks=named or list(e.ranks),
                 call=call,
                 group=self._ranks,
             )
