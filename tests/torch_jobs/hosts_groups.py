@@ -35,7 +35,10 @@ def stats(rank: int) -> None:
     dist.all_reduce(torch.ones(ELEMS, dtype=torch.float64))
     dist.broadcast(torch.ones(6, dtype=torch.int32), src=1)
     dist.barrier()  # gloo ends a call's record from its future's callback: the calls above are settled
-    say(f"rank {rank} stats {json.dumps(dist.group.WORLD.stats())}")
+    try:
+        say(f"rank {rank} stats {json.dumps(dist.group.WORLD.stats())}")
+    except Exception as e:  # noqa: BLE001 (reported whatever it is)
+        say(f"rank {rank} stats raised {type(e).__name__}: {e}")
 
 
 def strided(rank: int, world: int) -> None:
