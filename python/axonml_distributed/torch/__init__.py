@@ -81,7 +81,7 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     global _world, _hosts, _note, _book, _prefix
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
-        _prefix = init_prefix(opts.store, opts.group_size)
+        _prefix = init_prefix(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         store = dist.PrefixStore(_prefix, opts.store)
         gather = store_all_gather(store, opts.group_rank, opts.group_size, opts.timeout)
         _hosts = find_hosts(opts.group_rank, opts.group_size, gather)

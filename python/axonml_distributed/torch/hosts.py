@@ -34,7 +34,9 @@ import atexit
 import concurrent.futures
 import datetime
 import queue
+import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -104,11 +106,48 @@ _FORWARDED = {
 _UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
 
 
-def init_prefix(store: dist.Store, size: int) -> str:
+def init_prefix(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> str:
     """A key prefix of this init's own (collective: every rank of the job calls it once per init). A job
-    may destroy its group and init again over the same store, whose keys stay: read again, the last
-    init's proofs and gloo addresses would be stale. Each rank's `add` settles which init this is."""
-    return f"axonml/init/{(store.add('axonml/inits', 1) - 1) // size}/"
+    may destroy its group and init again over the same store, and torchrun's rounds share one store,
+    whose keys stay: read again, an earlier init's proofs and gloo addresses would be stale. Rank 0
+    numbers the inits; every other rank asks it for this one's number under a fresh token of its own.
+    (A count of every rank's calls would let a rank that never reached an earlier init, or reached it
+    alone, or a round of another size, shift the next init's ranks onto different numbers.)"""
+    if rank == 0:
+        number = store.add("axonml/inits", 1)
+        _hand_out(store, number, size, timeout)
+        return f"axonml/init/{number}/"
+    token = secrets.token_hex(16)
+    store.set(f"axonml/init/ask/{rank}", token)
+    store.wait([f"axonml/init/answer/{token}"], timeout)
+    number = int(store.get(f"axonml/init/answer/{token}"))
+    store.add(f"axonml/init/{number}/took", 1)
+    return f"axonml/init/{number}/"
+
+
+def _hand_out(store: dist.Store, number: int, size: int, timeout: datetime.timedelta) -> None:
+    """Rank 0: answer every other rank's token with init `number` until all took it. A token read may be
+    an earlier init's (its rank not here yet): answered too, for nobody, and read again until it is
+    this init's."""
+    asks = [f"axonml/init/ask/{r}" for r in range(1, size)]
+    store.wait(asks, timeout)
+    answered: set[bytes] = set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while store.add(f"axonml/init/{number}/took", 0) < size - 1:
+        for token in set(store.multi_get(asks)) - answered:
+            store.set(f"axonml/init/answer/{token.decode()}", str(number))
+            answered.add(token)
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"rank 0: init_process_group timed out after {timeout.total_seconds()}s: not every rank "
+                "of the job called it",
+                rank=0,
+                call="init_process_group",
+                waited=timeout.total_seconds(),
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
