@@ -12,7 +12,9 @@ Mismatches: every collective (not point to point) first all-gathers a small sign
 group (which call, dtype, the element counts that must agree, root, op: `hosts_signature`), so ranks on
 different hosts whose calls differ all raise CollectiveMismatchError before any buffer changes (gloo
 itself would move mismatched bytes, fail on one side, or wait for the timeout). It costs one small gloo
-call per collective (two for all_to_all_single, whose split sizes pair up across ranks).
+call per collective (two for all_to_all_single, whose split sizes pair up across ranks). A strided
+tensor given to all_to_all_single on any rank is refused the same way, on every rank, with one host's
+ValueError("Tensors must be contiguous...").
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
@@ -24,6 +26,8 @@ process ends on an exception (Ctrl-C too) notes it in the Store (`FailureNote`) 
 quote it and name its rank; a process that ends without a word (SIGKILL, a host gone) is named by its
 address, which the error names as that host's ranks (every rank lists its host's addresses at init:
 `exchange_addresses`). Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
+A subgroup whose ranks share one host is a native group of that host's world (`local_group`), its
+errors in the job's ranks too (`hosts.host_group`). `stats()` counts the calls gloo carries.
 """
 
 # mypy: disable-error-code="override"
