@@ -195,16 +195,17 @@ def join_host(store: dist.Store, layout: HostLayout, timeout: datetime.timedelta
 
 def local_group(
     host_world: Backend, world: HostLayout, group: HostLayout, timeout: datetime.timedelta
-) -> HostGroup:
+) -> ProcessGroup | HostGroup:
     """The group's ranks on this host as a group of the host's world (whose ranks are local indices),
-    its errors in the job's ranks."""
+    its errors in the job's ranks when the job spans several hosts (a `HostGroup`)."""
+    host = world.local_ranks
     if host_world.world_size() == len(group.local_ranks):
-        return HostGroup(ProcessGroup(host_world, None, timeout), world.local_ranks)
-    if len(group.local_ranks) == 1:  # a world of its own, whose rank 0 is this rank
-        return HostGroup(ProcessGroup(ThreadBackend.single(timeout.total_seconds())), group.local_ranks)
-    index = world.local_ranks.index
-    native = ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
-    return HostGroup(native, world.local_ranks)
+        native = ProcessGroup(host_world, None, timeout)
+    elif len(group.local_ranks) == 1:  # a world of its own, whose rank 0 is this rank
+        native, host = ProcessGroup(ThreadBackend.single(timeout.total_seconds())), group.local_ranks
+    else:
+        native = ProcessGroup(host_world, [host.index(r) for r in group.local_ranks], timeout)
+    return native if len(world.hosts) == 1 else HostGroup(native, host)
 
 
 class HostsProcessGroup(NamedGroup):
