@@ -46,6 +46,7 @@ class HostGroup:
                 raise in_job_ranks(e, host) from e
             return _HostWork(result, host) if isinstance(result, NativeWork) else result
 
+        self.__dict__[name] = call  # found here from now on, without this lookup
         return call
 
 

@@ -164,10 +164,11 @@ def _alltoall_base(
     sends, send_ok = splits(input, in_splits)
     receives, receive_ok = splits(output, out_splits)
     try:
-        _refuse_strided(input, output)
+        _refuse_strided(input, output)  # one host's check, whose ValueError every rank raises (`check`)
+        strided = False
     except ValueError:
-        return Call([], send_ok and receive_ok, (sends, receives), strided=True)
-    return Call([], send_ok and receive_ok, (sends, receives))
+        strided = True
+    return Call([], send_ok and receive_ok, (sends, receives), strided)
 
 
 # gloo's method -> what its call says of itself, from the call's arguments (options last) and the group
