@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 c10d = pytest.importorskip("torch._C._distributed_c10d")  # every options class (torch.distributed: some)
 
-from axonml_distributed.torch.hosts_signature import forwarded  # noqa: E402
+from axonml_distributed.torch.hosts_signature import Signature, forwarded  # noqa: E402
 
 W = 4
 
@@ -129,3 +129,37 @@ def test_all_to_all_single_counts_splits_in_rows_of_dim_0_as_torch_does() -> Non
     spelled = forwarded("all_to_all_single", [even, even, [2] * W, [2] * W, opts("AllToAllOptions")], W, 0)
     default = forwarded("all_to_all_single", [even, even, [], [], opts("AllToAllOptions")], W, 1)
     assert spelled[0][6] != -1 and spelled[1] == default[1] == ([2 * row] * W, [2 * row] * W)
+
+
+class _Gathered:
+    """A flat group whose all-gather hands every rank `rows` (what the ranks' rows would gather to)."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self._rows = rows
+
+    def _allgather_base(self, out: Any, _mine: Any) -> Any:
+        out.copy_(torch.tensor(self._rows, dtype=torch.int64).view(-1))
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("which", ["output", "input"])
+def test_a_strided_all_to_all_single_tensor_on_one_rank_is_refused_on_every_rank(which: str) -> None:
+    """gloo refuses a strided input on its rank alone (the others wait) and writes a strided output
+    wrongly: the rank's row says so, and every rank, seeing the rows, raises one host's ValueError."""
+
+    def args(r: int) -> list[Any]:
+        out, inp = t(2 * W), t(2 * W)
+        if r == 3:
+            out, inp = (out[::2], inp[:W]) if which == "output" else (out[:W], inp[::2])
+        else:
+            out, inp = out[:W], inp[:W]
+        return [out, inp, [], [], opts("AllToAllOptions")]
+
+    made = [forwarded("alltoall_base", args(r), W, r)[0] for r in range(W)]
+    assert made[3] != made[0] and all(row == made[0] for row in made[:3]), made
+    for r in range(W):
+        with pytest.raises(ValueError, match=r"Tensors must be contiguous.*rank\(s\) \[3\]"):
+            Signature(made[r], _Gathered(made), W).check(list(range(W)))

@@ -392,3 +392,63 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHos
     assert "RuntimeError: rank 2 fails once" in agents[1].out, text
     done = lines(agents, r"rank (\d) of 4: all_reduce right$")
     assert sorted(int(m[1]) for m in done) == [0, 1, 2, 3], text
+
+
+# ---- what groups across hosts tell -------------------------------------------------------------------
+
+GROUPS_ELEMS = 40_000  # tests/torch_jobs/hosts_groups.py's two-level all_reduce (float64)
+
+
+@pytest.mark.timeout(200)
+def test_groups_across_hosts_count_their_calls_refuse_strided_all_to_all_and_name_job_ranks(
+    hosts: SimHosts, tmp_path: Path
+) -> None:
+    """One job (tests/torch_jobs/hosts_groups.py): the default group's `stats()`; all_to_all_single with
+    a strided output (gloo would write it wrongly) or input (gloo refuses it on that rank alone, the
+    others waiting) on one rank refused on every rank before anything moves; a subgroup of host 1's
+    ranks whose timeout and peer failure name the job's ranks 2 and 3, not the host's 0 and 1."""
+    agents = torchrun(hosts, "hosts_groups.py", out_dir=tmp_path, timeout=170)
+    text = said(agents)
+    assert [a.code for a in agents] == [0, 0], text
+
+    # stats(): the shape of the native groups' (tests/test_flight_recorder.py), counted from the calls.
+    got = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) stats (.*)$")}
+    assert sorted(got) == [0, 1, 2, 3], text
+    for stats in got.values():
+        for kind in ("all_reduce", "broadcast"):
+            assert set(stats[kind]) == {"calls", "failed", "bytes", "wait_s", "move_s", "routes"}, stats
+            assert stats[kind]["failed"] == 0 and stats[kind]["routes"] == {"gloo": stats[kind]["calls"]}
+        assert (stats["broadcast"]["calls"], stats["broadcast"]["bytes"]) == (1, 6 * 4), stats
+        assert stats["all_reduce"]["calls"] >= 2, stats  # the flat one, and one per shard between hosts
+    # Each host's ranks carry one shard each of the two-level all_reduce across hosts, beside the flat one.
+    for host in ((0, 1), (2, 3)):
+        assert sum(got[r]["all_reduce"]["bytes"] for r in host) == 2 * 10 * 4 + GROUPS_ELEMS * 8, got
+
+    # Strided all_to_all_single on one rank: refused on every rank, nothing written, the group usable.
+    for which, odd in (("output", 3), ("input", 1)):
+        for rank in range(4):
+            found = lines(agents, rf"rank {rank} strided {which} (raised (\w+): (.*)|never raised)$")
+            assert found and found[0][2] == "ValueError", f"{which} on rank {rank}: {found and found[0][0]}"
+            assert "Tensors must be contiguous" in found[0][3] and f"rank(s) [{odd}]" in found[0][3], text
+            assert lines(agents, rf"rank {rank} strided {which} unchanged: True$"), text
+    assert len(lines(agents, r"rank \d all_to_all_single right: True$")) == 4, text
+
+    # The subgroup [2, 3] on host 1: its errors in the job's ranks.
+    raised = {int(m[1]): (m[2], m[3]) for m in lines(agents, r"rank (\d) subgroup raised (\w+): (.*)$")}
+    facts = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) subgroup facts (.*)$")}
+    assert sorted(raised) == [2, 3], text
+    assert raised[2][0] == "CollectiveTimeoutError" and raised[3][0] == "PeerFailureError", text
+    assert facts[2] == {"rank": 2, "ranks": [3], "group": [2, 3]}, text
+    assert facts[3] == {"rank": 3, "ranks": [2], "group": [2, 3]}, text
+    for rank, other in ((2, 3), (3, 2)):
+        message = raised[rank][1]
+        assert message.startswith(f"rank {rank}: ") and f"inside this host (rank(s) [{other}];" in message, (
+            text
+        )
+        assert "host ranks to global ranks: 0 = 2, 1 = 3" in message, text
+    # Its flight record too (`trace.record.to_job_ranks`): rank 2's all_reduce, in a group over 2 and 3.
+    dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"FLIGHT (\d) (.*)$")}
+    dump = dumps[2]["ranks"]["2"]
+    pairs = {n for n, c in dump["pg_config"].items() if c["ranks"] == "[2, 3]"}
+    assert [e for e in dump["entries"] if e["process_group"][0] in pairs and e["count"] == 4], dump
+    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
+from axonml_distributed.hosts.host_group import HostGroup
 
 # Measured with `python -m axonml_distributed.bench --hosts 2` (2 simulated hosts x 2 ranks on 2 cores,
 # 10 Gbit/s links, README "Several hosts"): each engine call between hosts costs milliseconds there, so
@@ -51,7 +52,7 @@ class TwoLevelAllReduce:
     """All-reduces a flat contiguous buffer (numpy array or CPU tensor) over `local` (this host's group,
     native) and an engine between hosts. One per group; calls run in program order."""
 
-    def __init__(self, local: ProcessGroup, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(self, local: ProcessGroup | HostGroup, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         self._local = local
         self._parts = local.size()
         self._me = local.group_rank(local.rank())

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from axonml_distributed._core import Backend, DistributedError, ProcessGroup, ThreadBackend
 from axonml_distributed.hosts.addresses import AddressBook
+from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.hosts.layout import HostLayout, find_hosts
 from axonml_distributed.init import install_excepthook
 from axonml_distributed.torch.group import BACKEND, AxonmlProcessGroup, OrderedProcessGroup
@@ -80,7 +81,7 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
     global _world, _hosts, _note, _book, _prefix
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
-        _prefix = init_prefix(opts.store, opts.group_size)
+        _prefix = init_prefix(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         store = dist.PrefixStore(_prefix, opts.store)
         gather = store_all_gather(store, opts.group_rank, opts.group_size, opts.timeout)
         _hosts = find_hosts(opts.group_rank, opts.group_size, gather)
@@ -95,7 +96,7 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
             install_excepthook(HostRank(_world, opts.group_rank, _note))
             return group
         _world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout)
-        native = ProcessGroup(_world)
+        native: ProcessGroup | HostGroup = ProcessGroup(_world)
         # As our own init_process_group does: an exception that ends this process's main thread aborts
         # the world at once (and leaves the launcher's error file), even if the process lingers.
         install_excepthook(native)

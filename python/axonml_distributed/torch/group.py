@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from axonml_distributed._core import ProcessGroup, ReduceOp
 from axonml_distributed.exceptions import CollectiveTimeoutError
+from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.profiling import enabled as _profiling
 from axonml_distributed.torch.profiling import profiled
@@ -168,7 +169,7 @@ class AxonmlProcessGroup(NamedGroup):
     """torch's ProcessGroup interface over a native `ProcessGroup`: torch passes group ranks, the core
     takes global ones."""
 
-    def __init__(self, native: ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, native: ProcessGroup | HostGroup, rank: int, size: int) -> None:
         super().__init__(rank, native.ranks())
         self._native: Any = native  # takes CPU tensors where its stub says arrays
         self._rank = rank
@@ -580,7 +581,7 @@ class OrderedProcessGroup(AxonmlProcessGroup):
     any source reports); the calls with one item or chunk per member hand the core their items in its
     order (`RankOrder`), and write what it returns back in torch's."""
 
-    def __init__(self, native: ProcessGroup, rank: int, size: int, order: RankOrder) -> None:
+    def __init__(self, native: ProcessGroup | HostGroup, rank: int, size: int, order: RankOrder) -> None:
         super().__init__(native, rank, size)
         self._order = order
         self._ranks = order.restore(native.ranks())

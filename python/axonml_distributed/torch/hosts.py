@@ -12,7 +12,9 @@ Mismatches: every collective (not point to point) first all-gathers a small sign
 group (which call, dtype, the element counts that must agree, root, op: `hosts_signature`), so ranks on
 different hosts whose calls differ all raise CollectiveMismatchError before any buffer changes (gloo
 itself would move mismatched bytes, fail on one side, or wait for the timeout). It costs one small gloo
-call per collective (two for all_to_all_single, whose split sizes pair up across ranks).
+call per collective (two for all_to_all_single, whose split sizes pair up across ranks). A strided
+tensor given to all_to_all_single on any rank is refused the same way, on every rank, with one host's
+ValueError("Tensors must be contiguous...").
 
 Two-level calls run in program order on one thread of the group (a blocking call waits for it), so the
 host's group and the gloo groups each see their calls in the same order on every rank; a torch DDP bucket
@@ -24,6 +26,8 @@ process ends on an exception (Ctrl-C too) notes it in the Store (`FailureNote`) 
 quote it and name its rank; a process that ends without a word (SIGKILL, a host gone) is named by its
 address, which the error names as that host's ranks (every rank lists its host's addresses at init:
 `exchange_addresses`). Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
+A subgroup whose ranks share one host is a native group of that host's world (`local_group`), its
+errors in the job's ranks too (`hosts.host_group`). `stats()` counts the calls gloo carries.
 """
 
 # mypy: disable-error-code="override"
@@ -34,7 +38,9 @@ import atexit
 import concurrent.futures
 import datetime
 import queue
+import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -52,6 +58,7 @@ from axonml_distributed.exceptions import (
     PeerFailureError,
 )
 from axonml_distributed.hosts.addresses import AddressBook, local_addresses
+from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
 from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
@@ -103,11 +110,48 @@ _FORWARDED = {
 _UNSIGNED = {"send", "recv", "recv_anysource", "monitored_barrier"}
 
 
-def init_prefix(store: dist.Store, size: int) -> str:
+def init_prefix(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> str:
     """A key prefix of this init's own (collective: every rank of the job calls it once per init). A job
-    may destroy its group and init again over the same store, whose keys stay: read again, the last
-    init's proofs and gloo addresses would be stale. Each rank's `add` settles which init this is."""
-    return f"axonml/init/{(store.add('axonml/inits', 1) - 1) // size}/"
+    may destroy its group and init again over the same store, and torchrun's rounds share one store,
+    whose keys stay: read again, an earlier init's proofs and gloo addresses would be stale. Rank 0
+    numbers the inits; every other rank asks it for this one's number under a fresh token of its own.
+    (A count of every rank's calls would let a rank that never reached an earlier init, or reached it
+    alone, or a round of another size, shift the next init's ranks onto different numbers.)"""
+    if rank == 0:
+        number = store.add("axonml/inits", 1)
+        _hand_out(store, number, size, timeout)
+        return f"axonml/init/{number}/"
+    token = secrets.token_hex(16)
+    store.set(f"axonml/init/ask/{rank}", token)
+    store.wait([f"axonml/init/answer/{token}"], timeout)
+    number = int(store.get(f"axonml/init/answer/{token}"))
+    store.add(f"axonml/init/{number}/took", 1)
+    return f"axonml/init/{number}/"
+
+
+def _hand_out(store: dist.Store, number: int, size: int, timeout: datetime.timedelta) -> None:
+    """Rank 0: answer every other rank's token with init `number` until all took it. A token read may be
+    an earlier init's (its rank not here yet): answered too, for nobody, and read again until it is
+    this init's."""
+    asks = [f"axonml/init/ask/{r}" for r in range(1, size)]
+    store.wait(asks, timeout)
+    answered: set[bytes] = set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while store.add(f"axonml/init/{number}/took", 0) < size - 1:
+        for token in set(store.multi_get(asks)) - answered:
+            store.set(f"axonml/init/answer/{token.decode()}", str(number))
+            answered.add(token)
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"rank 0: init_process_group timed out after {timeout.total_seconds()}s: not every rank "
+                "of the job called it",
+                rank=0,
+                call="init_process_group",
+                waited=timeout.total_seconds(),
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def store_all_gather(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AllGather:
@@ -151,14 +195,17 @@ def join_host(store: dist.Store, layout: HostLayout, timeout: datetime.timedelta
 
 def local_group(
     host_world: Backend, world: HostLayout, group: HostLayout, timeout: datetime.timedelta
-) -> ProcessGroup:
-    """The group's ranks on this host as a group of the host's world (whose ranks are local indices)."""
+) -> ProcessGroup | HostGroup:
+    """The group's ranks on this host as a group of the host's world (whose ranks are local indices),
+    its errors in the job's ranks when the job spans several hosts (a `HostGroup`)."""
+    host = world.local_ranks
     if host_world.world_size() == len(group.local_ranks):
-        return ProcessGroup(host_world, None, timeout)
-    if len(group.local_ranks) == 1:
-        return ProcessGroup(ThreadBackend.single(timeout.total_seconds()))
-    index = world.local_ranks.index
-    return ProcessGroup(host_world, [index(r) for r in group.local_ranks], timeout)
+        native = ProcessGroup(host_world, None, timeout)
+    elif len(group.local_ranks) == 1:  # a world of its own, whose rank 0 is this rank
+        native, host = ProcessGroup(ThreadBackend.single(timeout.total_seconds())), group.local_ranks
+    else:
+        native = ProcessGroup(host_world, [host.index(r) for r in group.local_ranks], timeout)
+    return native if len(world.hosts) == 1 else HostGroup(native, host)
 
 
 class HostsProcessGroup(NamedGroup):
@@ -198,7 +245,6 @@ class HostsProcessGroup(NamedGroup):
             self._cross_ranks = layout.peers()
             self._two_level = TwoLevelAllReduce(local, segment)
             self._local = local
-            self._host_ranks = world.local_ranks
         world_size = sum(len(host) for host in world.hosts)
         cross_ranks = layout.peers() if self._cross is not None else None
         self._gloo_calls = GlooCalls(layout.rank, world_size, ranks, cross_ranks)
@@ -211,6 +257,13 @@ class HostsProcessGroup(NamedGroup):
 
     def _get_sequence_number_for_group(self) -> int:
         return self._flat._get_sequence_number_for_group() + self._two_level_calls
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Totals per kind of this rank's calls on the group that gloo carries, as the native groups'
+        ``stats()`` (calls, failed, bytes, wait_s, move_s, routes; route "gloo"): every call forwarded
+        to gloo and each small all_reduce, one call each; a two-level all_reduce counts as its shards'
+        all-reduces between hosts (its part inside the host is in the host's world)."""
+        return self._gloo_calls.stats()
 
     def shutdown(self, wait: float | None = None) -> None:
         """torch's `destroy_process_group` (and the interpreter's exit, for a group never destroyed):
@@ -317,7 +370,7 @@ class HostsProcessGroup(NamedGroup):
         """Every rank of the group made the same call, or this raises before any buffer changes."""
         try:
             signature.check(self._ranks)
-        except CollectiveMismatchError:
+        except (CollectiveMismatchError, ValueError):
             raise  # every rank saw the same signatures and raises alike: nothing to abort
         except Exception as e:
             # Any rank of the group may be the one gone: gloo names a socket, not a rank.
@@ -326,7 +379,7 @@ class HostsProcessGroup(NamedGroup):
 
     def _failed(self, e: Exception, peers: list[int], who: str, call: str = "all_reduce") -> DistributedError:
         """A call failed: stop this host's ranks at once (two-level groups) and say which ranks failed,
-        by their global ranks (the host's world numbers its ranks 0..n-1 on each host). A failure of the
+        by their global ranks (the host's level says them so already: `HostGroup`). A failure of the
         engine (gloo) names `peers`, the ranks it was exchanging with, `who` saying what they are. Both
         name instead the ranks noted as the job's first failure (a closed socket may be a rank that
         failed after them, on any host), else, where gloo's error (or a host peer's abort quoting one)
@@ -353,17 +406,13 @@ class HostsProcessGroup(NamedGroup):
             self._note.write(
                 named, f"ranks {named} (the host at {where}) left without a word, as rank {me} saw"
             )
-        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours
-            host = self._host_ranks
-            table = ", ".join(f"{i} = {r}" for i, r in enumerate(host))
+        if isinstance(e, DistributedError):  # only the two levels' own calls raise ours (`in_job_ranks`)
             kind = type(e) if type(e) in _CORE_ERRORS else PeerFailureError
-            inside = f"host ranks to global ranks: {table}; "
-            if named:
-                inside += f"the failure began with rank(s) {named} ({who}); "
+            began = f"the failure began with rank(s) {named} ({who}); " if named else ""
             return kind(
-                f"rank {me}: {call} failed inside this host ({inside}{context}): {e}",
+                f"rank {me}: {call} failed inside this host ({began}{context}): {e}",
                 rank=me,
-                ranks=named or [host[r] for r in e.ranks if 0 <= r < len(host)],
+                ranks=named or list(e.ranks),
                 call=call,
                 group=self._ranks,
             )

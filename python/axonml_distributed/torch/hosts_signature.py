@@ -11,7 +11,9 @@ output); all_to_all_single lets split sizes differ, as long as what rank s sends
 from s: those are all-gathered in a second exchange (the splits matrix), after the first agreed. A rank
 whose own buffers do not fit its call (an output of the wrong size, a root's list not one tensor per
 rank of the input's size: where gloo would fail on that rank alone and leave the others waiting) says
-so in its row, so every rank refuses the call.
+so in its row, so every rank refuses the call. A strided tensor given to all_to_all_single (gloo refuses a
+strided input on that rank alone and writes a strided output wrongly) is said so too: every rank raises
+ValueError, as one host does (`torch.group._refuse_strided`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed.exceptions import CollectiveMismatchError
+from axonml_distributed.torch.group import _refuse_strided
 
 # Dtypes and ops by their place here (-1: another).
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -42,19 +45,22 @@ _OPS = (
 )
 # A row's fields: call, dtype, count (elements that must agree, -1: none), tensors, root (-1: none), op
 # (-1: none), sizes (a digest of per-tensor sizes that must agree, 0 for one tensor; -1: this rank's own
-# buffers do not fit its call).
+# buffers do not fit its call; -2: it passed a strided tensor where the call takes none).
 FIELDS = 7
 _NO_FIT = -1
+_STRIDED = -2
 
 
 @dataclass(frozen=True)
 class Call:
     """What a rank's call says of itself: the tensors whose count and sizes every rank must share
-    (`shared`), whether its other buffers fit them, and (all_to_all_single) its send and receive splits."""
+    (`shared`), whether its other buffers fit them, and (all_to_all_single) its send and receive splits
+    and whether a tensor of it is strided."""
 
     shared: Sequence[torch.Tensor]
     fits: bool = True
     splits: tuple[list[int], list[int]] | None = None
+    strided: bool = False
 
 
 def _numel(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -157,7 +163,12 @@ def _alltoall_base(
 
     sends, send_ok = splits(input, in_splits)
     receives, receive_ok = splits(output, out_splits)
-    return Call([], send_ok and receive_ok, (sends, receives))
+    try:
+        _refuse_strided(input, output)  # one host's check, whose ValueError every rank raises (`check`)
+        strided = False
+    except ValueError:
+        strided = True
+    return Call([], send_ok and receive_ok, (sends, receives), strided)
 
 
 # gloo's method -> what its call says of itself, from the call's arguments (options last) and the group
@@ -214,7 +225,9 @@ def _row(name: str, tensors: list[torch.Tensor], call: Call, root: int, op: int)
     dtype = tensors[0].dtype if tensors else None
     shared = _numel(call.shared)
     count = -1 if call.splits is not None else sum(shared)
-    if not call.fits:
+    if call.strided:
+        sizes = _STRIDED
+    elif not call.fits:
         sizes = _NO_FIT
     elif len(shared) > 1:
         digest = hashlib.blake2b(repr(shared).encode(), digest_size=8).digest()
@@ -249,6 +262,13 @@ class Signature:
     def check(self, ranks: list[int]) -> None:
         self._work.wait()
         rows = self._all.view(-1, FIELDS).tolist()
+        strided = [ranks[i] for i, row in enumerate(rows) if row[6] == _STRIDED]
+        if strided:  # every rank sees the same rows: each refuses it alike
+            name = NAMES[rows[ranks.index(strided[0])][0]]
+            raise ValueError(
+                f"Tensors must be contiguous: {name} across hosts takes no strided view (as gloo and nccl), "
+                f"and rank(s) {strided} of group {ranks} passed one; pass .contiguous() of it"
+            )
         unfit = [ranks[i] for i, row in enumerate(rows) if row[6] == _NO_FIT]
         if all(row == rows[0] for row in rows) and not unfit:
             if self._splits is not None:

@@ -137,6 +137,21 @@ class GlooCalls:
         flight.started()
         return flight
 
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Totals per kind of the calls recorded here, as the native groups' ``stats()``: the group's own
+        and the shards' all-reduces between hosts (each one call), summed."""
+        totals = self._flight.stats()
+        for kind, theirs in (self._cross.stats() if self._cross is not None else {}).items():
+            mine = totals.setdefault(
+                kind, {"calls": 0, "failed": 0, "bytes": 0, "wait_s": 0.0, "move_s": 0.0}
+            )
+            for field in ("calls", "failed", "bytes", "wait_s", "move_s"):
+                mine[field] += theirs[field]
+            routes = mine.setdefault("routes", {})
+            for route, n in theirs["routes"].items():
+                routes[route] = routes.get(route, 0) + n
+        return totals
+
     def run(self, flight: FlightCall | None, call: Callable[[], Any]) -> Any:
         """gloo's work of `call()`, the call of `flight` (None: not recorded), whose record ends when the
         work completes, or at once when `call` raises."""
