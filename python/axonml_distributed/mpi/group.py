@@ -126,10 +126,12 @@ class MpiProcessGroup:
         return self._timeout
 
     def stats(self) -> dict[str, Any]:
-        """Totals per kind of this rank's calls on the group, as the native groups' ``stats()``; every
-        completed call's route is "mpi". A call counts as waiting for its peers until the signature
-        check saw every member (without the check, until it was issued to MPI)."""
-        return self._member_recorder().stats()
+        """Totals per kind of this rank's calls on the group, as the native groups' ``stats()`` (a
+        non-member's: none); every completed call's route is "mpi", but a two-level all_reduce across
+        hosts (`mpi.hosts`), whose levels are recorded as the host's calls and the cross group's. A call
+        counts as waiting for its peers until the signature check saw every member (without the check,
+        until it was issued to MPI)."""
+        return {} if self._flight is None else self._flight.stats()
 
     def group_rank(self, global_rank: int) -> int:
         index = self._index.get(global_rank)  # the common case, without a call into the core
@@ -387,11 +389,7 @@ class MpiProcessGroup:
 
         with queue.lock:
             flight = self._member_recorder().p2p(True, dst, tag, code, buf.size)
-            try:
-                req = queue.comm.Isend([buf, dt], peer, tag)
-            except BaseException:
-                flight.end(False, MPI_ROUTE)
-                raise
+            req = _issued(flight, lambda: queue.comm.Isend([buf, dt], peer, tag))
             return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op, flight))
 
     def recv(self, buf: Buf, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
@@ -507,11 +505,7 @@ class MpiProcessGroup:
 
         with queue.lock:
             flight = self._member_recorder().p2p(False, src, tag, code, buf.size)
-            try:
-                req = queue.comm.Irecv([buf, dt], peer, tag)
-            except BaseException:
-                flight.end(False, MPI_ROUTE)
-                raise
+            req = _issued(flight, lambda: queue.comm.Irecv([buf, dt], peer, tag))
             return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op, flight)
 
     def _collective(
@@ -646,6 +640,15 @@ class MpiProcessGroup:
             return None if code in WIDENED_CODES else (code, carrier(code), mpi_op(op_code, code))
         except (TypeError, ValueError):
             return None
+
+
+def _issued(flight: FlightCall, issue: Callable[[], MPI.Request]) -> MPI.Request:
+    """The request `issue()` made, or its error, after which the record `flight` ends failed."""
+    try:
+        return issue()
+    except BaseException:
+        flight.end(False, MPI_ROUTE)
+        raise
 
 
 def _inplace(outcome: MpiWork | Result) -> MpiWork | None:
