@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from axonml_distributed import ProcessGroup
+from axonml_distributed import ProcessGroup, timeline
 from axonml_distributed._core import SEGMENT_HEADER, ShmBackend
 
 SHM = "/dev/shm"
@@ -68,6 +68,23 @@ def _worker(
         q.put((rank, "ok", res, time.time()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         q.put((rank, type(e).__name__, str(e), time.time()))
+
+
+def w_under_timeline(
+    rank: int,
+    n: int,
+    ports: list[int],
+    job: Any,
+    timeout: float,
+    q: Any,
+    path: str,
+    calls: Callable[..., Any],
+) -> str:
+    """A `run_world` worker: `calls(pg)` (a module-level function) inside `timeline(path)`."""
+    pg = connect(rank, n, ports[0], timeout)
+    with timeline(path):
+        calls(pg)
+    return "done"
 
 
 def run_world(

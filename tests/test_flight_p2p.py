@@ -17,7 +17,7 @@ import pytest
 
 import axonml_distributed as ad
 from axonml_distributed import trace
-from shm_run import connect, free_port, ok, run_world
+from shm_run import connect, free_port, ok, run_world, w_under_timeline
 from threads_run import outcomes
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,17 +142,10 @@ def test_sends_and_receives_are_on_the_timeline_threads(tmp_path: Path) -> None:
     _check_timeline(path)
 
 
-def w_timeline(rank: int, n: int, ports: list[int], job: Any, timeout: float, q: Any, path: str) -> str:
-    pg = connect(rank, n, ports[0], timeout)
-    with ad.timeline(path):
-        _exchange(pg)
-    return "done"
-
-
 @pytest.mark.timeout(120)
 def test_sends_and_receives_are_on_the_timeline_shm(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
-    assert ok(run_world(2, w_timeline, str(path), timeout=30)) == ["done", "done"]
+    assert ok(run_world(2, w_under_timeline, str(path), _exchange, timeout=30)) == ["done", "done"]
     _check_timeline(path)
 
 

@@ -20,7 +20,7 @@ import pytest
 import axonml_distributed as ad
 from ddp_models import MLP
 from launcher_run import finish_launcher, start_launcher, worker_script
-from shm_run import connect, ok, run_world
+from shm_run import ok, run_world, w_under_timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,17 +235,10 @@ def test_ddp_buckets_are_on_each_rank_s_track(tmp_path: Path) -> None:
             ), span
 
 
-def w_calls(rank: int, n: int, ports: list[int], job: Any, timeout: float, q: Any, path: str) -> str:
-    pg = connect(rank, n, ports[0], timeout)
-    with ad.timeline(path):
-        _calls(pg)
-    return "done"
-
-
 @pytest.mark.timeout(120)
 def test_shm_world_parts_are_merged_by_rank_0(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
-    assert ok(run_world(2, w_calls, str(path), timeout=30)) == ["done", "done"]
+    assert ok(run_world(2, w_under_timeline, str(path), _calls, timeout=30)) == ["done", "done"]
     _check_job(_load(path), 2)
     assert list(tmp_path.iterdir()) == [path], "the parts are removed once merged"
 
