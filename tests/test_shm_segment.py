@@ -235,8 +235,18 @@ def test_cleanup_removes_only_our_stale_segments_and_host_proofs():
         os.utime(path, (time.time() - age, time.time() - age))
         return path
 
-    stale = [segment(dead.pid), proof(ended=True)]
+    def headerless(content: bytes, age: float = 3600) -> str:
+        """A segment's name whose creator was killed before it wrote the header: empty or zeros."""
+        path = f"{SHM}/{PREFIX}{secrets.token_hex(16)}"
+        with open(path, "wb") as f:
+            f.write(content)
+        os.chmod(path, 0o600)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    stale = [segment(dead.pid), proof(ended=True), headerless(b""), headerless(bytes(8192))]
     keep = [segment(os.getpid()), segment(dead.pid, magic=b"NOTOURS!"), segment(dead.pid, age=1)]
+    keep += [headerless(b"", age=1), headerless(b"\1" + bytes(100))]
     keep += [proof(ended=False), proof(ended=True, age=1)]
     try:
         removed = cleanup_stale_segments(min_age=60)

@@ -68,8 +68,9 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
     A job's segment has a name only while its ranks start up (it is unlinked once all have attached,
     and axonml-run removes it after any crash), so a leftover exists only when a job without the
     launcher died during start-up. Only files named ``axonml-<our uid>-*``, owned by us, carrying our
-    header, older than ``min_age`` seconds, whose creating process no longer exists are removed: never
-    a live job's segment, nor anything of other users or programs. The same goes for the proof objects
+    header (or none yet: empty or zero-filled, its creator killed before writing it), older than
+    ``min_age`` seconds, whose creating process no longer exists are removed: never a live job's
+    segment, nor anything of other users or programs. The same goes for the proof objects
     of a job over several hosts (``axonml-proof-<our uid>-<creator pid>-*``, `hosts.layout`), which live
     while its ranks find their hosts: one whose creator is gone was left by a process killed then.
     """
@@ -94,13 +95,18 @@ def cleanup_stale_segments(min_age: float = 60.0) -> list[str]:
             os.close(fd)
         if st.st_uid != os.geteuid() or time.time() - st.st_mtime < min_age:
             continue
+        creator: int | None = proof_by
         if proof_by is None:  # a segment: its header says it is ours and who made it
-            if len(head) < _HEADER_BYTES or _field(head, "magic") != SEGMENT_MAGIC:
+            if not head.strip(b"\0"):
+                # Empty or zero-filled: its creator was killed between creating the name and writing
+                # the header (a few microseconds); no rank can attach to it, and the age rules out a
+                # creation under way.
+                creator = None
+            elif len(head) < _HEADER_BYTES or _field(head, "magic") != SEGMENT_MAGIC:
                 continue
-            creator = _field(head, "creator")
-        else:
-            creator = proof_by
-        if _alive(creator):
+            else:
+                creator = _field(head, "creator")
+        if creator is not None and _alive(creator):
             continue
         try:
             os.unlink(path)
