@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from axonml_distributed.bench.common import DEFAULT_SIZES, Curve
+from axonml_distributed.bench.common import DEFAULT_SIZES, Curve, csv_ints
 
 Run = Callable[[list[str]], tuple[int, list[Curve]]]
 
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m axonml_distributed.bench", description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=["threads", "shm", "mpi"], default="threads")
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
+    p.add_argument("--ranks", type=csv_ints, default=[2, 4])
+    p.add_argument("--sizes", type=csv_ints, default=DEFAULT_SIZES)
     p.add_argument("--ddp-params", type=int, default=25_000_000, help="0 skips the DDP comparison")
     p.add_argument("--ddp-iters", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)

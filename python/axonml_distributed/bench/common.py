@@ -11,6 +11,16 @@ from axonml_distributed.bench.procs_worker import busbw_factor
 DEFAULT_SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
+def csv_ints(text: str) -> list[int]:
+    """An option's comma-separated integers ("8,4096"; empty items ignored)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def csv_names(text: str) -> list[str]:
+    """An option's comma-separated names ("toy,resnet18"; empty items ignored, so "" is none)."""
+    return [x for x in text.split(",") if x]
+
+
 def human(nbytes: int) -> str:
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:

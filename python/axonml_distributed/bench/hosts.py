@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from axonml_distributed import settings
-from axonml_distributed.bench.common import human
+from axonml_distributed.bench.common import csv_ints, csv_names, human
 from axonml_distributed.bench.hosts_worker import FAILED, NOTE
 from axonml_distributed.bench.procs import find_mpiexec
 from axonml_distributed.bench.procs_worker import RESULT
@@ -72,19 +72,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", default="10gbit", help="every link's rate, tc's form, or none (default 10gbit)")
     p.add_argument(
         "--sizes",
-        type=lambda s: [int(x) for x in s.split(",") if x],
+        type=csv_ints,
         default=DEFAULT_SIZES,
         help="all_reduce bytes per rank (default 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB)",
     )
     p.add_argument(
         "--contenders",
-        type=lambda s: [x for x in s.split(",") if x],
+        type=csv_names,
         default=list(CONTENDERS),
         help=f"which to run, of {', '.join(CONTENDERS)} (default all)",
     )
     p.add_argument(
         "--models",
-        type=lambda s: [x for x in s.split(",") if x],
+        type=csv_names,
         default=list(MODELS),
         help="DDP models, of toy, resnet18; empty for none (default both)",
     )

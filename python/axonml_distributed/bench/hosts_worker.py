@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from axonml_distributed.bench.common import csv_ints, csv_names
 from axonml_distributed.bench.procs_worker import RESULT, median_time
 
 FAILED = "BENCH-FAILED "
@@ -205,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m axonml_distributed.bench.hosts_worker")
     p.add_argument("engine", choices=["torch", "mpi"])
     p.add_argument("--backend", choices=["gloo", "axonml"], default="gloo")
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",") if x], required=True)
-    p.add_argument("--models", type=lambda s: [x for x in s.split(",") if x], default=[])
+    p.add_argument("--sizes", type=csv_ints, required=True)
+    p.add_argument("--models", type=csv_names, default=[])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--levels", action="store_true")
     p.add_argument("--timeout", type=float, default=120.0)

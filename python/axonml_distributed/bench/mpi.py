@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from axonml_distributed.bench.common import DEFAULT_SIZES, Curve, busbw_factor, human
+from axonml_distributed.bench.common import DEFAULT_SIZES, Curve, busbw_factor, csv_ints, human
 
 # Launchers set these in every rank's environment: MPICH's hydra (PMI_*), Open MPI and PMIx-based ones.
 MPI_JOB_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -46,8 +46,8 @@ INSTALL_HINT = 'pip install "axonml-distributed[mpi]" (mpi4py and the mpich whee
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m axonml_distributed.bench --backend mpi")
     p.add_argument("--backend", default="mpi", help="accepted for the bench command's sake")
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
+    p.add_argument("--ranks", type=csv_ints, default=[2, 4])
+    p.add_argument("--sizes", type=csv_ints, default=DEFAULT_SIZES)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds, per job and per MPI wait")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
     p.add_argument("--ddp-params", type=int, help="ignored: no DDP comparison under MPI")

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axonml_distributed.bench.common import Curve, human
+from axonml_distributed.bench.common import Curve, csv_ints, csv_names, human
 from axonml_distributed.progress import progress
 
 PEERS = ("vllm", "deepspeed", "gloo")
@@ -54,17 +54,13 @@ _SKIPPED = "PEERS-SKIPPED "
 Impl = Callable[[Any], Any]
 
 
-def _csv(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
-
-
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     prog = "python -m axonml_distributed.bench --torch --peers"
     p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--peers", type=_csv, default=list(PEERS), help="any of vllm,deepspeed,gloo")
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in _csv(s)], default=[2])
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in _csv(s)], default=DEFAULT_SIZES)
-    p.add_argument("--dtypes", type=_csv, default=DEFAULT_DTYPES)
+    p.add_argument("--peers", type=csv_names, default=list(PEERS), help="any of vllm,deepspeed,gloo")
+    p.add_argument("--ranks", type=csv_ints, default=[2])
+    p.add_argument("--sizes", type=csv_ints, default=DEFAULT_SIZES)
+    p.add_argument("--dtypes", type=csv_names, default=DEFAULT_DTYPES)
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--budget", type=float, default=0.25, help="seconds per block per implementation")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")

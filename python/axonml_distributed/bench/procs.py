@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from axonml_distributed import settings
-from axonml_distributed.bench.common import Curve, human
+from axonml_distributed.bench.common import Curve, csv_ints, csv_names, human
 from axonml_distributed.bench.procs_worker import COLLECTIVES, COPY, PAIRWISE, RESULT, busbw_factor
 from axonml_distributed.progress import progress
 
@@ -115,10 +115,6 @@ def _fmt_time(t: float) -> str:
     return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
-def _csv_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print tables per world size (see the module docs); returns 0."""
     return run(argv)[0]
@@ -132,17 +128,16 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
     do not apply here and are ignored.
     """
     p = argparse.ArgumentParser(prog="axonml-bench-procs", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--ranks", "--nproc", type=_csv_ints, default=[2], help="world sizes, e.g. 2,4 (default 2)"
-    )
-    p.add_argument("--sizes", type=_csv_ints, help="message bytes per rank, e.g. 8,67108864 (default below)")
+    p.add_argument("--ranks", "--nproc", type=csv_ints, default=[2], help="world sizes, e.g. 2,4 (default 2)")
+    p.add_argument("--sizes", type=csv_ints, help="message bytes per rank, e.g. 8,67108864 (default below)")
     p.add_argument("--max-mib", type=int, default=64, help="default sizes: 8 B to this many MiB (default 64)")
     p.add_argument(
         "--colls",
-        default=",".join(COLLECTIVES),
+        type=csv_names,
+        default=list(COLLECTIVES),
         help=f"comma-separated collectives: {', '.join(COLLECTIVES + PAIRWISE)} (default the first four)",
     )
-    p.add_argument("--peers", default="mpi", help="comma-separated peers to run (mpi, gloo; default mpi)")
+    p.add_argument("--peers", type=csv_names, default=["mpi"], help="peers to run, of mpi,gloo (default mpi)")
     p.add_argument("--repeat", type=int, default=3, help="launches per peer, alternating (default 3)")
     p.add_argument("--busy", action="store_true", help="also run every launch beside a CPU-bound process")
     p.add_argument("--compare-python", help="also run our workers with this Python (an older build)")
@@ -150,7 +145,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
     p.add_argument("--backend", choices=["shm"], default="shm", help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
     sizes = sorted({max(4, s // 4 * 4) for s in args.sizes}) if args.sizes else _sizes(args.max_mib)
-    colls = [c for c in args.colls.split(",") if c]
+    colls = args.colls
     if bad := set(colls) - set(COLLECTIVES + PAIRWISE):
         p.error(f"unknown collectives {sorted(bad)}; choose from {', '.join(COLLECTIVES + PAIRWISE)}")
     if rest:
@@ -185,7 +180,7 @@ def _launches(n: int, sizes: list[int], colls: list[str], args: argparse.Namespa
     if args.compare_python:
         base = [args.compare_python, "-m", "axonml_distributed.run", "--nproc-per-node", str(n), WORKER]
         launches["base"] = [*base, "shm", *job, "--label", "base"]
-    peers = args.peers.split(",")
+    peers = args.peers
     mpiexec = find_mpiexec()
     if "mpi" in peers:
         if mpiexec and _have("mpi4py"):

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from axonml_distributed.bench.common import csv_ints, csv_names
 from axonml_distributed.progress import progress
 
 _RESULT = "BENCH-RESULT "
@@ -383,7 +384,7 @@ def _report_breakdown(rows: list[str], get: Callable[[str], float | None]) -> No
 def main(argv: Sequence[str] | None = None) -> int:
     prog = "python -m axonml_distributed.bench --torch"
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",") if x], default=[2, 4])
+    p.add_argument("--ranks", type=csv_ints, default=[2, 4])
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and launch (default 10)")
     p.add_argument("--repeat", type=int, default=2, help="launches per contender, taking turns (default 2)")
     p.add_argument(
@@ -394,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--models",
-        type=lambda s: [x for x in s.split(",") if x],
+        type=csv_names,
         default=list(TARGETS),
         help=f"models to train, of {','.join(TARGETS)} (default: all)",
     )
