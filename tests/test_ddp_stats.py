@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import axonml_distributed as ad
-from axonml_distributed._core import set_timeline, take_timeline, wall_ns
+from axonml_distributed._core import wall_ns
 from axonml_distributed.ddp_stats import DDPStats, StepStats
 from ddp_models import MLP, TINY_MB
 from shm_run import connect, ok, run_world
@@ -59,6 +59,7 @@ def numpy_steps(pg: Any, steps: int = STEPS) -> dict[str, Any]:
         ddp.train()
     params = list(model.parameters())
     return {
+        "kind": "numpy",
         "stats": ddp.stats(),
         "spans": spans,
         "bytes": sum(p.data.nbytes for p in params),
@@ -94,6 +95,7 @@ def torch_steps(pg: Any, steps: int = STEPS) -> dict[str, Any]:
             ddp(torch.randn(4, 6, generator=gen))
     params = list(model.parameters())
     return {
+        "kind": "torch",
         "stats": ddp.stats(),
         "spans": spans,
         "bytes": sum(p.numel() * p.element_size() for p in params),
@@ -123,6 +125,10 @@ def check(result: dict[str, Any], steps: int = STEPS) -> None:
         # Overlapped communication ran under compute; the rest of it, while the caller waited.
         assert overlapped <= min(compute, comm)
         assert comm - overlapped <= visible
+        # A torch module's buckets (one a parameter here) go out from autograd's hooks while backward
+        # still computes the earlier layers' gradients, so some of every step's sync is hidden; a
+        # numpy model's go out in sync_gradients(), after its backward: none is.
+        assert overlapped > 0 if result["kind"] == "torch" else overlapped == 0
     t = stats.totals
     assert (t.step, t.bytes, t.buckets) == (steps, steps * result["bytes"], steps * result["params"])
     if steps <= 100:
@@ -142,36 +148,6 @@ def test_thread_world_counts_and_structure(kind: str) -> None:
 def test_only_the_last_100_steps_are_kept_and_the_totals_count_every_one() -> None:
     for result in ad.spawn(numpy_steps, 2, 103):
         check(result, 103)
-
-
-def _union_ns(spans: list[tuple[int, int]]) -> int:
-    total, reached = 0, 0
-    for start, end in sorted(spans):
-        start = max(start, reached)
-        if end > start:
-            total += end - start
-            reached = end
-    return total
-
-
-@pytest.mark.parametrize("kind", STEPPERS)
-def test_communication_is_the_union_of_the_timeline_s_bucket_spans(kind: str) -> None:
-    if kind == "torch":
-        pytest.importorskip("torch")
-    set_timeline(True)
-    try:
-        results = ad.spawn(STEPPERS[kind], 2)
-    finally:
-        set_timeline(False)
-        logs = take_timeline()
-    for rank, result in enumerate(results):
-        stats = result["stats"]
-        buckets = [b for log in logs if log["rank"] == rank for b in log["buckets"]]
-        assert len(buckets) == STEPS * result["params"]
-        for s, (before, _, after) in zip(stats.last, result["spans"], strict=True):
-            mine = [b for b in buckets if before <= b["launched_ns"] and b["done_ns"] <= after]
-            assert len(mine) == s.buckets and sum(b["bytes"] for b in mine) == s.bytes
-            assert abs(_ns(s.comm_s) - _union_ns([(b["launched_ns"], b["done_ns"]) for b in mine])) <= 1
 
 
 def w_steps(

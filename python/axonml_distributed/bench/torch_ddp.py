@@ -357,8 +357,9 @@ def _report_floor(rows: list[str], get: Callable[[str], float | None], missing: 
 def _report_breakdown(rows: list[str], get: Callable[[str], float | None]) -> None:
     print(
         "\nour DDP above the floor, on its slowest rank (medians; ddp.stats()): compute = its forward and "
-        "backward\nagainst the floor's, visible = the sync waited for after backward, rest = zero_grad, "
-        "optimizer and glue;\noverlapped = the sync that ran hidden under backward (not in the step's sum)"
+        "backward\nagainst the floor's, visible = the sync waited for after backward, rest = the remainder "
+        "(zero_grad, optimizer, glue;\nnot measured on its own); overlapped = the sync that ran hidden under "
+        "backward (not in the step's sum)"
     )
     head = f"{'model':>13} | {'our DDP':>10} | {'local':>10} | {'above':>10} | {'compute':>10} | "
     head += f"{'visible':>10} | {'rest':>10} | {'overlapped':>10}"
