@@ -1,6 +1,7 @@
 """The calls gloo carries across hosts in the flight recorder (`trace.gloo_calls`, recorded by
 `torch.hosts.HostsProcessGroup`): a torchrun job over 2 simulated hosts x 2 ranks
-(tests/torch_jobs/hosts_flight.py) prints each rank's record, checked here against the calls it made."""
+(tests/torch_jobs/hosts_flight.py) prints each rank's record, checked here against the calls it made, and
+what is left of it after `destroy_process_group` and a second init in the same process."""
 
 from __future__ import annotations
 
@@ -99,3 +100,15 @@ def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(tmp_path: Path) -> 
             shards += sum(e["count"] for e in cross)
     assert shards == ELEMS
     assert trace.analyze(content).summary() == "every rank completed every recorded call"
+    # The job's records of gloo's calls went with its groups; a second job's are its own.
+    left = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"LEFT (\d) (.*)$")}
+    assert left == {r: [] for r in range(4)}, said(agents)
+    agains = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"AGAIN (\d) (.*)$")}
+    assert sorted(agains) == [0, 1, 2, 3], said(agents)
+    for rank, again in agains.items():
+        # The world's group and, made with it, the group of this rank's peers on the other host.
+        assert [(ranks, kinds) for _, ranks, kinds in again] == [
+            ([0, 1, 2, 3], ["all_reduce"]),
+            ([rank % 2, rank % 2 + 2], []),
+        ], again
+        assert len({ordinal for ordinal, _, _ in again}) == 1, again

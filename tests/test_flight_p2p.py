@@ -82,7 +82,7 @@ def _check(rank: int, dump: dict[str, Any], stats: dict[str, Any]) -> None:
     p2p = [e for e in dump["entries"] if e["is_p2p"]]
     got = [(e["kind"], e["peer"], e["tag"], e["dtype"], e["count"], e["call"]) for e in p2p]
     assert got == want, got
-    assert [e["p2p_seq_id"] for e in p2p] == list(range(1, len(want) + 1))
+    assert [e["p2p_seq_id"] for e in p2p] == [trace.record.P2P_SEQ_BASE + n for n in range(1, len(want) + 1)]
     for e, (kind, peer, *_rest) in zip(p2p, want, strict=True):
         assert e["state"] == "completed" and e["time_created_ns"] <= e["time_discovered_completed_ns"], e
         # torch's names, by group ranks (here the global ones).

@@ -119,14 +119,9 @@ class _GlooP2p:
         return self._source
 
 
-def test_gloo_s_sends_and_receives_end_when_waited_for_with_their_sender(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_gloo_s_sends_and_receives_end_when_waited_for_with_their_sender() -> None:
     from axonml_distributed.trace import gloo_calls
 
-    # The module keeps the job's recorder; put it back after the test, so this job's fake group of 8
-    # does not stay in the records that later tests dump.
-    monkeypatch.setattr(gloo_calls, "_world", None)
     calls = gloo_calls.GlooCalls(0, 8, [0, 5, 6], None)
     t = torch.ones(3)
     works = [
@@ -148,10 +143,46 @@ def test_gloo_s_sends_and_receives_end_when_waited_for_with_their_sender(
     ], got
     # The failed receive's exception holds its frames, a cycle through the work and so the recorder:
     # collect it now, so no later test finds this fake job's group in its dump.
-    monkeypatch.undo()
     del calls, works
     gc.collect()
     assert not [r for r in _core.flight_records() if r["ranks"] == [0, 5, 6]]
+
+
+def _hosts_records() -> list[tuple[int, list[int], list[str]]]:
+    """The native records of the calls gloo carries: (world's ordinal, ranks, kinds recorded)."""
+    return [
+        (r["world_ordinal"], r["ranks"], [e["kind"] for e in r["entries"]])
+        for r in _core.flight_records()
+        if r["world"] == "hosts"
+    ]
+
+
+def test_a_job_s_gloo_records_go_with_its_group_and_a_later_job_s_groups_are_its_own() -> None:
+    """As a torch job over hosts makes them (`torch.hosts.HostsProcessGroup`): the world's group, then a
+    subgroup; `destroy_process_group` lets go of both; a second init in the process does the same."""
+    from axonml_distributed.trace.gloo_calls import GlooCalls
+
+    def job(kind: str) -> tuple[GlooCalls, GlooCalls]:
+        world, sub = GlooCalls(1, 4, [0, 1, 2, 3], None), GlooCalls(1, 4, [1, 3], None)
+        world.collective(kind, [torch.ones(2)], 2).end(True, "gloo")
+        sub.collective(kind, [torch.ones(2)], 2).end(True, "gloo")
+        return world, sub
+
+    first = job("all_reduce")
+    (ordinal, *_), _ = _hosts_records()
+    assert _hosts_records() == [(ordinal, [0, 1, 2, 3], ["all_reduce"]), (ordinal, [1, 3], ["all_reduce"])]
+    del first  # destroyed
+    gc.collect()
+    assert _hosts_records() == []
+    second = job("broadcast")
+    # The second job's groups: a world of their own (named by its ordinal), holding its calls only.
+    assert _hosts_records() == [
+        (ordinal + 1, [0, 1, 2, 3], ["broadcast"]),
+        (ordinal + 1, [1, 3], ["broadcast"]),
+    ]
+    del second
+    gc.collect()
+    assert _hosts_records() == []
 
 
 def _host_world_records() -> list[dict[str, Any]]:

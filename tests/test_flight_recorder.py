@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -166,14 +167,29 @@ def test_the_ring_keeps_the_last_calls_the_environment_asks_for(tmp_path: Path) 
         assert [tuple(e) for e in entries] == [(8, 7), (9, 8), (10, 9), (11, 10)], entries
 
 
+def _message(pg: ad.ProcessGroup, src: int, buf: np.ndarray, any_source: bool = False) -> None:
+    """`buf` from rank `src` to the other of two ranks (received from any source if `any_source`)."""
+    if pg.rank() == src:
+        pg.send(buf, 1 - src)
+    elif any_source:
+        assert pg.recv_any(buf) == src
+    else:
+        pg.recv(buf, src)
+
+
 def test_torch_analyzer_matches_our_dumps() -> None:
     pytest.importorskip("torch")
     from torch.distributed.flight_recorder.components.builder import build_db
 
     def fn(pg: ad.ProcessGroup) -> Any:
         x = np.ones(8, np.float32)
+        # Sends and receives between collectives: torch numbers them apart (p2p_seq_id 1, 2, 3) from the
+        # collectives (collective_seq_id 1, 2, 3), so each of them has the number of a collective beside it.
         pg.all_reduce(x)
+        _message(pg, 0, np.ones(3, np.float64))
         pg.broadcast(x, 0)
+        _message(pg, 1, np.ones(5, np.int32))
+        _message(pg, 0, np.ones(2, np.float32), any_source=True)
         pg.all_gather(x, np.empty(16, np.float32))
         pg.barrier()
         mine = trace.flight_record()["ranks"][str(pg.rank())]
@@ -181,16 +197,40 @@ def test_torch_analyzer_matches_our_dumps() -> None:
         return mine
 
     dumps = outcomes(2, fn)
+    for dump in dumps:
+        got = [(e["profiling_name"], e["collective_seq_id"], e["is_p2p"]) for e in dump["entries"]]
+        me, peer = dump["rank"], 1 - dump["rank"]
+        to, of = f"axonml:send {me}->{peer}", f"axonml:recv {me}<-{peer}"
+        assert got == [
+            ("axonml:all_reduce", 1, False),
+            (to if me == 0 else of, 1, True),  # a send or receive: the group's last collective's number
+            ("axonml:broadcast", 2, False),
+            (to if me == 1 else of, 2, True),
+            (to if me == 0 else of, 2, True),
+            ("axonml:all_gather", 3, False),
+            ("axonml:barrier", 4, False),
+        ], got
+        p2p = [e["p2p_seq_id"] for e in dump["entries"] if e["is_p2p"]]
+        assert p2p == [trace.record.P2P_SEQ_BASE + n for n in (1, 2, 3)], p2p
     # torch's loader unpickles files named <prefix><rank>; its matcher takes the loaded dumps as they are.
     details = {f"rank{d['rank']}": copy.deepcopy(d) for d in dumps}
     args = argparse.Namespace(
         verbose=False, just_print_entries=False, allow_incomplete_ranks=False, mismatch_cap=10
     )
     db = build_db(details, args, trace.record.TORCH_VERSION)
-    names = [c.collective_name for c in db.collectives]
-    # The barrier read while in flight is recorded on one rank as scheduled: torch finds every call.
-    assert names == ["axonml:all_reduce", "axonml:broadcast", "axonml:all_gather", "axonml:barrier"], names
-    assert [c.collective_state for c in db.collectives[:3]] == ["completed"] * 3
+    # Every call matched across both ranks (as seen from rank 0, whose records torch walks first).
+    got = [(c.collective_name, c.input_sizes, c.pass_check, c.collective_state) for c in db.collectives]
+    assert got == [
+        ("axonml:all_reduce", [[8]], True, "completed"),
+        ("axonml:send 0->1", [[3]], True, "completed"),
+        ("axonml:broadcast", [[8]], True, "completed"),
+        ("axonml:recv 0<-1", [[5]], True, "completed"),
+        ("axonml:send 0->1", [[2]], True, "completed"),
+        ("axonml:all_gather", [[8]], True, "completed"),
+        ("axonml:barrier", [[0]], True, "completed"),
+    ], got
+    # Each is one call on each rank.
+    assert sorted(Counter(c.collective_id for c in db.ncclcalls).values()) == [2] * len(got)
 
 
 def test_a_timeout_and_an_abort_say_where_each_rank_is() -> None:

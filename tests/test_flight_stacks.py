@@ -1,7 +1,7 @@
 """The caller's Python stack in the flight recorder (AXONML_FLIGHT_RECORDER_STACKS, read once per process,
 so each case runs in a fresh interpreter): kept as torch's `frames` when on, for collectives (blocking and
-asynchronous) and sends and receives alike; absent when off; shown by `trace analyze` for the call at
-which ranks diverged."""
+asynchronous) and sends and receives alike, the user's frames only (not torch.distributed's nor this
+package's); absent when off; shown by `trace analyze` for the call at which ranks diverged."""
 
 from __future__ import annotations
 
@@ -56,11 +56,38 @@ JOB = textwrap.dedent(
 CALLERS = ["caller_of_the_reduce", "caller_of_the_reduce", "caller_of_the_message", "caller_astray"]
 
 
-def _run(stacks: str | None) -> dict[str, Any]:
+# Calls through torch.distributed over "axonml" (one rank), from below more user frames than a stack keeps.
+TORCH_JOB = textwrap.dedent(
+    """
+    import json
+    import torch
+    import torch.distributed as dist
+    from axonml_distributed import trace
+
+    def caller_of_the_calls():
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        dist.broadcast(torch.ones(2), src=0)
+
+    def nested(depth):
+        if depth:
+            return nested(depth - 1)
+        caller_of_the_calls()
+
+    dist.init_process_group("axonml", store=dist.HashStore(), rank=0, world_size=1)
+    nested(10)
+    dump = trace.flight_record()["ranks"]["0"]
+    dist.destroy_process_group()
+    print(json.dumps({"dumps": [dump]}))
+    """
+)
+
+
+def _run(stacks: str | None, job: str = JOB) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "AXONML_FLIGHT_RECORDER_STACKS"}
     if stacks is not None:
         env["AXONML_FLIGHT_RECORDER_STACKS"] = stacks
-    run = subprocess.run([sys.executable, "-c", JOB], env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", job], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
@@ -78,6 +105,18 @@ def test_with_stacks_on_each_call_keeps_its_caller_s_frames() -> None:
     assert any(
         line.strip().startswith("rank 1 called it from: caller_astray at <string>:") for line in lines
     ), lines
+
+
+def test_under_torch_the_frames_kept_are_the_user_s() -> None:
+    """torch.distributed's wrappers and the backend's own code (this package) sit between the user's call
+    and the engine: their frames are left out, and the stack keeps 8 of the user's."""
+    pytest.importorskip("torch")
+    (dump,) = _run("1", TORCH_JOB)["dumps"]
+    entries = dump["entries"]
+    assert [e["kind"] for e in entries] == ["all_reduce", "all_reduce", "broadcast"], entries
+    for e in entries:
+        names = [(f["name"], f["filename"]) for f in e["frames"]]
+        assert names == [("caller_of_the_calls", "<string>")] + 7 * [("nested", "<string>")], names
 
 
 def test_without_stacks_no_call_keeps_frames() -> None:

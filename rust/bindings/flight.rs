@@ -5,7 +5,7 @@
 //! legs across hosts), and the caller's Python stack when the records keep it (`caller_stack`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -168,12 +168,53 @@ fn frame<'py>(py: Python<'py>, f: &Frame) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
-/// The names of the code objects stacks were taken in, by the object's address (each kept alive here, so
-/// the address stays its own): a frame then costs three attribute reads, not two string copies.
-type CodeNames = HashMap<usize, (Py<PyAny>, Arc<str>, Arc<str>)>;
+/// What a stack keeps of one code object, read once: its names, and whether its frames are left out.
+struct Code {
+    /// Held, so that its address stays its own.
+    _code: Py<PyAny>,
+    name: Arc<str>,
+    filename: Arc<str>,
+    /// Code of this package or of torch.distributed ([`skipped_dirs`]).
+    skipped: bool,
+}
 
-/// The stack of the Python code calling now (its innermost `config::FLIGHT_RECORDER_FRAMES` frames),
-/// when `AXONML_FLIGHT_RECORDER_STACKS` is on; `None` otherwise, or if it cannot be read.
+/// The code objects stacks were taken in, by the object's address: a frame then costs three attribute
+/// reads (two when left out), not two string copies and the directories' comparisons.
+type Codes = HashMap<usize, Code>;
+
+/// The directories whose frames a caller's stack leaves out, each ending in a separator: this package's
+/// and torch.distributed's, the wrappers a call passes through on its way from the user's code (torch's
+/// found without importing it). Worked out once; a failed lookup leaves that directory out.
+fn skipped_dirs(py: Python<'_>) -> &'static [String] {
+    // Not a PyOnceLock: a finalizer run by the lookups may record a call, and so come back here on this
+    // thread; it works them out again, and the first to finish is kept.
+    static DIRS: OnceLock<Vec<String>> = OnceLock::new();
+    if let Some(dirs) = DIRS.get() {
+        return dirs;
+    }
+    let ours = || -> PyResult<Vec<String>> {
+        let path = py.import("os.path")?;
+        let init = py.import("axonml_distributed")?.getattr("__file__")?;
+        let dir = path.call_method1("dirname", (init,))?;
+        Ok(vec![path.call_method1("join", (dir, ""))?.extract()?])
+    };
+    let torch = || -> PyResult<Vec<String>> {
+        let path = py.import("os.path")?;
+        let spec = py.import("importlib.util")?.call_method1("find_spec", ("torch",))?;
+        let locations = if spec.is_none() { spec } else { spec.getattr("submodule_search_locations")? };
+        if locations.is_none() {
+            return Ok(Vec::new());
+        }
+        let join = |dir| path.call_method1("join", (dir, "distributed", ""))?.extract::<String>();
+        locations.try_iter()?.map(|dir| join(dir?)).collect()
+    };
+    let dirs = [ours(), torch()].into_iter().flat_map(|d| d.unwrap_or_default()).collect();
+    DIRS.get_or_init(|| dirs)
+}
+
+/// The stack of the user's Python code calling now (its innermost `config::FLIGHT_RECORDER_FRAMES`
+/// frames, leaving out those of this package and of torch.distributed: [`skipped_dirs`]), when
+/// `AXONML_FLIGHT_RECORDER_STACKS` is on; `None` otherwise, or if it cannot be read.
 pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
     if !config::flight_recorder_stacks() {
         return None;
@@ -181,7 +222,7 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
     static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     // Locked around the map's own lookups and inserts only: an attribute read may run Python (a
     // finalizer, from the collector) that records a call, on this thread or another.
-    static NAMES: Mutex<Option<CodeNames>> = Mutex::new(None);
+    static CODES: Mutex<Option<Codes>> = Mutex::new(None);
     let walk = || -> PyResult<Stack> {
         let getframe =
             GETFRAME.get_or_try_init(py, || py.import("sys")?.getattr("_getframe").map(Bound::unbind))?;
@@ -190,22 +231,33 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
         while frames.len() < config::FLIGHT_RECORDER_FRAMES && !at.is_none() {
             let code = at.getattr(intern!(py, "f_code"))?;
             let key = code.as_ptr() as usize;
-            let known =
-                lock(&NAMES).as_ref().and_then(|m| m.get(&key)).map(|(_, n, f)| (n.clone(), f.clone()));
-            let (name, filename) = match known {
+            // Some(None): a frame left out.
+            let known = lock(&CODES)
+                .as_ref()
+                .and_then(|m| m.get(&key))
+                .map(|c| (!c.skipped).then(|| (c.name.clone(), c.filename.clone())));
+            let names = match known {
                 Some(names) => names,
                 None => {
                     let name: Arc<str> = code.getattr(intern!(py, "co_name"))?.extract::<String>()?.into();
                     let filename: Arc<str> =
                         code.getattr(intern!(py, "co_filename"))?.extract::<String>()?.into();
-                    let fresh = (code.clone().unbind(), name.clone(), filename.clone());
+                    let skipped = skipped_dirs(py).iter().any(|dir| filename.starts_with(dir.as_str()));
+                    let fresh = Code {
+                        _code: code.clone().unbind(),
+                        name: name.clone(),
+                        filename: filename.clone(),
+                        skipped,
+                    };
                     // Another thread may have put it in meanwhile: then ours is dropped after the lock.
-                    let _spare = lock(&NAMES).get_or_insert_with(HashMap::new).insert(key, fresh);
-                    (name, filename)
+                    let _spare = lock(&CODES).get_or_insert_with(HashMap::new).insert(key, fresh);
+                    (!skipped).then_some((name, filename))
                 }
             };
-            let line = at.getattr(intern!(py, "f_lineno"))?.extract::<Option<u32>>()?.unwrap_or(0);
-            frames.push(Frame { name, filename, line });
+            if let Some((name, filename)) = names {
+                let line = at.getattr(intern!(py, "f_lineno"))?.extract::<Option<u32>>()?.unwrap_or(0);
+                frames.push(Frame { name, filename, line });
+            }
             at = at.getattr(intern!(py, "f_back"))?;
         }
         Ok(frames.into())

@@ -1,12 +1,15 @@
 """A torchrun job for tests/test_flight_hosts.py: the calls gloo carries across hosts (2 hosts x 2 ranks)
 in the flight recorder, beside calls inside each host and on a group of one rank. Each rank makes the
 calls below, then prints its flight record (the entries of its host's world, of its group of one and
-the calls gloo carried) as one line ``FLIGHT <rank> <json>``.
+the calls gloo carried) as one line ``FLIGHT <rank> <json>``; then, after `destroy_process_group`, the
+records of calls gloo carried left in the process (``LEFT <rank> <json>``), and those of a second job in
+the same process after its all_reduce (``AGAIN <rank> <json>``), each as (world's ordinal, ranks, kinds).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import sys
 
@@ -14,7 +17,7 @@ import torch
 import torch.distributed as dist
 from output import say
 
-from axonml_distributed import trace
+from axonml_distributed import _core, trace
 
 
 def main() -> int:
@@ -49,7 +52,23 @@ def main() -> int:
         assert dist.recv(torch.empty(2), tag=9) == 1
     say(f"FLIGHT {rank} {json.dumps(trace.flight_record())}")
     dist.destroy_process_group()
+    gc.collect()  # a group held in a cycle goes here (none did: its records went with destroy)
+    say(f"LEFT {rank} {json.dumps(_gloo_records())}")
+    # A second job in the same process: its records are its own.
+    dist.init_process_group("axonml", timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(torch.ones(4))
+    say(f"AGAIN {rank} {json.dumps(_gloo_records())}")
+    dist.destroy_process_group()
     return 0
+
+
+def _gloo_records() -> list[tuple[int, list[int], list[str]]]:
+    """This process's records of the calls gloo carried: (world's ordinal, ranks, kinds)."""
+    return [
+        (r["world_ordinal"], r["ranks"], [e["kind"] for e in r["entries"]])
+        for r in _core.flight_records()
+        if r["world"] == "hosts"
+    ]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ never waited for stays scheduled, as a send or receive stuck on a dead host does
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,9 +60,10 @@ _OPS = {
     "BXOR": "BXOR",
 }
 
-# The recorder of the last group made over every rank of the job: the job's, whose naming the other
-# groups share.
-_world: FlightRecorder | None = None
+# The recording of the last group made over every rank of the job: the job's, whose naming the other
+# groups share. Held weakly, so its records go with its group (`destroy_process_group`), as a native
+# group's do, and a later job's groups are never named after it.
+_world: weakref.ref[GlooCalls] | None = None
 
 
 def op_name(op: Any) -> str | None:
@@ -77,10 +79,12 @@ class GlooCalls:
         self, rank: int, world_size: int, ranks: list[int], cross_ranks: Sequence[int] | None
     ) -> None:
         global _world
-        if len(ranks) == world_size or _world is None:
-            _world = self._flight = FlightRecorder("hosts", rank, world_size, ranks)
+        world = _world() if _world is not None else None
+        if len(ranks) == world_size or world is None:
+            self._flight = FlightRecorder("hosts", rank, world_size, ranks)
+            _world = weakref.ref(self)
         else:
-            self._flight = _world.new_group(ranks)
+            self._flight = world._flight.new_group(ranks)
         self._cross = None if cross_ranks is None else self._flight.new_group(sorted(cross_ranks))
         self._ranks = ranks
         self._seq = self._cross_seq = 0

@@ -10,15 +10,15 @@ A file holds the dumps of one or more ranks: ``{"format": FORMAT, "version": VER
 ``frames``, ...) and ours beside them (``call``, ``kind``, ``dtype``, ``count``, ``root``, ``op``,
 ``route``; for a send or receive ``peer``, its global rank, and ``tag``). A send or receive is named
 as torch names them, by group ranks ("axonml:send 0->1", "axonml:recv 1<-0", "axonml:recv 1<-?" for a
-receive from any source still waiting), numbered by ``p2p_seq_id`` (this rank's n-th on the group),
-with the group's last collective as ``collective_seq_id``. ``frames`` is the caller's Python stack,
-innermost first, when AXONML_FLIGHT_RECORDER_STACKS is on (else empty). Torch's analyzer
+receive from any source still waiting), with the group's last collective as ``collective_seq_id`` (as
+torch's) and numbered by ``p2p_seq_id``: this rank's n-th on the group, counted from `P2P_SEQ_BASE`
+(torch counts from 1: see there). ``frames`` is the caller's Python stack, innermost first, when
+AXONML_FLIGHT_RECORDER_STACKS is on (else empty). Torch's analyzer
 (``torch.distributed.flight_recorder.fr_trace``) loads only pickled dumps, so it cannot open these
-files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested) when they hold
-collectives only: it takes a send or receive whose ``p2p_seq_id`` equals the ``collective_seq_id`` of the
-collective before it for one coalesced call with it and fails (filter ``is_p2p`` entries out to use it;
-``trace analyze`` reads both). Standard library only:
-the launcher merges these files (written with `error_file.write_json`, atomically).
+files; its matcher (``build_db``) takes the ``ranks`` dumps as they are (tested), and matches their
+collectives and sends and receives (in a group of more than two ranks it also lists the members at
+neither end of a send as missing from it). Standard library only: the launcher merges these files
+(written with `error_file.write_json`, atomically).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ VERSION = 1
 TORCH_VERSION = "2.10"
 # The communication library in `profiling_name` ("axonml:all_reduce"), as torch writes "nccl:...".
 LIBRARY = "axonml"
+# Where sends' and receives' ``p2p_seq_id`` count from. Torch's matcher takes consecutive calls of a group
+# numbered alike, a send or receive by ``p2p_seq_id`` and a collective by ``collective_seq_id``, for one
+# coalesced call, and fails on it; torch numbers both from 1, so a send beside a collective often shares
+# its number. Counted from here, no call's ever does (a group would need 10^15 collectives first).
+P2P_SEQ_BASE = 10**15
 
 # Our dtype names -> torch's ScalarType names, which torch's entries list in input_dtypes/output_dtypes.
 _TORCH_DTYPES = {
@@ -92,7 +97,7 @@ def _entry(
         "pg_id": pg_id,
         "process_group": list(pg),
         "collective_seq_id": last_seq if p2p else seq,
-        "p2p_seq_id": seq if p2p else 0,
+        "p2p_seq_id": P2P_SEQ_BASE + seq if p2p else 0,
         "op_id": seq,
         "profiling_name": _profiling_name(native, rank, ranks),
         "time_created_ns": native["created_ns"],
