@@ -73,3 +73,20 @@ def test_a_rank_raising_on_the_other_host_ends_every_rank(hosts: SimHosts) -> No
     assert done.returncode != 0, said
     assert "rank 3 on h1 fails in user code" in said, said
     assert "should never have returned" not in said, said
+
+
+@pytest.mark.timeout(180)
+def test_the_host_level_meets_without_loopback(hosts: SimHosts) -> None:
+    """Each host's ranks meet for their shared-memory world through MPI (`mpi.host_store`), not a TCP
+    port on 127.0.0.1 (which another process could take between its choice and its use, and which ranks
+    in different network namespaces do not share): with every host's loopback down, the job still meets
+    and reduces across both levels."""
+    for i in range(hosts.n):
+        hosts.run(i, ["ip", "link", "set", "lo", "down"], timeout=30).check_returncode()
+    try:
+        done = mpiexec(hosts, "hosts_host_level.py", "meet", env={"AXONML_HOSTS_FLAT_BELOW": "0"})
+    finally:
+        for i in range(hosts.n):
+            hosts.run(i, ["ip", "link", "set", "lo", "up"], timeout=30).check_returncode()
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "host level met without loopback: hosts [[0, 1], [2, 3]]" in done.stdout, done.stdout
