@@ -8,6 +8,9 @@ group over several hosts (each host's shared-memory world). Run as ``hosts_host_
   part in the host level; rank 2, its host peer, times out there (ranks 2 and 3 wait 10 s, ranks 0 and 1,
   which only wait for the others between hosts, 120 s, so rank 2's error is the job's first) and aborts
   the job with its error, which must name rank 3 as the job numbers it.
+- ``absent``: rank 3 never comes to its host's rendezvous (after the job's own); rank 2, which keeps the
+  host's store, times out there (ranks 2 and 3 wait 10 s, ranks 0 and 1 120 s) and raises, naming rank 3
+  as the job numbers it.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ import numpy as np
 from mpi4py import MPI
 
 import axonml_distributed as ad
-from axonml_distributed.mpi import MpiHostsProcessGroup
+from axonml_distributed.mpi import MpiHostsProcessGroup, hosts
 
 COUNT = 100_000  # above the test's cut (AXONML_HOSTS_FLAT_BELOW=0): both levels
 mode = sys.argv[1]
 me = MPI.COMM_WORLD.Get_rank()
-pg = ad.init_process_group("mpi", timeout=10 if mode == "stall" and me >= 2 else 120)
+
+
+class NeverJoins:
+    @staticmethod
+    def join(*_: object, **__: object) -> None:
+        time.sleep(120)
+
+
+if mode == "absent" and me == 3:
+    hosts.ShmBackend = NeverJoins  # type: ignore[assignment,misc]
+pg = ad.init_process_group("mpi", timeout=10 if mode in ("stall", "absent") and me >= 2 else 120)
 assert isinstance(pg, MpiHostsProcessGroup), repr(pg)
 
 if mode == "meet":
@@ -39,5 +52,7 @@ elif mode == "stall":
         pg._two_levels = lambda *_: time.sleep(120)  # type: ignore[method-assign]
     pg.all_reduce(np.ones(COUNT, np.float32))
     raise SystemExit(f"rank {me}: the all_reduce should never have returned")
+elif mode == "absent":
+    raise SystemExit(f"rank {me}: init_process_group should never have returned")
 else:
     raise SystemExit(f"unknown mode {mode!r}")

@@ -24,7 +24,9 @@ all-gather inside the host.
   takes the same one (rank 0's `flat_below` and pipeline segment are broadcast at start-up).
 - Failures: a failure inside a two-level call (a peer of the host that died, a wait past the timeout)
   aborts the MPI job, as every failure the MPI group cannot undo does (MPI cannot cancel the collective
-  the other hosts wait in); `python -m mpi4py` turns an exception on any rank into MPI_Abort.
+  the other hosts wait in); `python -m mpi4py` turns an exception on any rank into MPI_Abort. Its error
+  names the job's ranks, as every other error of the group: the host's world numbers its ranks 0..n-1,
+  and its errors (and its rendezvous's) go through `hosts.host_group`'s mapping.
 - The host's shared-memory world meets through a store MPI carries (`mpi.host_store`: the host's first
   rank keeps it, the others ask it over the host's communicator), so no TCP port is chosen (none can be
   taken between choosing and listening) and the host's ranks need no common loopback; its segment is
@@ -55,6 +57,7 @@ from axonml_distributed._core import (
 )
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import DistributedError
+from axonml_distributed.hosts.host_group import HostGroup, JobRanks, in_job_ranks
 from axonml_distributed.hosts.layout import ITEM_BYTES, HostLayout, find_hosts
 from axonml_distributed.hosts.two_level import (
     DEFAULT_FLAT_BELOW,
@@ -117,16 +120,19 @@ def two_level(layout: HostLayout) -> bool:
 
 def join_host(local: MpiProcessGroup, layout: HostLayout, timeout: float) -> Backend:
     """This host's shared-memory world (collective over `local`, the host's ranks), met through a
-    `HostStore` on `local`'s communicator (which nothing else uses)."""
+    `HostStore` on `local`'s communicator (which nothing else uses); its errors in the job's ranks."""
     store = HostStore(local._member_queue("init_mpi_process_group").comm, timeout)
     me, size = layout.local_rank, len(layout.local_ranks)
     try:
-        world = ShmBackend.join(store, me, size, timeout, arena_bytes=settings.shm_arena_bytes())
-    finally:
-        if me != 0:
-            store.done()
-    if me == 0:
-        store.finish()
+        try:
+            world = ShmBackend.join(store, me, size, timeout, arena_bytes=settings.shm_arena_bytes())
+        finally:
+            if me != 0:
+                store.done()
+        if me == 0:
+            store.finish()
+    except DistributedError as e:
+        raise in_job_ranks(e, JobRanks(layout.local_ranks, me, range(size))) from e
     return world
 
 
@@ -145,7 +151,7 @@ class MpiHostsProcessGroup(MpiProcessGroup):
         super().__init__(comm, ranks, rank, timeout, check)
         self._layout = layout
         host_world = join_host(self.new_group(layout.local_ranks), layout, timeout)
-        self._local = ProcessGroup(host_world, None, timeout)
+        self._local = HostGroup(ProcessGroup(host_world, None, timeout), layout.local_ranks)
         # Without the signature check: the group's check over every rank agreed on each call first, and
         # every rank splits alike, so the calls between hosts match (the check would double their
         # latency).
