@@ -50,6 +50,11 @@ class HostGroup:
         self.__dict__[name] = call  # found here from now on, without this lookup
         return call
 
+    def in_job_ranks(self, e: DistributedError) -> DistributedError:
+        """`e`, an error that names ranks as this group's native group does (one its torch group makes
+        itself, from the native's `rank()` and `ranks()`), in the job's ranks."""
+        return in_job_ranks(e, self._host)
+
 
 # What a native group tells without a call into the engine: nothing to translate.
 _HOST_FACTS = {"backend", "rank", "ranks", "size", "world_size", "group_rank", "contains", "timeout"}
