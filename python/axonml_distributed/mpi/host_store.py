@@ -146,7 +146,7 @@ class HostStore:
 
     def _send(self, data: bytes, dest: int, tag: int) -> None:
         request = self._comm.Isend([data, MPI.BYTE], dest, tag)
-        self._until(request.Test, "send to")
+        self._until(request.Test, "a message to reach")
 
     def _receive(self) -> bytes:
         status = MPI.Status()
@@ -162,8 +162,8 @@ class HostStore:
         while not ready():
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"the host's rendezvous store: no {what} its keeper (the host's first rank) within "
-                    f"{self._timeout:g} s"
+                    f"the host's rendezvous store: waited {self._timeout:g} s in vain for {what} its "
+                    "keeper (the host's first rank)"
                 )
             time.sleep(pause)
             pause = min(2 * pause, MAX_PAUSE_S)
