@@ -73,3 +73,49 @@ def test_a_rank_raising_on_the_other_host_ends_every_rank(hosts: SimHosts) -> No
     assert done.returncode != 0, said
     assert "rank 3 on h1 fails in user code" in said, said
     assert "should never have returned" not in said, said
+
+
+@pytest.mark.timeout(180)
+def test_a_host_level_timeout_names_the_job_ranks(hosts: SimHosts) -> None:
+    """Rank 3 never takes part in the host level of a two-level all_reduce (tests/mpi_jobs/
+    hosts_host_level.py): rank 2, its host peer, times out there, and the error it aborts the job with
+    names rank 3 and itself as the job numbers them (the host's world calls them 1 and 0)."""
+    done = mpiexec(hosts, "hosts_host_level.py", "stall", env={"AXONML_HOSTS_FLAT_BELOW": "0"})
+    said = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode != 0, said
+    assert "should never have returned" not in said, said
+    reported = [line for line in said.splitlines() if "CollectiveTimeoutError: rank 2: " in line]
+    assert reported, said
+    assert "failed inside this host (rank(s) [3];" in reported[0], said
+    assert "host ranks to global ranks: 0 = 2, 1 = 3" in reported[0], said
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_missing_from_its_hosts_rendezvous_is_named_by_its_job_rank(hosts: SimHosts) -> None:
+    """Rank 3 never comes to its host's rendezvous (tests/mpi_jobs/hosts_host_level.py): rank 2, which
+    keeps the host's store, times out and names rank 3 as the job numbers it (the host's world: 1)."""
+    done = mpiexec(hosts, "hosts_host_level.py", "absent")
+    said = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode != 0, said
+    assert "should never have returned" not in said, said
+    reported = [line for line in said.splitlines() if "CollectiveTimeoutError: rank 2: " in line]
+    assert reported, said
+    assert "failed inside this host (rank(s) [3];" in reported[0], said
+    assert "host ranks to global ranks: 0 = 2, 1 = 3" in reported[0], said
+
+
+@pytest.mark.timeout(180)
+def test_the_host_level_meets_without_loopback(hosts: SimHosts) -> None:
+    """Each host's ranks meet for their shared-memory world through MPI (`mpi.host_store`), not a TCP
+    port on 127.0.0.1 (which another process could take between its choice and its use, and which ranks
+    in different network namespaces do not share): with every host's loopback down, the job still meets
+    and reduces across both levels."""
+    for i in range(hosts.n):
+        hosts.run(i, ["ip", "link", "set", "lo", "down"], timeout=30).check_returncode()
+    try:
+        done = mpiexec(hosts, "hosts_host_level.py", "meet", env={"AXONML_HOSTS_FLAT_BELOW": "0"})
+    finally:
+        for i in range(hosts.n):
+            hosts.run(i, ["ip", "link", "set", "lo", "up"], timeout=30).check_returncode()
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "host level met without loopback: hosts [[0, 1], [2, 3]]" in done.stdout, done.stdout

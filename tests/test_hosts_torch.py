@@ -448,6 +448,21 @@ def test_groups_across_hosts_count_their_calls_refuse_strided_all_to_all_and_nam
             text
         )
         assert "host ranks to global ranks: 0 = 2, 1 = 3" in message, text
+    # A zero-timeout monitored_barrier on either order of the subgroup: timed out at once (torch's group
+    # makes that error itself), naming the job's ranks too.
+    for which in ("sorted", "reversed"):
+        zero = {
+            int(m[1]): (m[2], m[3]) for m in lines(agents, rf"rank (\d) zero {which} raised (\w+): (.*)$")
+        }
+        zero_facts = {
+            int(m[1]): json.loads(m[2]) for m in lines(agents, rf"rank (\d) zero {which} facts (.*)$")
+        }
+        assert sorted(zero) == [2, 3] and {kind for kind, _ in zero.values()} == {"CollectiveTimeoutError"}, (
+            text
+        )
+        for rank, other in ((2, 3), (3, 2)):
+            assert zero_facts[rank] == {"rank": rank, "ranks": [other], "group": [2, 3]}, text
+            assert zero[rank][1].startswith(f"rank {rank}: monitored_barrier failed inside this host"), text
     # Its flight record too (`trace.record.to_job_ranks`): rank 2's all_reduce, in a group over 2 and 3.
     dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"FLIGHT (\d) (.*)$")}
     dump = dumps[2]["ranks"]["2"]

@@ -7,10 +7,12 @@ one run (each run costs seconds), group timeout 20 s. In order:
   alone: ``rank R strided <which> raised <type>: <message>`` (or ``never raised``) and ``rank R strided
   <which> unchanged: <bool>`` (its output's storage); then a contiguous all_to_all_single, ``rank R
   all_to_all_single right: <bool>``.
-- ``subgroup``: ``new_group([2, 3])`` (host 1's ranks, timeout 3 s); rank 2 all_reduces on it alone and
-  times out, then rank 3 all_reduces on it (its world aborted by rank 2): each prints ``rank R subgroup
-  raised <type>: <message>`` and ``rank R subgroup facts <json>`` (the error's rank, ranks, group), and
-  ``FLIGHT R <json>`` (its flight record).
+- ``subgroup``: ``new_group([2, 3])`` (host 1's ranks, timeout 3 s) and ``new_group([3, 2],
+  sort_ranks=False)``; rank 2 all_reduces on the first alone and times out, then rank 3 all_reduces on it
+  (its world aborted by rank 2): each prints ``rank R subgroup raised <type>: <message>`` and ``rank R
+  subgroup facts <json>`` (the error's rank, ranks, group), and ``FLIGHT R <json>`` (its flight record).
+  Then each calls ``monitored_barrier`` with a zero timeout on both groups (it times out at once, without
+  the native group) and prints ``rank R zero <which> raised ...`` and ``rank R zero <which> facts ...``.
 
 Every rank then waits for the others in the store (the agent on h0 serves it) and exits 0.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,21 +66,31 @@ def strided(rank: int, world: int) -> None:
 
 def subgroup(rank: int, store: dist.Store) -> None:
     sub = dist.new_group([2, 3], timeout=datetime.timedelta(seconds=3))
+    reversed_sub = dist.new_group([3, 2], timeout=datetime.timedelta(seconds=3), sort_ranks=False)
     if rank < 2:
         return
     if rank == 3:
         store.wait(["groups/timed-out"], datetime.timedelta(seconds=60))
-    try:
-        dist.all_reduce(torch.ones(4), group=sub)
-        say(f"rank {rank} subgroup never raised")
-    except Exception as e:  # noqa: BLE001 (reported whatever it is)
-        first = str(e).replace("\n", " | ")
-        say(f"rank {rank} subgroup raised {type(e).__name__}: {first}")
-        facts = {"rank": getattr(e, "rank", None), "ranks": list(getattr(e, "ranks", []))}
-        say(f"rank {rank} subgroup facts {json.dumps({**facts, 'group': getattr(e, 'group', None)})}")
+    reported(rank, "subgroup", lambda: dist.all_reduce(torch.ones(4), group=sub))
     if rank == 2:
         store.set("groups/timed-out", "1")
     say(f"FLIGHT {rank} {json.dumps(trace.flight_record())}")
+    zero = datetime.timedelta(0)
+    reported(rank, "zero sorted", lambda: sub.monitored_barrier(zero))
+    reported(rank, "zero reversed", lambda: reversed_sub.monitored_barrier(zero))
+
+
+def reported(rank: int, what: str, call: Callable[[], object]) -> None:
+    """``rank R <what> raised <type>: <message>`` and ``rank R <what> facts <json>`` (the error's rank,
+    ranks, group), or ``rank R <what> never raised``."""
+    try:
+        call()
+        say(f"rank {rank} {what} never raised")
+    except Exception as e:  # noqa: BLE001 (reported whatever it is)
+        first = str(e).replace("\n", " | ")
+        say(f"rank {rank} {what} raised {type(e).__name__}: {first}")
+        facts = {"rank": getattr(e, "rank", None), "ranks": list(getattr(e, "ranks", []))}
+        say(f"rank {rank} {what} facts {json.dumps({**facts, 'group': getattr(e, 'group', None)})}")
 
 
 def main() -> int:

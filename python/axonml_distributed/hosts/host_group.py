@@ -4,8 +4,9 @@ The host's world numbers its ranks 0..n-1 on each host, and so do the core's err
 ranks, group, the members' calls); every other error across hosts names a rank as the job knows it.
 `HostGroup` gives the core's errors the job's ranks (`in_job_ranks`): a subgroup of ranks on one host
 that is not host 0 (``new_group([2, 3])`` on 2 hosts x 2 ranks) and the host level of a two-level
-all_reduce. The flight recorder's dumps and the timeline map their records themselves
-(`trace.record.to_job_ranks`).
+all_reduce, under torch and MPI alike; the MPI backend maps its host world's rendezvous errors, raised
+before there is a group, through the same `in_job_ranks`. The flight recorder's dumps and the timeline
+map their records themselves (`trace.record.to_job_ranks`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class HostGroup:
 
     def __init__(self, native: ProcessGroup, host_ranks: Sequence[int]) -> None:
         self._native = native
-        self._host = _JobRanks(host_ranks, native)
+        self._host = JobRanks(host_ranks, native.rank(), native.ranks())
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._native, name)
@@ -49,18 +50,24 @@ class HostGroup:
         self.__dict__[name] = call  # found here from now on, without this lookup
         return call
 
+    def in_job_ranks(self, e: DistributedError) -> DistributedError:
+        """`e`, an error that names ranks as this group's native group does (one its torch group makes
+        itself, from the native's `rank()` and `ranks()`), in the job's ranks."""
+        return in_job_ranks(e, self._host)
+
 
 # What a native group tells without a call into the engine: nothing to translate.
 _HOST_FACTS = {"backend", "rank", "ranks", "size", "world_size", "group_rank", "contains", "timeout"}
 
 
-class _JobRanks:
-    """The job's rank of each rank of the host's world (`host[i]`), of this rank and of the group's."""
+class JobRanks:
+    """The job's rank of each rank of the host's world (`host[i]`), of this rank (`me`, its index in the
+    host's world) and of the group's members (`members`, theirs)."""
 
-    def __init__(self, host: Sequence[int], native: ProcessGroup) -> None:
+    def __init__(self, host: Sequence[int], me: int, members: Sequence[int]) -> None:
         self.host = host
-        self.me = host[native.rank()]
-        self.group = [host[r] for r in native.ranks()]
+        self.me = host[me]
+        self.group = [host[r] for r in members]
 
 
 class _HostWork:
@@ -68,7 +75,7 @@ class _HostWork:
 
     __slots__ = ("_work", "_host")
 
-    def __init__(self, work: NativeWork, host: _JobRanks) -> None:
+    def __init__(self, work: NativeWork, host: JobRanks) -> None:
         self._work, self._host = work, host
 
     def wait(self) -> Any:
@@ -87,7 +94,7 @@ class _HostWork:
             raise in_job_ranks(e, self._host) from e
 
 
-def in_job_ranks(e: DistributedError, ranks: _JobRanks) -> DistributedError:
+def in_job_ranks(e: DistributedError, ranks: JobRanks) -> DistributedError:
     """The core's error `e` from a group of this host's world, in the job's ranks: its facts mapped
     (this rank and the group's members where the core left them out: an aborted world's error), its
     text kept after the table of the host's ranks (its own words, the progress among them, number the

@@ -24,10 +24,13 @@ all-gather inside the host.
   takes the same one (rank 0's `flat_below` and pipeline segment are broadcast at start-up).
 - Failures: a failure inside a two-level call (a peer of the host that died, a wait past the timeout)
   aborts the MPI job, as every failure the MPI group cannot undo does (MPI cannot cancel the collective
-  the other hosts wait in); `python -m mpi4py` turns an exception on any rank into MPI_Abort.
-- The host's shared-memory world meets through a TCP store local rank 0 hosts on 127.0.0.1 (a free port
-  and a random job secret it broadcasts to the host's ranks over MPI); its segment is unlinked once
-  every rank attached it, so none is left behind however the job ends.
+  the other hosts wait in); `python -m mpi4py` turns an exception on any rank into MPI_Abort. Its error
+  names the job's ranks, as every other error of the group: the host's world numbers its ranks 0..n-1,
+  and its errors (and its rendezvous's) go through `hosts.host_group`'s mapping.
+- The host's shared-memory world meets through a store MPI carries (`mpi.host_store`: the host's first
+  rank keeps it, the others ask it over the host's communicator), so no TCP port is chosen (none can be
+  taken between choosing and listening) and the host's ranks need no common loopback; its segment is
+  unlinked once every rank attached it, so none is left behind however the job ends.
 - A two-level call runs to completion when called, with `async_op` too (its handle is complete); it first
   completes the group's pending operations, so work on the group still completes in issue order. Its
   pipeline segments overlap only as far as MPI progresses a started reduce-scatter while the host works
@@ -36,8 +39,6 @@ all-gather inside the host.
 
 from __future__ import annotations
 
-import secrets
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ from axonml_distributed._core import (
 )
 from axonml_distributed._types import Buf, OpArg
 from axonml_distributed.exceptions import DistributedError
+from axonml_distributed.hosts.host_group import HostGroup, JobRanks, in_job_ranks
 from axonml_distributed.hosts.layout import ITEM_BYTES, HostLayout, find_hosts
 from axonml_distributed.hosts.two_level import (
     DEFAULT_FLAT_BELOW,
@@ -66,6 +68,7 @@ from axonml_distributed.hosts.two_level import (
 from axonml_distributed.mpi.args import checkable, finish_result, prescale
 from axonml_distributed.mpi.check import check_signatures, signature
 from axonml_distributed.mpi.group import MpiProcessGroup
+from axonml_distributed.mpi.host_store import HostStore
 from axonml_distributed.mpi.queue import MpiWork, abort_job, complete_or_abort
 from axonml_distributed.tensors import like, numpy_view
 
@@ -116,25 +119,21 @@ def two_level(layout: HostLayout) -> bool:
 
 
 def join_host(local: MpiProcessGroup, layout: HostLayout, timeout: float) -> Backend:
-    """This host's shared-memory world (collective over `local`, the host's ranks): local rank 0 hosts
-    the rendezvous store on a free port of 127.0.0.1 and tells the others the port and a job secret."""
-    offer = np.zeros(2 + 32, np.uint8)
-    if layout.local_rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        offer[:2] = np.frombuffer(port.to_bytes(2, "little"), np.uint8)
-        offer[2:] = np.frombuffer(secrets.token_bytes(32), np.uint8)
-    local.broadcast(offer, layout.local_ranks[0])
-    return ShmBackend.connect(
-        layout.local_rank,
-        len(layout.local_ranks),
-        "127.0.0.1",
-        int.from_bytes(offer[:2].tobytes(), "little"),
-        timeout=timeout,
-        arena_bytes=settings.shm_arena_bytes(),
-        secret=offer[2:].tobytes(),
-    )
+    """This host's shared-memory world (collective over `local`, the host's ranks), met through a
+    `HostStore` on `local`'s communicator (which nothing else uses); its errors in the job's ranks."""
+    store = HostStore(local._member_queue("init_mpi_process_group").comm, timeout)
+    me, size = layout.local_rank, len(layout.local_ranks)
+    try:
+        try:
+            world = ShmBackend.join(store, me, size, timeout, arena_bytes=settings.shm_arena_bytes())
+        finally:
+            if me != 0:
+                store.done()
+        if me == 0:
+            store.finish()
+    except DistributedError as e:
+        raise in_job_ranks(e, JobRanks(layout.local_ranks, me, range(size))) from e
+    return world
 
 
 class MpiHostsProcessGroup(MpiProcessGroup):
@@ -151,9 +150,8 @@ class MpiHostsProcessGroup(MpiProcessGroup):
     ) -> None:
         super().__init__(comm, ranks, rank, timeout, check)
         self._layout = layout
-        self._local = ProcessGroup(
-            join_host(self.new_group(layout.local_ranks), layout, timeout), None, timeout
-        )
+        host_world = join_host(self.new_group(layout.local_ranks), layout, timeout)
+        self._local = HostGroup(ProcessGroup(host_world, None, timeout), layout.local_ranks)
         # Without the signature check: the group's check over every rank agreed on each call first, and
         # every rank splits alike, so the calls between hosts match (the check would double their
         # latency).

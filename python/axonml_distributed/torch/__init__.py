@@ -54,6 +54,7 @@ from axonml_distributed.torch.hosts import (
     HostRank,
     HostsProcessGroup,
     exchange_addresses,
+    host_subgroup,
     init_prefix,
     join_host,
     local_group,
@@ -117,6 +118,8 @@ def create(opts: Any, _backend_options: Any) -> dist.ProcessGroup:
         native = local_group(_world, _hosts, _hosts.within(ranks), opts.timeout)
         # The core numbers the members by ascending global rank; torch, in the order given to new_group.
         order = RankOrder.of(ranks)
+        if isinstance(native, HostGroup):
+            return host_subgroup(native, opts.group_rank, opts.group_size, order)
         if order is not None:
             return OrderedProcessGroup(native, opts.group_rank, opts.group_size, order)
     return AxonmlProcessGroup(native, opts.group_rank, opts.group_size)

@@ -27,7 +27,8 @@ quote it and name its rank; a process that ends without a word (SIGKILL, a host 
 address, which the error names as that host's ranks (every rank lists its host's addresses at init:
 `exchange_addresses`). Failures of forwarded calls after the signature are gloo's own RuntimeErrors.
 A subgroup whose ranks share one host is a native group of that host's world (`local_group`), its
-errors in the job's ranks too (`hosts.host_group`). `stats()` counts the calls gloo carries.
+errors in the job's ranks too (`hosts.host_group`; `HostSubgroup` for the errors torch's group makes
+itself). `stats()` counts the calls gloo carries.
 """
 
 # mypy: disable-error-code="override"
@@ -61,8 +62,10 @@ from axonml_distributed.hosts.addresses import AddressBook, local_addresses
 from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.group import AxonmlProcessGroup, OrderedProcessGroup
 from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
 from axonml_distributed.torch.named import NamedGroup
+from axonml_distributed.torch.rank_order import RankOrder
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
 from axonml_distributed.trace.gloo_calls import GlooCalls
@@ -206,6 +209,30 @@ def local_group(
     else:
         native = ProcessGroup(host_world, [host.index(r) for r in group.local_ranks], timeout)
     return native if len(world.hosts) == 1 else HostGroup(native, host)
+
+
+class HostSubgroup(AxonmlProcessGroup):
+    """torch's group of ranks on one host of a job over several (its native group a `HostGroup`): the
+    errors it makes itself from its native group's ranks (a zero-timeout `monitored_barrier`'s, which
+    never reaches the native group) name the job's ranks too, as the native group's own errors do."""
+
+    _native: HostGroup
+
+    def _timed_out_at_once(self) -> CollectiveTimeoutError:
+        e = self._native.in_job_ranks(super()._timed_out_at_once())
+        assert isinstance(e, CollectiveTimeoutError)  # in_job_ranks keeps the type
+        return e
+
+
+class OrderedHostSubgroup(HostSubgroup, OrderedProcessGroup):
+    """A `HostSubgroup` whose members torch orders otherwise than the core (`OrderedProcessGroup`)."""
+
+
+def host_subgroup(native: HostGroup, rank: int, size: int, order: RankOrder | None) -> AxonmlProcessGroup:
+    """torch's group over `native`, a group of ranks on one host of a job over several."""
+    if order is None:
+        return HostSubgroup(native, rank, size)
+    return OrderedHostSubgroup(native, rank, size, order)
 
 
 class HostsProcessGroup(NamedGroup):
