@@ -412,6 +412,7 @@ def test_groups_across_hosts_count_their_calls_refuse_strided_all_to_all_and_nam
     agents = torchrun(hosts, "hosts_groups.py", out_dir=tmp_path, timeout=170)
     text = said(agents)
     assert [a.code for a in agents] == [0, 0], text
+    assert len(lines(agents, r"rank \d monitored never raised$")) == 4, text
 
     # stats(): the shape of the native groups' (tests/test_flight_recorder.py), counted from the calls.
     got = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) stats (.*)$")}

@@ -3,6 +3,8 @@ one run (each run costs seconds), group timeout 20 s. In order:
 
 - ``stats``: a small (flat) all_reduce of 10 float32, a two-level one of `ELEMS` float64 and a broadcast
   of 6 int32 on the default group, a barrier, then ``rank R stats <json>`` (the group's ``stats()``).
+- ``monitored``: the default group's ``monitored_barrier`` (20 s), every rank present: ``rank R monitored
+  never raised``.
 - ``strided``: all_to_all_single with a strided output on rank 3 alone, then a strided input on rank 1
   alone: ``rank R strided <which> raised <type>: <message>`` (or ``never raised``) and ``rank R strided
   <which> unchanged: <bool>`` (its output's storage); then a contiguous all_to_all_single, ``rank R
@@ -98,6 +100,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     stats(rank)
+    # Every rank comes: the barrier completes (gloo's monitored_barrier returns no work).
+    reported(rank, "monitored", lambda: dist.group.WORLD.monitored_barrier(datetime.timedelta(seconds=20)))
     strided(rank, world)
     subgroup(rank, store)
     store.set(f"groups/done/{rank}", "1")

@@ -166,6 +166,9 @@ class GlooCalls:
             raise
         if flight is None:
             return work
+        if work is None:  # a blocking call, done when it returns (monitored_barrier)
+            flight.end(True, ROUTE)
+            return None
         try:
             future = work.get_future()
         except RuntimeError:  # a send or receive: no future
