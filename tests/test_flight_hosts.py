@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from axonml_distributed import trace
+from hosts_torchrun import lines, said, torchrun
 from simhosts_fixture import needs_simhosts, new_sim_hosts
-from test_hosts_torch import lines, said, torchrun
 
 pytestmark = needs_simhosts
 torch = pytest.importorskip("torch")

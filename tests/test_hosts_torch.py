@@ -3,32 +3,24 @@ every collective against torch's reference, DDP against gloo's, faults (a rank t
 host, a host killed, a link cut, a mismatch across hosts), hosts found honestly, an elastic restart.
 
 One pair of hosts serves the module (bringing hosts up costs seconds); a test that kills a host brings
-up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py.
+up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py, run by `hosts_torchrun`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
-import secrets
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from axonml_distributed.simhosts import SimHosts
+from hosts_torchrun import finish, lines, raised, said, start_torchrun, torchrun, wait_for_lines
 from simhosts_fixture import MISSING, needs_simhosts, new_sim_hosts
 
 pytestmark = needs_simhosts
 torch = pytest.importorskip("torch")
-
-JOBS = Path(__file__).parent / "torch_jobs"
-_ports = itertools.count(29411)
 
 
 class Hosts:
@@ -64,65 +56,6 @@ def hosts(hosts_holder: Hosts) -> SimHosts:
     return hosts_holder.get()
 
 
-@dataclass
-class Agent:
-    """One host's torchrun: its exit code and everything it and its workers printed."""
-
-    host: int
-    code: int | None
-    out: str
-
-
-def start_torchrun(
-    hosts: SimHosts,
-    job: str,
-    *args: str,
-    env: dict[str, str] | None = None,
-    nnodes: str = "2",
-    torchrun_args: tuple[str, ...] = (),
-    out_dir: Path,
-) -> list[subprocess.Popen[bytes]]:
-    port = next(_ports)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}"]
-    # torchrun's agent ends a failed worker's siblings at its next look (every 0.1 s by default): on a
-    # loaded machine, before they report what they raised. A slower look lets the fault jobs report.
-    if job == "hosts_faults.py":
-        cmd += ["--monitor-interval", "5"]
-    cmd += ["--rdzv-id", f"job{secrets.token_hex(4)}", *torchrun_args, str(JOBS / job), *args]
-    agents = []
-    # The jobs' tensors are small: every all_reduce of 64 KiB or more takes both levels.
-    env = {"AXONML_HOSTS_FLAT_BELOW": "65536", **(env or {})}
-    for i in range(2):
-        with open(out_dir / f"h{i}.out", "wb") as out:
-            agents.append(hosts.popen(i, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-    return agents
-
-
-def finish(agents: list[subprocess.Popen[bytes]], out_dir: Path, timeout: float) -> list[Agent]:
-    codes: list[int | None] = []
-    for agent in agents:
-        try:
-            codes.append(agent.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            codes.append(None)
-    return [Agent(i, code, (out_dir / f"h{i}.out").read_text()) for i, code in enumerate(codes)]
-
-
-def torchrun(hosts: SimHosts, job: str, *args: str, out_dir: Path, timeout: float = 150, **kw) -> list[Agent]:  # type: ignore[no-untyped-def]
-    return finish(start_torchrun(hosts, job, *args, out_dir=out_dir, **kw), out_dir, timeout)
-
-
-def said(agents: list[Agent]) -> str:
-    return "\n".join(f"--- h{a.host} (exit {a.code}) ---\n{a.out[-8000:]}" for a in agents)
-
-
-def lines(agents: list[Agent], pattern: str) -> list[re.Match[str]]:
-    found = (re.match(pattern, line) for a in agents for line in a.out.splitlines())
-    return [m for m in found if m]
-
-
 @pytest.mark.timeout(240)
 def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tmp_path: Path) -> None:
     agents = torchrun(
@@ -138,29 +71,10 @@ def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tm
 
 # ---- faults ------------------------------------------------------------------------------------------
 
-RAISED = r"rank (\d) raised (\w+): (.*)$"
-
-
-def raised(agents: list[Agent]) -> dict[int, tuple[str, str]]:
-    """Each rank's failure as it reported it: its type and message."""
-    return {int(m[1]): (m[2], m[3]) for m in lines(agents, RAISED)}
-
 
 def shm_left(hosts: SimHosts, where: list[int]) -> dict[int, list[str]]:
     """What each host's /dev/shm holds (the hosts' own, private)."""
     return {i: hosts.run(i, ["ls", "-A", "/dev/shm"], timeout=30).stdout.split() for i in where}
-
-
-def wait_for_lines(
-    out_dir: Path, word: str, count: int, agents: list[subprocess.Popen[bytes]], limit: float = 90
-) -> None:
-    """Until the hosts' outputs hold `count` lines with `word`, every agent ended, or `limit` seconds
-    passed (the test then fails on what the jobs said)."""
-    deadline = time.monotonic() + limit
-    while sum(path.read_text().count(word) for path in out_dir.glob("h*.out")) < count:
-        if all(agent.poll() is not None for agent in agents) or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(150)
