@@ -1,34 +1,30 @@
 """The "axonml" torch backend across simulated hosts (2 hosts x 2 ranks under torchrun, c10d rendezvous):
 every collective against torch's reference, DDP against gloo's, faults (a rank that raises on the other
-host, a host killed, a link cut, a mismatch across hosts), hosts found honestly, an elastic restart.
+host, a host killed, a link cut, a mismatch across hosts), hosts found honestly, an elastic restart, what
+groups across hosts tell (flight records, stats, refusals, errors in the job's ranks).
 
 One pair of hosts serves the module (bringing hosts up costs seconds); a test that kills a host brings
-up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py.
+up a fresh pair for those after it. Jobs are tests/torch_jobs/hosts_*.py, run by `hosts_torchrun`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
-import secrets
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from axonml_distributed import trace
 from axonml_distributed.simhosts import SimHosts
+from hosts_torchrun import Agent, finish, lines, raised, said, start_torchrun, torchrun, wait_for_lines
 from simhosts_fixture import MISSING, needs_simhosts, new_sim_hosts
 
 pytestmark = needs_simhosts
 torch = pytest.importorskip("torch")
-
-JOBS = Path(__file__).parent / "torch_jobs"
-_ports = itertools.count(29411)
 
 
 class Hosts:
@@ -64,65 +60,6 @@ def hosts(hosts_holder: Hosts) -> SimHosts:
     return hosts_holder.get()
 
 
-@dataclass
-class Agent:
-    """One host's torchrun: its exit code and everything it and its workers printed."""
-
-    host: int
-    code: int | None
-    out: str
-
-
-def start_torchrun(
-    hosts: SimHosts,
-    job: str,
-    *args: str,
-    env: dict[str, str] | None = None,
-    nnodes: str = "2",
-    torchrun_args: tuple[str, ...] = (),
-    out_dir: Path,
-) -> list[subprocess.Popen[bytes]]:
-    port = next(_ports)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}"]
-    # torchrun's agent ends a failed worker's siblings at its next look (every 0.1 s by default): on a
-    # loaded machine, before they report what they raised. A slower look lets the fault jobs report.
-    if job == "hosts_faults.py":
-        cmd += ["--monitor-interval", "5"]
-    cmd += ["--rdzv-id", f"job{secrets.token_hex(4)}", *torchrun_args, str(JOBS / job), *args]
-    agents = []
-    # The jobs' tensors are small: every all_reduce of 64 KiB or more takes both levels.
-    env = {"AXONML_HOSTS_FLAT_BELOW": "65536", **(env or {})}
-    for i in range(2):
-        with open(out_dir / f"h{i}.out", "wb") as out:
-            agents.append(hosts.popen(i, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-    return agents
-
-
-def finish(agents: list[subprocess.Popen[bytes]], out_dir: Path, timeout: float) -> list[Agent]:
-    codes: list[int | None] = []
-    for agent in agents:
-        try:
-            codes.append(agent.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            codes.append(None)
-    return [Agent(i, code, (out_dir / f"h{i}.out").read_text()) for i, code in enumerate(codes)]
-
-
-def torchrun(hosts: SimHosts, job: str, *args: str, out_dir: Path, timeout: float = 150, **kw) -> list[Agent]:  # type: ignore[no-untyped-def]
-    return finish(start_torchrun(hosts, job, *args, out_dir=out_dir, **kw), out_dir, timeout)
-
-
-def said(agents: list[Agent]) -> str:
-    return "\n".join(f"--- h{a.host} (exit {a.code}) ---\n{a.out[-8000:]}" for a in agents)
-
-
-def lines(agents: list[Agent], pattern: str) -> list[re.Match[str]]:
-    found = (re.match(pattern, line) for a in agents for line in a.out.splitlines())
-    return [m for m in found if m]
-
-
 @pytest.mark.timeout(240)
 def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tmp_path: Path) -> None:
     agents = torchrun(
@@ -138,29 +75,10 @@ def test_every_collective_and_ddp_across_hosts_against_torch(hosts: SimHosts, tm
 
 # ---- faults ------------------------------------------------------------------------------------------
 
-RAISED = r"rank (\d) raised (\w+): (.*)$"
-
-
-def raised(agents: list[Agent]) -> dict[int, tuple[str, str]]:
-    """Each rank's failure as it reported it: its type and message."""
-    return {int(m[1]): (m[2], m[3]) for m in lines(agents, RAISED)}
-
 
 def shm_left(hosts: SimHosts, where: list[int]) -> dict[int, list[str]]:
     """What each host's /dev/shm holds (the hosts' own, private)."""
     return {i: hosts.run(i, ["ls", "-A", "/dev/shm"], timeout=30).stdout.split() for i in where}
-
-
-def wait_for_lines(
-    out_dir: Path, word: str, count: int, agents: list[subprocess.Popen[bytes]], limit: float = 90
-) -> None:
-    """Until the hosts' outputs hold `count` lines with `word`, every agent ended, or `limit` seconds
-    passed (the test then fails on what the jobs said)."""
-    deadline = time.monotonic() + limit
-    while sum(path.read_text().count(word) for path in out_dir.glob("h*.out")) < count:
-        if all(agent.poll() is not None for agent in agents) or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(150)
@@ -401,15 +319,125 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_reforms(hosts: SimHos
 GROUPS_ELEMS = 40_000  # tests/torch_jobs/hosts_groups.py's two-level all_reduce (float64)
 
 
-@pytest.mark.timeout(200)
+@dataclass
+class GroupsRun:
+    """The run of tests/torch_jobs/hosts_groups.py that the tests below read (one run: each costs seconds):
+    what its agents said, and what each host's /dev/shm held after it."""
+
+    agents: list[Agent]
+    shm: dict[int, list[str]]
+
+
+@pytest.fixture(scope="module")
+def groups_run(hosts_holder: Hosts, tmp_path_factory: pytest.TempPathFactory) -> GroupsRun:
+    hosts = hosts_holder.get()
+    out_dir = tmp_path_factory.mktemp("hosts_groups")
+    agents = torchrun(hosts, "hosts_groups.py", out_dir=out_dir, timeout=170)
+    return GroupsRun(agents, shm_left(hosts, [0, 1]))
+
+
+def _group(dump: dict[str, Any], ranks: str) -> str:
+    (name,) = [n for n, c in dump["pg_config"].items() if c["ranks"] == ranks]
+    return name
+
+
+@pytest.mark.timeout(240)  # the first of the tests below runs the job
+def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(groups_run: GroupsRun) -> None:
+    """The calls gloo carries across hosts in the flight recorder (`trace.gloo_calls`, recorded by
+    `torch.hosts.HostsProcessGroup`): each rank's record, beside calls inside each host and on a group of
+    one rank, checked against the calls it made; and what is left of it after `destroy_process_group` and
+    a second init in the same process."""
+    agents = groups_run.agents
+    assert [a.code for a in agents] == [0, 0], said(agents)
+    dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"FLIGHT (\d) (.*)$")}
+    assert sorted(dumps) == [0, 1, 2, 3], said(agents)
+    # Each process's file holds its own rank only (a world of one rank numbers it 0, a host's world
+    # numbers the host's ranks from 0: both are given the job's).
+    assert {r: list(d["ranks"]) for r, d in dumps.items()} == {r: [str(r)] for r in range(4)}
+    content = trace.merge(dumps.values())
+    # Each process's records carry the job's ranks: its host world's too.
+    assert sorted(content["ranks"]) == ["0", "1", "2", "3"] and content["world_size"] == 4
+    shards = 0
+    for rank in range(4):
+        dump = content["ranks"][str(rank)]
+        group = _group(dump, "[0, 1, 2, 3]")
+        gloo = [e for e in dump["entries"] if e["process_group"][0] == group]
+        got = [
+            (e["kind"], e["dtype"], e["count"], e["root"], e["collective_seq_id"])
+            for e in gloo
+            if not e["is_p2p"]
+        ]
+        assert got == [
+            ("all_reduce", "float32", 10, None, 1),
+            ("broadcast", "int32", 6, 1, 2),
+            ("barrier", None, 0, None, 3),
+        ], got
+        p2p = [(e["kind"], e["peer"], e["tag"], e["count"]) for e in gloo if e["is_p2p"]]
+        # Rank 1's send has no later call on the group before the record is printed: it ended in its wait,
+        # as rank 3's receive from any source, which names its sender.
+        want = {0: ("send", 2, 5, 3), 2: ("recv", 0, 5, 3), 1: ("send", 3, 9, 2), 3: ("recv", 1, 9, 2)}
+        assert p2p == [want[rank]], p2p
+        assert all(e["route"] == "gloo" and e["state"] == "completed" for e in gloo), gloo
+        # The shards between hosts: in the group of this rank and its peer on the other host.
+        cross = [
+            e for e in dump["entries"] if e["process_group"][0] == _group(dump, str([rank % 2, rank % 2 + 2]))
+        ]
+        assert cross and all(
+            (e["kind"], e["dtype"], e["route"], e["state"]) == ("all_reduce", "float64", "gloo", "completed")
+            for e in cross
+        ), cross
+        # Inside the host, on the group of its two ranks: roots, peers and the calls' text by the job's ranks.
+        first = rank - rank % 2
+        pair = [
+            e
+            for e in dump["entries"]
+            if dump["pg_config"][e["process_group"][0]]["ranks"] == str([first, first + 1])
+        ]
+        mine = [(e["kind"], e["root"], e.get("peer"), e["call"]) for e in pair if e["count"] == 3]
+        message = (
+            ("recv", None, first + 1, f"recv(3 x float32 from rank {first + 1}, tag 7)")
+            if rank == first
+            else ("send", None, first, f"send(3 x float32 to rank {first}, tag 7)")
+        )
+        broadcast = (
+            "broadcast",
+            first + 1,
+            None,
+            f"broadcast(#1, 3 x float32, root={first + 1})",
+        )
+        assert mine == [broadcast, message], mine
+        assert [
+            (e["kind"], e["count"])
+            for e in dump["entries"]
+            if e["process_group"][0] == _group(dump, f"[{rank}]")
+        ] == [("all_reduce", 2)]
+        if rank < 2:  # host 0's ranks hold one shard each of the whole tensor
+            shards += sum(e["count"] for e in cross)
+    assert shards == GROUPS_ELEMS
+    assert trace.analyze(content).summary() == "every rank completed every recorded call"
+    # The job's records of gloo's calls went with its groups; a second job's are its own.
+    left = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"LEFT (\d) (.*)$")}
+    assert left == {r: [] for r in range(4)}, said(agents)
+    agains = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"AGAIN (\d) (.*)$")}
+    assert sorted(agains) == [0, 1, 2, 3], said(agents)
+    for rank, again in agains.items():
+        # The world's group and, made with it, the group of this rank's peers on the other host.
+        assert [(ranks, kinds) for _, ranks, kinds in again] == [
+            ([0, 1, 2, 3], ["all_reduce"]),
+            ([rank % 2, rank % 2 + 2], []),
+        ], again
+        assert len({ordinal for ordinal, _, _ in again}) == 1, again
+
+
+@pytest.mark.timeout(240)
 def test_groups_across_hosts_count_their_calls_refuse_strided_all_to_all_and_name_job_ranks(
-    hosts: SimHosts, tmp_path: Path
+    groups_run: GroupsRun,
 ) -> None:
-    """One job (tests/torch_jobs/hosts_groups.py): the default group's `stats()`; all_to_all_single with
+    """The job's run (`groups_run`): the default group's `stats()`; all_to_all_single with
     a strided output (gloo would write it wrongly) or input (gloo refuses it on that rank alone, the
     others waiting) on one rank refused on every rank before anything moves; a subgroup of host 1's
     ranks whose timeout and peer failure name the job's ranks 2 and 3, not the host's 0 and 1."""
-    agents = torchrun(hosts, "hosts_groups.py", out_dir=tmp_path, timeout=170)
+    agents = groups_run.agents
     text = said(agents)
     assert [a.code for a in agents] == [0, 0], text
     assert len(lines(agents, r"rank \d monitored never raised$")) == 4, text
@@ -465,8 +493,8 @@ def test_groups_across_hosts_count_their_calls_refuse_strided_all_to_all_and_nam
             assert zero_facts[rank] == {"rank": rank, "ranks": [other], "group": [2, 3]}, text
             assert zero[rank][1].startswith(f"rank {rank}: monitored_barrier failed inside this host"), text
     # Its flight record too (`trace.record.to_job_ranks`): rank 2's all_reduce, in a group over 2 and 3.
-    dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"FLIGHT (\d) (.*)$")}
+    dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"rank (\d) subgroup flight (.*)$")}
     dump = dumps[2]["ranks"]["2"]
     pairs = {n for n, c in dump["pg_config"].items() if c["ranks"] == "[2, 3]"}
     assert [e for e in dump["entries"] if e["process_group"][0] in pairs and e["count"] == 4], dump
-    assert shm_left(hosts, [0, 1]) == {0: [], 1: []}
+    assert groups_run.shm == {0: [], 1: []}
