@@ -70,6 +70,11 @@ impl Page {
         }
     }
 
+    /// The encoded signature alone (`engine::wire`).
+    pub(crate) fn sig(&self) -> [u64; wire::WORDS] {
+        std::array::from_fn(|i| self.0[i].load(Relaxed))
+    }
+
     pub(crate) fn load(&self) -> Published {
         let w = |i: usize| self.0[i].load(Relaxed);
         Published { sig: std::array::from_fn(w), send: w(wire::WORDS), recv: w(wire::WORDS + 1) }
