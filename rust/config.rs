@@ -159,7 +159,13 @@ pub(crate) fn move_allowed_by_env() -> bool {
 /// (tests of the cross-memory path; CPUs whose kernel copies as fast as `memcpy`); unset (`None`), by
 /// the call's size and kind.
 pub(crate) fn cma_forced_by_env() -> Option<bool> {
-    match std::env::var("AXONML_SHM_CMA").as_deref().map(str::trim) {
+    switch_from_env("AXONML_SHM_CMA")
+}
+
+/// A switch in the environment variable `name`, as the core's switches read: `1` (`Some(true)`) or `0`
+/// (`Some(false)`), surrounding whitespace ignored; unset or anything else, `None` (the default).
+fn switch_from_env(name: &str) -> Option<bool> {
+    match std::env::var(name).as_deref().map(str::trim) {
         Ok("0") => Some(false),
         Ok("1") => Some(true),
         _ => None,
@@ -198,11 +204,9 @@ pub(crate) fn flight_recorder_entries() -> usize {
 pub const FLIGHT_RECORDER_FRAMES: usize = 8;
 
 /// `AXONML_FLIGHT_RECORDER_STACKS=1`: each recorded call keeps its caller's Python stack (its last
-/// [`FLIGHT_RECORDER_FRAMES`] frames), as torch's recorder keeps stacks when asked to; off by default,
-/// since walking the frames costs each call (read once).
+/// [`FLIGHT_RECORDER_FRAMES`] frames), as torch's recorder keeps stacks when asked to; off by default
+/// (any other value), since walking the frames costs each call (read once).
 pub fn flight_recorder_stacks() -> bool {
     static STACKS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *STACKS.get_or_init(|| {
-        std::env::var("AXONML_FLIGHT_RECORDER_STACKS").is_ok_and(|v| !matches!(v.trim(), "" | "0"))
-    })
+    *STACKS.get_or_init(|| switch_from_env("AXONML_FLIGHT_RECORDER_STACKS") == Some(true))
 }

@@ -128,8 +128,8 @@ pub struct P2p {
     pub any_source: bool,
     /// The message's tag.
     pub tag: u64,
-    /// Its element type.
-    pub dtype: DType,
+    /// Its element type (`None`: one the core does not know, from a group driven from Python).
+    pub dtype: Option<DType>,
     /// Its elements.
     pub count: u64,
     /// Position among the point-to-point calls this rank recorded on the communicator (1 for the
@@ -140,14 +140,20 @@ pub struct P2p {
 impl P2p {
     /// A send (else a receive) of `count` x `dtype` to or from `peer` (`None`: from any source), not
     /// numbered yet.
-    pub fn new(send: bool, peer: Option<usize>, tag: u64, dtype: DType, count: usize) -> Self {
-        let count = count as u64;
+    pub fn new(
+        send: bool,
+        peer: Option<usize>,
+        tag: u64,
+        dtype: impl Into<Option<DType>>,
+        count: usize,
+    ) -> Self {
+        let (dtype, count) = (dtype.into(), count as u64);
         P2p { send, peer, any_source: peer.is_none(), tag, dtype, count, seq: 0 }
     }
 
-    /// Bytes of its message.
+    /// Bytes of its message (0 for an element type the core does not know).
     pub fn bytes(&self) -> u64 {
-        self.count.saturating_mul(self.dtype.size() as u64)
+        self.count.saturating_mul(self.dtype.map_or(0, |t| t.size() as u64))
     }
 
     /// "send" or "recv".
@@ -191,7 +197,7 @@ impl Recorded {
     pub const fn dtype(&self) -> Option<DType> {
         match self {
             Recorded::Collective(sig) => sig.dtype,
-            Recorded::P2p(p) => Some(p.dtype),
+            Recorded::P2p(p) => p.dtype,
         }
     }
 
@@ -212,7 +218,10 @@ impl std::fmt::Display for Recorded {
             Recorded::Collective(sig) => sig.fmt(f),
             Recorded::P2p(p) => {
                 let (kind, dir) = if p.send { ("send", "to") } else { ("recv", "from") };
-                write!(f, "{kind}({} x {} {dir} ", p.count, p.dtype)?;
+                match p.dtype {
+                    Some(dtype) => write!(f, "{kind}({} x {dtype} {dir} ", p.count)?,
+                    None => write!(f, "{kind}({} elements {dir} ", p.count)?,
+                }
                 match p.peer {
                     Some(peer) if !p.any_source => write!(f, "rank {peer}")?,
                     Some(peer) => write!(f, "any source: rank {peer}")?,
@@ -262,11 +271,17 @@ thread_local! {
 /// Run `f` as the call of a Python caller whose stack is `stack` (captured while it held the GIL): the
 /// calls recorded meanwhile on this thread keep it.
 pub fn with_stack<T>(stack: Option<Stack>, f: impl FnOnce() -> T) -> T {
+    /// Puts back the stack `f` ran under, even when `f` panics (the thread may live on and record).
+    struct Restore(Option<Stack>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let before = self.0.take();
+            CALLER.with(|c| *c.borrow_mut() = before);
+        }
+    }
     let Some(stack) = stack else { return f() };
-    let before = CALLER.with(|c| c.replace(Some(stack)));
-    let out = f();
-    CALLER.with(|c| *c.borrow_mut() = before);
-    out
+    let _restore = Restore(CALLER.with(|c| c.replace(Some(stack))));
+    f()
 }
 
 /// The stack of the caller this thread runs a call for, when stacks are kept at all.
@@ -891,6 +906,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_panic_in_a_call_under_a_stack_leaves_no_stack_set_on_its_thread() {
+        let frame = Frame { name: "caller".into(), filename: "job.py".into(), line: 3 };
+        let stack: Stack = vec![frame].into();
+        let inner = with_stack(Some(stack.clone()), || CALLER.with(|c| c.borrow().clone()));
+        assert_eq!(inner.as_deref(), Some(&*stack));
+        let caught = std::panic::catch_unwind(|| with_stack(Some(stack), || panic!("the call failed")));
+        assert!(caught.is_err());
+        assert!(CALLER.with(|c| c.borrow().is_none()), "the panicking call's stack stayed set");
+    }
+
+    #[test]
     fn a_slot_gives_back_the_entry_written_and_the_ring_keeps_the_last_calls() {
         let names = Arc::new(Names::new(next_world()));
         let r = Recorder::new("test", 0, 2, vec![0, 1], names);
@@ -989,6 +1015,7 @@ mod tests {
                 Recorded::Collective(_) => 0,
             })
             .collect();
+        seqs.sort_unstable();
         seqs.dedup();
         assert_eq!(seqs.len(), len);
         let stats = r.stats();

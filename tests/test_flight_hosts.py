@@ -35,6 +35,9 @@ def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(tmp_path: Path) -> 
     assert [a.code for a in agents] == [0, 0], said(agents)
     dumps = {int(m[1]): json.loads(m[2]) for m in lines(agents, r"FLIGHT (\d) (.*)$")}
     assert sorted(dumps) == [0, 1, 2, 3], said(agents)
+    # Each process's file holds its own rank only (a world of one rank numbers it 0, a host's world
+    # numbers the host's ranks from 0: both are given the job's).
+    assert {r: list(d["ranks"]) for r, d in dumps.items()} == {r: [str(r)] for r in range(4)}
     content = trace.merge(dumps.values())
     # Each process's records carry the job's ranks: its host world's too.
     assert sorted(content["ranks"]) == ["0", "1", "2", "3"] and content["world_size"] == 4
@@ -54,7 +57,10 @@ def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(tmp_path: Path) -> 
             ("barrier", None, 0, None, 3),
         ], got
         p2p = [(e["kind"], e["peer"], e["tag"], e["count"]) for e in gloo if e["is_p2p"]]
-        assert p2p == {0: [("send", 2, 5, 3)], 2: [("recv", 0, 5, 3)]}.get(rank, []), p2p
+        # Rank 1's send has no later call on the group: it ended in its wait, as rank 3's receive from any
+        # source, which names its sender.
+        want = {0: ("send", 2, 5, 3), 2: ("recv", 0, 5, 3), 1: ("send", 3, 9, 2), 3: ("recv", 1, 9, 2)}
+        assert p2p == [want[rank]], p2p
         assert all(e["route"] == "gloo" and e["state"] == "completed" for e in gloo), gloo
         # The shards between hosts: in the group of this rank and its peer on the other host.
         cross = [
@@ -64,6 +70,31 @@ def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(tmp_path: Path) -> 
             (e["kind"], e["dtype"], e["route"], e["state"]) == ("all_reduce", "float64", "gloo", "completed")
             for e in cross
         ), cross
+        # Inside the host, on the group of its two ranks: roots, peers and the calls' text by the job's ranks.
+        first = rank - rank % 2
+        pair = [
+            e
+            for e in dump["entries"]
+            if dump["pg_config"][e["process_group"][0]]["ranks"] == str([first, first + 1])
+        ]
+        mine = [(e["kind"], e["root"], e.get("peer"), e["call"]) for e in pair if e["count"] == 3]
+        message = (
+            ("recv", None, first + 1, f"recv(3 x float32 from rank {first + 1}, tag 7)")
+            if rank == first
+            else ("send", None, first, f"send(3 x float32 to rank {first}, tag 7)")
+        )
+        broadcast = (
+            "broadcast",
+            first + 1,
+            None,
+            f"broadcast(#1, 3 x float32, root={first + 1})",
+        )
+        assert mine == [broadcast, message], mine
+        assert [
+            (e["kind"], e["count"])
+            for e in dump["entries"]
+            if e["process_group"][0] == _group(dump, f"[{rank}]")
+        ] == [("all_reduce", 2)]
         if rank < 2:  # host 0's ranks hold one shard each of the whole tensor
             shards += sum(e["count"] for e in cross)
     assert shards == ELEMS

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -18,7 +17,7 @@ import pytest
 
 import axonml_distributed as ad
 from axonml_distributed import trace
-from shm_run import connect, ok, run_world
+from shm_run import connect, free_port, ok, run_world
 from threads_run import outcomes
 
 pytestmark = pytest.mark.timeout(60)
@@ -157,18 +156,12 @@ def test_sends_and_receives_are_on_the_timeline_shm(tmp_path: Path) -> None:
     _check_timeline(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(180)
 def test_torch_s_batch_isend_irecv_over_axonml_is_recorded(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     job = Path(__file__).parent / "torch_jobs" / "flight_p2p.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(_free_port()), str(job), str(tmp_path)]
+    cmd += ["--master-port", str(free_port()), str(job), str(tmp_path)]
     keep = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }

@@ -81,7 +81,8 @@ def test_with_stacks_on_each_call_keeps_its_caller_s_frames() -> None:
 
 
 def test_without_stacks_no_call_keeps_frames() -> None:
-    for stacks in (None, "0"):
+    # Only "1" turns it on, as the core's other switches read (AXONML_SHM_CMA): "false" is not on.
+    for stacks in (None, "0", "false"):
         out = _run(stacks)
         for dump in out["dumps"]:
             assert dump["entries"] and all(e["frames"] == [] for e in dump["entries"]), dump["entries"]

@@ -261,7 +261,9 @@ def test_a_cut_link_fails_every_rank_with_a_timeout_naming_the_other_hosts_ranks
     failures = raised(done)
     assert sorted(failures) == [0, 1, 2, 3], text
     for rank, (kind, message) in failures.items():
-        assert kind == "CollectiveTimeoutError", text
+        # A rank whose own gloo leg timed out raises the timeout; its host peer, stopped by that rank's
+        # abort of the host's world first, may raise PeerFailureError quoting it (whichever came first).
+        assert kind in ("CollectiveTimeoutError", "PeerFailureError"), text
         other = "[[2, 3]]" if rank < 2 else "[[0, 1]]"
         assert f"the other hosts hold ranks {other}" in message, text
     assert shm_left(hosts, [0, 1]) == {0: [], 1: []}

@@ -179,26 +179,33 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
         return None;
     }
     static GETFRAME: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    // Locked around the map's own lookups and inserts only: an attribute read may run Python (a
+    // finalizer, from the collector) that records a call, on this thread or another.
     static NAMES: Mutex<Option<CodeNames>> = Mutex::new(None);
     let walk = || -> PyResult<Stack> {
         let getframe =
             GETFRAME.get_or_try_init(py, || py.import("sys")?.getattr("_getframe").map(Bound::unbind))?;
         let mut at = getframe.bind(py).call0()?;
         let mut frames = Vec::with_capacity(config::FLIGHT_RECORDER_FRAMES);
-        let mut names = lock(&NAMES);
-        let names = names.get_or_insert_with(HashMap::new);
         while frames.len() < config::FLIGHT_RECORDER_FRAMES && !at.is_none() {
             let code = at.getattr(intern!(py, "f_code"))?;
-            let (_, name, filename) = match names.entry(code.as_ptr() as usize) {
-                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    let name: String = code.getattr(intern!(py, "co_name"))?.extract()?;
-                    let filename: String = code.getattr(intern!(py, "co_filename"))?.extract()?;
-                    v.insert((code.clone().unbind(), name.into(), filename.into()))
+            let key = code.as_ptr() as usize;
+            let known =
+                lock(&NAMES).as_ref().and_then(|m| m.get(&key)).map(|(_, n, f)| (n.clone(), f.clone()));
+            let (name, filename) = match known {
+                Some(names) => names,
+                None => {
+                    let name: Arc<str> = code.getattr(intern!(py, "co_name"))?.extract::<String>()?.into();
+                    let filename: Arc<str> =
+                        code.getattr(intern!(py, "co_filename"))?.extract::<String>()?.into();
+                    let fresh = (code.clone().unbind(), name.clone(), filename.clone());
+                    // Another thread may have put it in meanwhile: then ours is dropped after the lock.
+                    let _spare = lock(&NAMES).get_or_insert_with(HashMap::new).insert(key, fresh);
+                    (name, filename)
                 }
             };
             let line = at.getattr(intern!(py, "f_lineno"))?.extract::<Option<u32>>()?.unwrap_or(0);
-            frames.push(Frame { name: name.clone(), filename: filename.clone(), line });
+            frames.push(Frame { name, filename, line });
             at = at.getattr(intern!(py, "f_back"))?;
         }
         Ok(frames.into())
@@ -206,16 +213,17 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
     walk().ok()
 }
 
-/// The element type named `dtype`: the core's code, or its name ("float32"; torch's "torch.float32").
-fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<DType> {
-    let found = if dtype.is_instance_of::<PyInt>() {
+/// The element type named `dtype`: the core's code, or its name ("float32"; torch's "torch.float32");
+/// `None` for one the core does not know (torch's float8 types, complex32): recorded without one, since
+/// the call itself (gloo's) may carry it.
+fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DType>> {
+    Ok(if dtype.is_instance_of::<PyInt>() {
         u8::try_from(dtype.extract::<i64>()?).ok().and_then(DType::from_code)
     } else {
         let text = dtype.str()?.to_string();
-        let name = text.strip_prefix("torch.").unwrap_or(&text).to_owned();
+        let name = text.strip_prefix("torch.").unwrap_or(&text);
         DType::ALL.into_iter().find(|t| t.name() == name)
-    };
-    found.ok_or_else(|| PyValueError::new_err(format!("no element type {dtype}")))
+    })
 }
 
 /// The reduction operator named `op`: the core's code (negative: none) or its name.
@@ -273,11 +281,11 @@ impl PyFlightRecorder {
     }
 
     /// Record collective `kind` number `seq` on the group (the same on every member) as scheduled now:
-    /// `count` elements of `dtype` each member's part (as the core's signatures count), `elems` this
-    /// member's input and output elements (None: as the kind and the group size give them; none for
-    /// the kinds of per-member sizes), `root` a global rank, `op` a code or name; returns the call, to
-    /// mark started and ended.
-    #[pyo3(signature = (kind, seq, dtype, count, elems=None, root=None, op=None, prescale=1.0, postscale=1.0))]
+    /// `count` elements of `dtype` each member's part (as the core's signatures count; this member's
+    /// input and output elements follow from the kind and the group size, none for the kinds of
+    /// per-member sizes; ValueError when they overflow), `root` a global rank, `op` a code or name;
+    /// returns the call, to mark started and ended.
+    #[pyo3(signature = (kind, seq, dtype, count, root=None, op=None, prescale=1.0, postscale=1.0))]
     #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
@@ -286,7 +294,6 @@ impl PyFlightRecorder {
         seq: u64,
         dtype: Option<&Bound<'_, PyAny>>,
         count: usize,
-        elems: Option<(u64, u64)>,
         root: Option<usize>,
         op: Option<&Bound<'_, PyAny>>,
         prescale: f64,
@@ -297,15 +304,19 @@ impl PyFlightRecorder {
             .find(|k| k.name() == kind)
             .ok_or_else(|| PyValueError::new_err(format!("no collective {kind:?}")))?;
         let mut sig = Signature::new(kind, seq, count).scale(Scale { pre: prescale, post: postscale });
-        sig.dtype = dtype.map(dtype_arg).transpose()?;
+        sig.dtype = dtype.map(dtype_arg).transpose()?.flatten();
         sig.op = op_arg(op)?;
         sig.root = root.map(|r| u32::try_from(r).unwrap_or(u32::MAX));
-        let elems = elems.unwrap_or_else(|| {
-            let size = sig.dtype.map_or(1, |t| t.size().max(1));
-            let (sb, rb) = crate::algo::spans(&sig, self.inner.members.len(), root == Some(self.inner.rank));
-            ((sb / size) as u64, (rb / size) as u64)
-        });
-        Ok(self.begin(py, Recorded::Collective(sig), elems))
+        // The spans in elements: a part of `count` elements (its extent over the group must fit).
+        let n = self.inner.members.len();
+        count.checked_mul(n).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{} of {count} elements over {n} members is too large",
+                kind.name()
+            ))
+        })?;
+        let (send, recv) = crate::algo::part_spans(kind, count, n, root == Some(self.inner.rank));
+        Ok(self.begin(py, Recorded::Collective(sig), (send as u64, recv as u64)))
     }
 
     /// Record a send (`send`) or receive of `count` x `dtype` to or from global rank `peer` (None: a

@@ -42,6 +42,10 @@ def main() -> None:
     pg.barrier()
     trace.dump_flight_recorder(out / f"rank{me}.json")
     (out / f"stats{me}.json").write_text(json.dumps(pg.stats()))
+    # A group's stats before any call, a non-member's (rank 1) too: none, as the native groups' (made after
+    # the dump, which the test reads with one group).
+    solo = pg.new_group([0])
+    assert solo.stats() == {}, solo.stats()
     print(f"flight {mode} OK on rank {me}")
 
 

@@ -15,6 +15,7 @@ Each rank saves what it ends with to ``OUT/<flow>.<impl>.<rank>.pt``. Importing 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -315,6 +316,11 @@ def main() -> None:
     else:
         result = horovod(rank)
     torch.save(result, out / f"{flow}.{impl}.{rank}.pt")
+    # gloo's teardown can abort the process ("terminate called without an active exception") while a
+    # DDP reducer left in a reference cycle still holds the group, or while the peer still talks to it:
+    # both freed and both ranks past their last call first.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

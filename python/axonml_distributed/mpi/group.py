@@ -85,15 +85,12 @@ class MpiProcessGroup:
         # return the checked (dtype, count, root, op, layout), not a Work: typed Any.
         self._calls: Any = ProcessGroup.call_check(ranks, rank, self.world_size())
         self._queue = None
-        # The flight recorder of this rank's handle (a member's): its calls, recorded as the native groups'
-        # (`pg.stats()`, `dump_flight_recorder`, the timeline, `trace analyze`), route "mpi".
-        self._flight: FlightRecorder | None = None
         if comm is not None:
-            self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None)
             if world is None:
-                self._flight = FlightRecorder("mpi", rank, self.world_size(), ranks)
+                flight = FlightRecorder("mpi", rank, self.world_size(), ranks)
             else:
-                self._flight = world._member_recorder().new_group(ranks)
+                flight = world._member_recorder().new_group(ranks)
+            self._queue = OpQueue(comm, timeout, SignatureCheck(comm) if check else None, flight)
 
     def __repr__(self) -> str:
         return f"MpiProcessGroup(rank={self._rank}, ranks={self._ranks})"
@@ -126,10 +123,12 @@ class MpiProcessGroup:
         return self._timeout
 
     def stats(self) -> dict[str, Any]:
-        """Totals per kind of this rank's calls on the group, as the native groups' ``stats()``; every
-        completed call's route is "mpi". A call counts as waiting for its peers until the signature
-        check saw every member (without the check, until it was issued to MPI)."""
-        return self._member_recorder().stats()
+        """Totals per kind of this rank's calls on the group, as the native groups' ``stats()`` (a
+        non-member's: none); every completed call's route is "mpi", but a two-level all_reduce across
+        hosts (`mpi.hosts`), whose levels are recorded as the host's calls and the cross group's. A call
+        counts as waiting for its peers until the signature check saw every member (without the check,
+        until it was issued to MPI)."""
+        return {} if self._queue is None else self._queue.flight.stats()
 
     def group_rank(self, global_rank: int) -> int:
         index = self._index.get(global_rank)  # the common case, without a call into the core
@@ -386,12 +385,8 @@ class MpiProcessGroup:
             return f"send(dst={dst}, tag={tag}, {buf.dtype}, count={buf.size}) in MPI group {self._ranks}"
 
         with queue.lock:
-            flight = self._member_recorder().p2p(True, dst, tag, code, buf.size)
-            try:
-                req = queue.comm.Isend([buf, dt], peer, tag)
-            except BaseException:
-                flight.end(False, MPI_ROUTE)
-                raise
+            flight = queue.flight.p2p(True, dst, tag, code, buf.size)
+            req = _issued(flight, lambda: queue.comm.Isend([buf, dt], peer, tag))
             return _inplace(queue.run(req, buf, None, None, buf.nbytes, describe, async_op, flight))
 
     def recv(self, buf: Buf, src: int, tag: int = 0, *, async_op: bool = False) -> MpiWork | None:
@@ -506,12 +501,8 @@ class MpiProcessGroup:
             return self._ranks[status.Get_source()] if src is None else None
 
         with queue.lock:
-            flight = self._member_recorder().p2p(False, src, tag, code, buf.size)
-            try:
-                req = queue.comm.Irecv([buf, dt], peer, tag)
-            except BaseException:
-                flight.end(False, MPI_ROUTE)
-                raise
+            flight = queue.flight.p2p(False, src, tag, code, buf.size)
+            req = _issued(flight, lambda: queue.comm.Irecv([buf, dt], peer, tag))
             return queue.run(req, buf, finish, result, buf.nbytes, describe, async_op, flight)
 
     def _collective(
@@ -538,7 +529,7 @@ class MpiProcessGroup:
                 check_signatures(queue, invalid_signature(code), seq, self._ranks, describe)
             raise
         root = -1 if call.root < 0 else self._ranks[call.root]  # the core signs with global ranks
-        flight = self._member_recorder().collective(
+        flight = queue.flight.collective(
             kind,
             seq,
             None if call.dtype < 0 else call.dtype,
@@ -567,7 +558,7 @@ class MpiProcessGroup:
         float16): `_issue` and `queue.run` for this one case, without the plan, handle and closures that
         cost more than the MPI call itself for small messages."""
         queue.seq += 1
-        flight = self._member_recorder().collective("all_reduce", queue.seq, code, buf.size, op=rop.code)
+        flight = queue.flight.collective("all_reduce", queue.seq, code, buf.size, op=rop.code)
         try:
             self._all_reduce_recorded(queue, buf, code, dt, rop, flight)
         except BaseException:
@@ -610,9 +601,9 @@ class MpiProcessGroup:
 
     def _member_recorder(self) -> FlightRecorder:
         """This member's flight recorder; ValueError on a non-member."""
-        if self._flight is None:
+        if self._queue is None:
             raise ValueError(f"rank {self._rank} is not a member of MPI group {self._ranks}")
-        return self._flight
+        return self._queue.flight
 
     def _member_queue(self, what: str) -> OpQueue:
         queue = self._queue
@@ -646,6 +637,15 @@ class MpiProcessGroup:
             return None if code in WIDENED_CODES else (code, carrier(code), mpi_op(op_code, code))
         except (TypeError, ValueError):
             return None
+
+
+def _issued(flight: FlightCall, issue: Callable[[], MPI.Request]) -> MPI.Request:
+    """The request `issue()` made, or its error, after which the record `flight` ends failed."""
+    try:
+        return issue()
+    except BaseException:
+        flight.end(False, MPI_ROUTE)
+        raise
 
 
 def _inplace(outcome: MpiWork | Result) -> MpiWork | None:

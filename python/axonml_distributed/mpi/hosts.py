@@ -248,8 +248,9 @@ class MpiHostsProcessGroup(MpiProcessGroup):
         queue = self._member_queue("all_reduce")
         with queue.lock:
             queue.seq += 1
-            # Recorded as this group's call (its levels are recorded as the host's and the cross group's).
-            flight = self._member_recorder().collective(
+            # Recorded as this group's call, ended with no route: its levels are recorded, each with its
+            # route, as the host's calls and the cross group's.
+            flight = queue.flight.collective(
                 "all_reduce", queue.seq, code, count, op=op_code, prescale=pre, postscale=post
             )
             try:

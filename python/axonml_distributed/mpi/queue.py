@@ -24,7 +24,7 @@ from axonml_distributed.exceptions import (
 from axonml_distributed.mpi.args import Describe, Finish, Result
 
 if TYPE_CHECKING:
-    from axonml_distributed._core import FlightCall
+    from axonml_distributed._core import FlightCall, FlightRecorder
     from axonml_distributed.mpi.check import SignatureCheck
 
 # The route of every operation of the MPI group in its flight recorder.
@@ -262,8 +262,13 @@ class OpQueue:
     """One group's pending operations. Each is finished (post-processing such as AVERAGE's division or
     float16's rounding) in issue order, so work on one group completes in issue order."""
 
-    def __init__(self, comm: MPI.Intracomm, timeout: float, check: SignatureCheck | None) -> None:
+    def __init__(
+        self, comm: MPI.Intracomm, timeout: float, check: SignatureCheck | None, flight: FlightRecorder
+    ) -> None:
         self.comm = comm
+        # This member's flight recorder of the group: its calls, recorded as the native groups'
+        # (`pg.stats()`, `dump_flight_recorder`, the timeline, `trace analyze`), route "mpi".
+        self.flight = flight
         self.timeout = timeout
         # Issuing takes the signature check, a sequence number and an MPI call in a fixed order on every
         # rank; two Python threads of one rank must not interleave those, so they are serialized.

@@ -5,16 +5,19 @@ member of that group reduces the same shard sizes); route "gloo". They sit in th
 recorder (`_core.FlightRecorder`, world "hosts"), so `dump_flight_recorder`, the timeline and `trace
 analyze` show where each rank was across hosts, beside the calls inside each host (the host's world).
 
-A call ends when gloo's work completes (its future's callback). gloo's sends and receives have no future:
-each ends when the group's next call finds its work completed (recorded then); one that
-never completes stays scheduled, as a send or receive stuck on a dead host should."""
+A call ends when gloo's work completes (its future's callback). gloo's sends and receives have no future,
+and complete only in their `wait()` (gloo's own `is_completed()` stays false until then): each is handed
+back wrapped (`P2pWork`), and ends in its `wait()`, with the sender of a receive from any source; one
+never waited for stays scheduled, as a send or receive stuck on a dead host does."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from axonml_distributed._core import FlightCall, FlightRecorder
 
@@ -81,8 +84,6 @@ class GlooCalls:
         self._cross = None if cross_ranks is None else self._flight.new_group(sorted(cross_ranks))
         self._ranks = ranks
         self._seq = self._cross_seq = 0
-        # Sends and receives under way: gloo's work and its record.
-        self._pending: list[tuple[Any, FlightCall]] = []
 
     def collective(
         self,
@@ -95,7 +96,6 @@ class GlooCalls:
     ) -> FlightCall:
         """Record collective `kind` of the group on `tensors` (its part `count` elements, `root` a group
         rank), started (gloo has every member's data from here on)."""
-        self._settle()
         self._seq += 1
         dtype = str(tensors[0].dtype) if tensors else None
         root = None if root is None or root < 0 else self._ranks[root]
@@ -112,7 +112,6 @@ class GlooCalls:
         """Record gloo's method `theirs` called with `given` (its tensors `tensors`; `row` its signature
         row, None for point to point): the call, for `done`, or None for a method not recorded."""
         if theirs in ("send", "recv", "recv_anysource"):
-            self._settle()
             peer = None if theirs == "recv_anysource" else self._ranks[int(given[1])]
             dtype = str(tensors[0].dtype)
             count = sum(t.numel() for t in tensors)
@@ -161,17 +160,12 @@ class GlooCalls:
             if flight is not None:
                 flight.end(False, ROUTE)
             raise
-        if flight is not None:
-            self._done(flight, work)
-        return work
-
-    def _done(self, flight: FlightCall, work: Any) -> None:
-        """End `flight` when gloo's `work` completes."""
+        if flight is None:
+            return work
         try:
             future = work.get_future()
         except RuntimeError:  # a send or receive: no future
-            self._pending.append((work, flight))
-            return
+            return P2pWork(work, flight, self._ranks)
 
         def end(f: Any) -> None:
             try:
@@ -182,15 +176,50 @@ class GlooCalls:
                 flight.end(True, ROUTE)
 
         future.add_done_callback(end)
+        return work
 
-    def _settle(self) -> None:
-        """End the records of the sends and receives gloo has completed."""
-        if not self._pending:
-            return
-        still = []
-        for work, flight in self._pending:
-            if work.is_completed():
-                flight.end(True, ROUTE)
-            else:
-                still.append((work, flight))
-        self._pending = still
+
+class P2pWork(dist.Work):
+    """gloo's work of a send or receive, whose `wait()` ends its record (see the module docs); the rest
+    is gloo's."""
+
+    def __init__(self, work: Any, flight: FlightCall, ranks: list[int]) -> None:
+        dist.Work.__init__(self)
+        self._work, self._flight, self._ranks = work, flight, ranks
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        try:
+            done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        except BaseException:
+            self._flight.end(False, ROUTE)
+            raise
+        # False: aborted. A receive's sender, as a global rank (gloo gives the group's), names the sender
+        # of a receive from any source; a send has none.
+        source = None
+        if done:
+            try:
+                source = self._ranks[self._work._source_rank()]
+            except RuntimeError:
+                pass
+        self._flight.end(bool(done), ROUTE, source)
+        return bool(done)
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return int(self._work._source_rank())
+
+    _source_rank = source_rank
+
+    def abort(self) -> None:
+        self._work.abort()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()

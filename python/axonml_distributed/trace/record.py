@@ -128,21 +128,51 @@ def _entries(record: Mapping[str, Any], pg: tuple[str, str]) -> list[dict[str, A
 
 
 def to_job_ranks(records: list[dict[str, Any]]) -> int | None:
-    """Under torch.distributed's "axonml" backend across several hosts, each host's world numbers its
-    ranks from 0 (so do its recorders): give the native `records` of this process the job's ranks instead
-    (rank and group members; the recorders of the calls gloo carries between hosts, world "hosts", have
-    them already), and return the job's size; None otherwise, when the recorders' ranks are the job's."""
+    """Under torch.distributed's "axonml" backend, give the native `records` of this process the job's
+    ranks (rank, group members, each entry's root and peer, and its call's text): a world of one rank
+    (torch's one-member groups, `ThreadBackend.single`) is this process's rank; across several hosts,
+    each host's world numbers its ranks from 0 (so do its recorders), mapped through the host's ranks
+    (the recorders of the calls gloo carries between hosts, world "hosts", have the job's ranks
+    already). Returns the job's size across several hosts; None otherwise (then the recorders' other
+    ranks are the job's)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     layout = getattr(sys.modules.get("axonml_distributed.torch"), "_hosts", None)
-    if layout is None or len(layout.hosts) < 2:
+    if layout is None:
         return None
+    across = len(layout.hosts) > 1
     for record in records:
-        if record["world"] != "hosts":
-            record["rank"] = layout.local_ranks[record["rank"]]
-            record["ranks"] = [layout.local_ranks[r] for r in record["ranks"]]
-    return int(dist.get_world_size())
+        if record["world"] == "hosts":
+            continue
+        if record["world_size"] == 1:
+            _map_ranks(record, (layout.rank,))
+        elif across:
+            _map_ranks(record, layout.local_ranks)
+    return int(dist.get_world_size()) if across else None
+
+
+def _map_ranks(record: dict[str, Any], ranks: Sequence[int]) -> None:
+    """Give `record` the global ranks `ranks` (ranks[i] for its rank i) in place."""
+    record["rank"] = ranks[record["rank"]]
+    record["ranks"] = [ranks[r] for r in record["ranks"]]
+    for entry in record["entries"]:
+        root, peer = entry["root"], entry.get("peer")
+        if root is not None:
+            entry["root"] = ranks[root]
+            entry["call"] = _with_rank(entry["call"], f", root={root})", f", root={ranks[root]})")
+        if peer is not None:
+            entry["peer"] = ranks[peer]
+            tail = f", tag {entry['tag']})"
+            entry["call"] = _with_rank(entry["call"], f"rank {peer}{tail}", f"rank {ranks[peer]}{tail}")
+
+
+def _with_rank(call: str | None, old: str, new: str) -> str | None:
+    """The core's text of a call (`rust/flight.rs`, `Recorded`'s Display), its rank's ending `old` as
+    `new`; None when it does not end so: no text rather than one naming the wrong rank."""
+    if call is None or not call.endswith(old):
+        return None
+    return call[: len(call) - len(old)] + new
 
 
 def build(records: Sequence[Mapping[str, Any]], error: str | None = None) -> dict[str, Any]:
