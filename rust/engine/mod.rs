@@ -377,7 +377,7 @@ impl<S: Store> Engine<S> {
         let (s, k, op) = (&self.store, sig.seq, op);
         let (n, me) = (s.members().len(), s.index());
         let bytes = call.count * call.dtype.size();
-        let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
+        let oneshot = sig.kind == CollKind::AllReduce && bytes > 0 && bytes <= s.oneshot_bytes();
         let ctrl = s.ctrl(me);
         if oneshot {
             // SAFETY: this member's input holds `bytes`; its one-shot buffer `k % 2` was last read by
@@ -449,7 +449,8 @@ impl<S: Store> Engine<S> {
         result
     }
 
-    /// Whether every member's page for call `k` holds the signature words `mine`.
+    /// Whether every member's page for call `k` holds the signature words `mine`: read with the pages
+    /// only, no decoding.
     fn agree(&self, k: u64, mine: &[u64; wire::WORDS]) -> bool {
         let s = &self.store;
         (0..s.members().len()).all(|j| s.ctrl(j).pages[(k % 2) as usize].sig() == *mine)
@@ -477,21 +478,14 @@ impl<S: Store> Engine<S> {
     ) -> (Result<()>, After) {
         let (s, k) = (&self.store, sig.seq);
         let (n, me) = (s.members().len(), s.index());
+        // A one-shot all_reduce whose every page holds this member's own signature words: those decode
+        // to this very call on every member (`wire::decode` takes exactly the words `encode` writes),
+        // so there is no mismatch and no plan to check, and nothing to allocate.
+        if oneshot && self.agree(k, &wire::encode(sig)) {
+            return self.oneshot(local, call, sig);
+        }
         let bytes = call.count * call.dtype.size();
         let red = sig.op.unwrap_or(ReduceOp::Sum);
-        // A small all_reduce whose every page holds this member's own signature, word for word (which
-        // decodes, and compares equal unless a scale is NaN: those take the general path): no
-        // mismatch, no plan; reduce the copies, allocating nothing.
-        let comparable = !sig.scale.pre.is_nan() && !sig.scale.post.is_nan();
-        if oneshot && bytes > 0 && comparable && self.agree(k, &wire::encode(sig)) {
-            local.route = Some(flight::Route::OneShot);
-            // SAFETY: as for the one-shot reduction below.
-            unsafe {
-                let copy = |j: usize| s.oneshot(j, k).cast_const();
-                algo::oneshot::reduce(call.dtype, red, sig.scale, n, copy, call.mine.recv, call.count)
-            };
-            return (Ok(()), After::Leave);
-        }
         let pages: Vec<Published> = (0..n).map(|j| s.ctrl(j).pages[(k % 2) as usize].load()).collect();
         let mut calls = Vec::with_capacity(n);
         for (j, page) in pages.iter().enumerate() {
@@ -515,14 +509,7 @@ impl<S: Store> Engine<S> {
             return (Ok(()), After::Leave);
         }
         if oneshot {
-            local.route = Some(flight::Route::OneShot);
-            // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
-            // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
-            unsafe {
-                let copy = |j: usize| s.oneshot(j, k).cast_const();
-                algo::oneshot::reduce(call.dtype, red, sig.scale, n, copy, call.mine.recv, call.count)
-            };
-            return (Ok(()), After::Leave);
+            return self.oneshot(local, call, sig);
         }
         let spans: Vec<(usize, usize)> = match &plan {
             Some(p) => p.spans.clone(),
@@ -610,6 +597,19 @@ impl<S: Store> Engine<S> {
                 (moved, After::Leave)
             }
         }
+    }
+
+    /// Step 3 of a one-shot all_reduce every member arrived at (its signatures agree): reduce every
+    /// member's copy, in rank order, into this member's buffer.
+    fn oneshot(&self, local: &mut Local, call: &Call, sig: &Signature) -> (Result<()>, After) {
+        let (s, k, n) = (&self.store, sig.seq, self.store.members().len());
+        local.route = Some(flight::Route::OneShot);
+        let copy = |j: usize| s.oneshot(j, k).cast_const();
+        let (red, recv) = (sig.op.unwrap_or(ReduceOp::Sum), call.mine.recv);
+        // SAFETY: every member copied its input into its one-shot buffer before arriving; they stay
+        // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
+        unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, n, copy, recv, call.count) };
+        (Ok(()), After::Leave)
     }
 
     /// Report to the communicator's route timings (`algo::route_times`) that call `sig`, which `crossed` or
