@@ -1,6 +1,7 @@
 //! Criterion benchmarks: the reduction kernels (and each kernel set against the baseline), gradient
 //! bucket pack/unpack, and all_reduce on the in-process world and on the shared-memory world (private
-//! arrays: the one-shot and staged paths, each rank a thread that maps the segment as a process would).
+//! arrays, one-shot sizes and the first past them; each rank a thread that maps the segment as a
+//! process would).
 //!
 //! `cargo bench` runs all; `cargo bench -- allreduce/4` one group. The all-reduce timing is the
 //! slowest rank's, for `iters` back-to-back collectives on persistent rank threads.
@@ -133,7 +134,8 @@ impl Ranks {
                 let (done_tx, start) = (done_tx.clone(), start.clone());
                 std::thread::spawn(move || {
                     let pg = ProcessGroup::new(make());
-                    let mut x = vec![1.0f32; len];
+                    // Zeros: repeated sums stay finite.
+                    let mut x = vec![0.0f32; len];
                     for iters in rx {
                         start.wait();
                         let t = Instant::now();
