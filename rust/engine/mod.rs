@@ -388,11 +388,13 @@ impl<S: Store> Engine<S> {
             // SAFETY: as for the one-shot buffer; the layout has at most 2n words (`layout::words`).
             unsafe { std::ptr::copy_nonoverlapping(l.words.as_ptr(), s.layout(me, k), l.words.len()) };
         }
-        let page = Published {
-            sig: wire::encode(sig),
-            send: s.share(call.mine.send, sb, sig),
-            recv: s.share(call.mine.recv, rb, sig),
+        // Peers read only a one-shot call's copy: its buffers are neither shared nor offered to cross.
+        let (send, recv) = if oneshot {
+            (0, 0)
+        } else {
+            (s.share(call.mine.send, sb, sig), s.share(call.mine.recv, rb, sig))
         };
+        let page = Published { sig: wire::encode(sig), send, recv };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
         Claims::open(&ctrl.claim, k);
