@@ -9,9 +9,10 @@
 //! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
-//! makes no system call.
+//! makes no system call; a wait that ends within its first polls reads no clock.
 
 use std::cell::Cell;
+use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -130,11 +131,12 @@ pub(crate) struct Wait<'a> {
     pub shared: bool,
     /// Whether every rank has a core ([`may_spin`]): then busy-poll first, and yield longer.
     pub spin: bool,
-    /// When to give up. Every wait has one, and every wait on a thread with an interrupt hook
-    /// (Python's main thread) ends on Ctrl-C within a slice.
-    pub deadline: Instant,
-    /// The operation, for error messages.
-    pub op: &'a str,
+    /// How long until it gives up, from when it first reads the clock (a wait that ends within its
+    /// first polls reads none). Every wait has a limit, and every wait on a thread with an interrupt
+    /// hook (Python's main thread) ends on Ctrl-C within a slice.
+    pub timeout: Duration,
+    /// The operation, for error messages (formatted only for one).
+    pub op: &'a dyn fmt::Display,
 }
 
 /// Why a wait ended without its condition.
@@ -166,14 +168,13 @@ impl Wait<'_> {
         slow: impl FnMut() -> Result<()>,
         mut apart: impl FnMut() -> bool,
     ) -> std::result::Result<(), Stop> {
-        let start = Instant::now();
         let (spin, yields) = wait_budgets();
         if !self.spin {
-            return self.sleep(start, yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
+            return self.sleep(Instant::now(), yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
         }
         // `AXONML_WAIT_SPIN_US=0` turns all spinning off, the longer spin and the probe too.
         if spin.is_zero() {
-            return self.sleep(start, yields, ready, quick, slow);
+            return self.sleep(Instant::now(), yields, ready, quick, slow);
         }
         // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (its
         // recent waits outlasted the spin) spins a fraction and goes to sleep, which on a loaded
@@ -182,13 +183,17 @@ impl Wait<'_> {
         let pace = Pace::get();
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
+        // A calm thread reads the clock only once its first batch of polls failed: most waits of a
+        // busy job end within it. A paced-down one counts its short spin (maybe under one batch) from
+        // the start.
+        let mut started = (!pace.calm()).then(Instant::now);
         let mut first = true;
-        loop {
+        let start = loop {
             for _ in 0..64 {
                 if ready() {
                     // Caught after the short spin, in the longer one: the ranks waited for run on other
                     // cores, busy, so this says nothing of the machine.
-                    if first || start.elapsed() <= short {
+                    if first || started.is_some_and(|s| s.elapsed() <= short) {
                         pace.record(Outcome::Quick);
                     }
                     return Ok(());
@@ -197,11 +202,12 @@ impl Wait<'_> {
             }
             first = false;
             quick().map_err(Stop::Failed)?;
+            let start = *started.get_or_insert_with(Instant::now);
             let t = start.elapsed();
             if t >= short && !(t < long && apart()) {
-                break;
+                break start;
             }
-        }
+        };
         // Anything later means the ranks waited for were not running while this thread spun
         // (descheduled, or waiting for a wake-up or a lock such as the GIL).
         let ended = self.sleep(start, yields, ready, quick, slow);
@@ -212,7 +218,7 @@ impl Wait<'_> {
     }
 
     /// The rest of a wait after its spin: yield until `yields` after `start`, then sleep on the event
-    /// in slices.
+    /// in slices, until the timeout after `start`.
     fn sleep(
         &self,
         start: Instant,
@@ -221,8 +227,9 @@ impl Wait<'_> {
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stop> {
+        let deadline = start + self.timeout;
         // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
-        let yield_end = (start + yields).min(self.deadline);
+        let yield_end = (start + yields).min(deadline);
         while Instant::now() < yield_end {
             if ready() {
                 return Ok(());
@@ -247,10 +254,10 @@ impl Wait<'_> {
                 }
                 next_slow = now + SLICE;
             }
-            if now >= self.deadline {
+            if now >= deadline {
                 return Err(Stop::TimedOut);
             }
-            let nap = SLICE.min(self.deadline - now);
+            let nap = SLICE.min(deadline - now);
             let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
             // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the
@@ -358,8 +365,8 @@ mod tests {
                             event: &event,
                             shared: false,
                             spin: true,
-                            deadline: Instant::now() + Duration::from_secs(60),
-                            op: "test",
+                            timeout: Duration::from_secs(60),
+                            op: &"test",
                         };
                         let ready = || {
                             // Only the polls before the wait announced its sleep: asleep, it re-checks
