@@ -355,7 +355,7 @@ mod tests {
     /// Waits on a fresh thread, each ready only once the waiter sleeps (a peer that never runs
     /// while it spins), and returns how many times each polled its condition before that.
     fn polls_of_waits_that_sleep(waits: usize) -> Vec<usize> {
-        let (event, go) = (Event::default(), AtomicU32::new(0));
+        let (event, go, returned) = (Event::default(), AtomicU32::new(0), AtomicU32::new(0));
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
                 (1..=waits as u32)
@@ -378,6 +378,7 @@ mod tests {
                             go.load(SeqCst) >= k
                         };
                         assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
+                        returned.store(k, SeqCst);
                         polls
                     })
                     .collect()
@@ -389,7 +390,9 @@ mod tests {
                 }
                 go.store(k, SeqCst);
                 event.notify(false);
-                while event.sleepers.load(SeqCst) != 0 {
+                // Not until `sleepers` is 0 again: by then the waiter may sleep in its next wait, and
+                // this thread would have to catch the instants between its slices.
+                while returned.load(SeqCst) < k {
                     std::thread::yield_now();
                 }
             }
