@@ -9,11 +9,12 @@
 //! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
-//! makes no system call; a wait that ends within its first polls reads no clock.
+//! writes no shared word and makes no system call; a wait that ends within its first polls reads no
+//! clock.
 
 use std::cell::Cell;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{fence, AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -36,9 +37,15 @@ pub(crate) struct Event {
 
 impl Event {
     /// Wake everyone waiting on this event. Call after publishing the new state.
+    ///
+    /// With nobody asleep it writes nothing: the event's line stays shared by the ranks' cores instead
+    /// of moving to the notifier's on every publish. A sleeper announces itself, then re-checks its
+    /// condition (`Wait::sleep`); the fences on both sides order each one's store before its load, so
+    /// either the notifier sees the sleeper and wakes it, or the sleeper sees what was published.
     pub(crate) fn notify(&self, shared: bool) {
-        self.seq.fetch_add(1, SeqCst);
+        fence(SeqCst);
         if self.sleepers.load(SeqCst) > 0 {
+            self.seq.fetch_add(1, SeqCst);
             // A failed wake only means nobody was there to wake.
             let _ = futex::wake(&self.seq, flags(shared), u32::MAX);
         }
@@ -260,9 +267,13 @@ impl Wait<'_> {
             let nap = SLICE.min(deadline - now);
             let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
-            // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the
-            // futex returns at once instead of sleeping through it.
-            let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
+            // Re-check after announcing ourselves (`Event::notify`): a notify that saw no sleeper did
+            // not wake us, but what it published shows here. One that saw us changed `seq`, so the
+            // futex returns at once if that was since `seen`.
+            fence(SeqCst);
+            if !ready() && quick().is_ok() {
+                let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
+            }
             self.event.sleepers.fetch_sub(1, SeqCst);
         }
     }
@@ -398,6 +409,16 @@ mod tests {
             }
             waiter.join().unwrap()
         })
+    }
+
+    #[test]
+    fn a_notify_writes_the_event_only_when_someone_sleeps() {
+        let event = Event::default();
+        event.notify(true);
+        assert_eq!(event.seq.load(SeqCst), 0, "nobody asleep: the line stays shared");
+        event.sleepers.fetch_add(1, SeqCst);
+        event.notify(true);
+        assert_eq!(event.seq.load(SeqCst), 1, "a sleeper's futex word moved on");
     }
 
     #[test]
