@@ -1,5 +1,7 @@
 //! Criterion benchmarks: the reduction kernels (and each kernel set against the baseline), gradient
-//! bucket pack/unpack, and all_reduce on the in-process world.
+//! bucket pack/unpack, and all_reduce on the in-process world and on the shared-memory world (private
+//! arrays, one-shot sizes and the first past them; each rank a thread that maps the segment as a
+//! process would).
 //!
 //! `cargo bench` runs all; `cargo bench -- allreduce/4` one group. The all-reduce timing is the
 //! slowest rank's, for `iters` back-to-back collectives on persistent rank threads.
@@ -9,7 +11,8 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use axonml_distributed::reduce::{reduce_slices, reduce_slices_on, Kernels, Scale};
-use axonml_distributed::Element;
+use axonml_distributed::transport::shm::{ShmBackend, ShmOptions};
+use axonml_distributed::{Backend, Element};
 use axonml_distributed::{GradientBucket, ProcessGroup, ReduceOp, ThreadBackend};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
@@ -98,21 +101,46 @@ struct Ranks {
 
 impl Ranks {
     fn new(n: usize, len: usize) -> Ranks {
+        let backends =
+            ThreadBackend::create_world(n).into_iter().map(|b| move || Arc::new(b) as Arc<dyn Backend>);
+        Ranks::with(backends.collect(), len, ReduceOp::Average)
+    }
+
+    /// Rank threads of an `n`-rank shared-memory world (each joins through rank 0's TCP store and maps
+    /// the segment itself, as a process would), summing arrays of their own (private) memory.
+    fn shm(n: usize, len: usize) -> Ranks {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let join = |r: usize| {
+            move || {
+                Arc::new(ShmBackend::connect(ShmOptions::new(r, n, "127.0.0.1", port)).unwrap())
+                    as Arc<dyn Backend>
+            }
+        };
+        Ranks::with((0..n).map(join).collect(), len, ReduceOp::Sum)
+    }
+
+    /// One thread per rank, each making its backend with `make`.
+    fn with<F: FnOnce() -> Arc<dyn Backend> + Send + 'static>(
+        make: Vec<F>,
+        len: usize,
+        op: ReduceOp,
+    ) -> Ranks {
         let (done_tx, done) = mpsc::channel();
-        let start = Arc::new(Barrier::new(n));
-        let go = ThreadBackend::create_world(n)
+        let start = Arc::new(Barrier::new(make.len()));
+        let go = make
             .into_iter()
-            .map(|b| {
+            .map(|make| {
                 let (tx, rx) = mpsc::channel::<u64>();
                 let (done_tx, start) = (done_tx.clone(), start.clone());
                 std::thread::spawn(move || {
-                    let pg = ProcessGroup::new(Arc::new(b));
-                    let mut x = vec![1.0f32; len];
+                    let pg = ProcessGroup::new(make());
+                    // Zeros: repeated sums stay finite.
+                    let mut x = vec![0.0f32; len];
                     for iters in rx {
                         start.wait();
                         let t = Instant::now();
                         for _ in 0..iters {
-                            pg.all_reduce(&mut x, ReduceOp::Average).unwrap();
+                            pg.all_reduce(&mut x, op).unwrap();
                         }
                         done_tx.send(t.elapsed()).unwrap();
                     }
@@ -144,5 +172,19 @@ fn allreduce(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, kernels, kernel_sets, buckets, allreduce);
+/// The shared-memory world on private arrays, from one-shot sizes to the first staged one.
+fn shm_allreduce(c: &mut Criterion) {
+    for n in [2usize, 4] {
+        let mut g = c.benchmark_group(format!("shm_allreduce/{n}"));
+        g.sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
+        for bytes in [8usize, 4 << 10, 64 << 10, 256 << 10] {
+            let ranks = Ranks::shm(n, bytes / 4);
+            g.throughput(Throughput::Bytes(bytes as u64));
+            g.bench_function(BenchmarkId::new("f32", bytes), |b| b.iter_custom(|iters| ranks.time(iters)));
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, kernels, kernel_sets, buckets, allreduce, shm_allreduce);
 criterion_main!(benches);

@@ -11,6 +11,7 @@
 //! the per-source lanes ([`Lane::follows`]), so they match messages in the order they were posted.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Instant;
 
@@ -215,6 +216,9 @@ pub struct Lanes {
 #[derive(Default)]
 struct Family {
     queues: Mutex<HashMap<Lane, Queue>>,
+    /// Jobs queued on any lane and not finished: with none, a flush (every blocking call makes one)
+    /// has nothing to wait for and takes no lock.
+    unfinished: Arc<AtomicUsize>,
     /// Only the world's: the lanes of every communicator split from it, while they exist.
     splits: Mutex<Vec<Weak<Family>>>,
 }
@@ -240,10 +244,14 @@ impl Lanes {
         let handle = work.clone();
         let mut queues = lock(&self.own.queues);
         let before = Self::before(&queues, lane);
+        let unfinished = self.own.unfinished.clone();
+        unfinished.fetch_add(1, Relaxed);
         let task: Job = Box::new(move || {
             // Their results belong to their own works; only the order matters here.
             before.iter().for_each(|w| drop(w.result_by(None)));
-            handle.finish(job())
+            handle.finish(job());
+            // Publishes the job's effects to a flush that reads none left.
+            unfinished.fetch_sub(1, Release);
         });
         let q = queues.entry(lane).or_insert_with(Queue::start);
         q.push(task);
@@ -254,6 +262,9 @@ impl Lanes {
     /// Wait for the last job of `lane` (and so for every earlier one). Its result belongs to its own
     /// `Work`; this fails only when interrupted.
     pub fn flush(&self, lane: Lane) -> Result<()> {
+        if self.own.unfinished.load(Acquire) == 0 {
+            return Ok(());
+        }
         let last: Vec<Work> = {
             let queues = lock(&self.own.queues);
             queues.get(&lane).map(|q| q.last.clone()).into_iter().chain(Self::before(&queues, lane)).collect()

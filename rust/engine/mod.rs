@@ -49,12 +49,14 @@
 //! only after finishing k.
 
 mod backend;
+mod op_name;
 mod store;
 #[cfg(test)]
 mod tests;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
+use std::fmt;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering, Ordering::*};
 use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -62,6 +64,8 @@ use std::time::{Duration, Instant};
 
 pub(crate) use backend::{backend_type, AsEngine};
 pub(crate) use store::{Cause, Ctrl, Page, Published, Splits, Store};
+
+use op_name::OpName;
 
 use crate::algo::claims::Claims;
 use crate::algo::layout::{self, Fault, Plan};
@@ -146,9 +150,9 @@ impl<S: Store> Engine<S> {
         &self.flight
     }
 
-    fn check_abort(&self, op: &str, waiting: bool) -> Result<()> {
+    fn check_abort(&self, op: &dyn fmt::Display, waiting: bool) -> Result<()> {
         if self.store.aborted() {
-            return Err(self.store.abort_error(op, waiting));
+            return Err(self.store.abort_error(&op.to_string(), waiting));
         }
         Ok(())
     }
@@ -258,19 +262,19 @@ impl<S: Store> Engine<S> {
         &self,
         which: impl Fn(&Ctrl) -> &AtomicU64 + Copy,
         k: u64,
-        op: &str,
+        op: &OpName<'_>,
         within: Option<Duration>,
     ) -> Result<()> {
         let s = &self.store;
         let n = s.members().len();
         let behind = || (0..n).filter(move |&j| which(s.ctrl(j)).load(Acquire) < k).map(|j| s.members()[j]);
         let ready = || (0..n).all(|j| which(s.ctrl(j)).load(Acquire) >= k);
-        let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op);
+        let slow = || s.check_alive(&behind().collect::<Vec<_>>(), op.as_str());
         let apart = || self.spin_on((0..n).filter(|&j| which(s.ctrl(j)).load(Acquire) < k));
         let mut wait = s.wait(op);
         if let Some(t) = within {
             // Capped as every timeout from Python is, so the deadline cannot overflow.
-            wait.deadline = Instant::now() + t.min(MAX_TIMEOUT);
+            wait.timeout = t.min(MAX_TIMEOUT);
         }
         let timeout = within.unwrap_or_else(|| s.timeout());
         // An abort does not undo a wait whose counters all got there: it may come from a peer that
@@ -288,7 +292,7 @@ impl<S: Store> Engine<S> {
             }
             Err(Stop::Failed(e)) => e,
             Err(Stop::TimedOut) => {
-                Error::timeout(s.rank(), op, timeout, behind().collect(), s.members().to_vec())
+                Error::timeout(s.rank(), op.as_str(), timeout, behind().collect(), s.members().to_vec())
             }
         };
         Err(self.with_progress(self.fail(e)))
@@ -299,7 +303,7 @@ impl<S: Store> Engine<S> {
     /// block before storing `done`. A stopped peer (SIGSTOP) would hold it forever, so it is bounded
     /// by the timeout and by Ctrl-C; when it gives up, the handle is marked so the bindings keep the
     /// buffers alive for good, and the error names the peers that never finished.
-    fn drain(&self, busy: Option<&[usize]>, k: u64, op: &str) -> Result<()> {
+    fn drain(&self, busy: Option<&[usize]>, k: u64, op: &OpName<'_>) -> Result<()> {
         let s = &self.store;
         let (n, me) = (s.members().len(), s.index());
         let gone = RefCell::new(Vec::new());
@@ -311,7 +315,7 @@ impl<S: Store> Engine<S> {
         };
         let slow = || {
             for j in pending() {
-                if s.vanished(s.members()[j], op) {
+                if s.vanished(s.members()[j], op.as_str()) {
                     gone.borrow_mut().push(j);
                 }
             }
@@ -330,7 +334,7 @@ impl<S: Store> Engine<S> {
                     Stop::Failed(e) => e,
                     Stop::TimedOut => {
                         let stuck = pending().map(|j| s.members()[j]).collect();
-                        Error::timeout(s.rank(), op, s.timeout(), stuck, s.members().to_vec())
+                        Error::timeout(s.rank(), op.as_str(), s.timeout(), stuck, s.members().to_vec())
                     }
                 })
             }
@@ -349,7 +353,7 @@ impl<S: Store> Engine<S> {
         let k = local.seq + 1;
         let mut sig = call.sig;
         sig.seq = k;
-        let op = sig.to_string();
+        let op = OpName::new(&sig);
         self.check_abort(&op, false).map_err(|e| self.with_progress(e))?;
         local.seq = k;
         let s = &self.store;
@@ -370,14 +374,14 @@ impl<S: Store> Engine<S> {
         local: &mut Local,
         call: &Call,
         sig: &Signature,
-        op: &str,
+        op: &OpName<'_>,
         (sb, rb): (usize, usize),
         flight: &mut flight::Flight,
     ) -> Result<()> {
         let (s, k, op) = (&self.store, sig.seq, op);
         let (n, me) = (s.members().len(), s.index());
         let bytes = call.count * call.dtype.size();
-        let oneshot = sig.kind == CollKind::AllReduce && bytes <= s.oneshot_bytes();
+        let oneshot = sig.kind == CollKind::AllReduce && bytes > 0 && bytes <= s.oneshot_bytes();
         let ctrl = s.ctrl(me);
         if oneshot {
             // SAFETY: this member's input holds `bytes`; its one-shot buffer `k % 2` was last read by
@@ -388,11 +392,13 @@ impl<S: Store> Engine<S> {
             // SAFETY: as for the one-shot buffer; the layout has at most 2n words (`layout::words`).
             unsafe { std::ptr::copy_nonoverlapping(l.words.as_ptr(), s.layout(me, k), l.words.len()) };
         }
-        let page = Published {
-            sig: wire::encode(sig),
-            send: s.share(call.mine.send, sb, sig),
-            recv: s.share(call.mine.recv, rb, sig),
+        // Peers read only a one-shot call's copy: its buffers are neither shared nor offered to cross.
+        let (send, recv) = if oneshot {
+            (0, 0)
+        } else {
+            (s.share(call.mine.send, sb, sig), s.share(call.mine.recv, rb, sig))
         };
+        let page = Published { sig: wire::encode(sig), send, recv };
         ctrl.pages[(k % 2) as usize].store(&page);
         // Members claim call k's tiles only after seeing this arrival (`Claims`).
         Claims::open(&ctrl.claim, k);
@@ -437,7 +443,7 @@ impl<S: Store> Engine<S> {
             (Ok(()), Ok(())) if self.all_moved(k) => Ok(()),
             // A member that failed did not do its share of our buffers; it aborted the world before
             // its done.
-            (Ok(()), Ok(())) => Err(self.store.abort_error(op, true)),
+            (Ok(()), Ok(())) => Err(self.store.abort_error(op.as_str(), true)),
             (err, _) => err,
         };
         if let After::DrainTimed(started) = after {
@@ -447,6 +453,13 @@ impl<S: Store> Engine<S> {
             ctrl.completed.store(k, Release);
         }
         result
+    }
+
+    /// Whether every member's page for call `k` holds the signature words `mine`: read with the pages
+    /// only, no decoding.
+    fn agree(&self, k: u64, mine: &[u64; wire::WORDS]) -> bool {
+        let s = &self.store;
+        (0..s.members().len()).all(|j| s.ctrl(j).pages[(k % 2) as usize].sig() == *mine)
     }
 
     /// Whether every member stored `moved >= k`: read after their done (`drain`), which publishes it.
@@ -466,11 +479,19 @@ impl<S: Store> Engine<S> {
         call: &Call,
         sig: &Signature,
         oneshot: bool,
-        op: &str,
+        op: &OpName<'_>,
         started: Instant,
     ) -> (Result<()>, After) {
         let (s, k) = (&self.store, sig.seq);
         let (n, me) = (s.members().len(), s.index());
+        // A one-shot all_reduce whose every page holds this member's own signature words: those decode
+        // to this very call on every member (`wire::decode` takes exactly the words `encode` writes),
+        // so there is no mismatch and no plan to check, and nothing to allocate.
+        if oneshot && self.agree(k, &wire::encode(sig)) {
+            return self.oneshot(local, call, sig);
+        }
+        let bytes = call.count * call.dtype.size();
+        let red = sig.op.unwrap_or(ReduceOp::Sum);
         let pages: Vec<Published> = (0..n).map(|j| s.ctrl(j).pages[(k % 2) as usize].load()).collect();
         let mut calls = Vec::with_capacity(n);
         for (j, page) in pages.iter().enumerate() {
@@ -489,19 +510,12 @@ impl<S: Store> Engine<S> {
             Ok(plan) => plan,
             Err(e) => return (Err(self.fail(e)), After::Leave),
         };
-        let bytes = call.count * call.dtype.size();
         if sig.kind == CollKind::Barrier || plan.as_ref().map_or(bytes == 0, Plan::is_empty) {
             local.route = Some(flight::Route::Nothing);
             return (Ok(()), After::Leave);
         }
-        let red = sig.op.unwrap_or(ReduceOp::Sum);
         if oneshot {
-            local.route = Some(flight::Route::OneShot);
-            let inputs: Vec<*const u8> = (0..n).map(|j| s.oneshot(j, k).cast_const()).collect();
-            // SAFETY: every member copied `bytes` into its one-shot buffer before arriving; they stay
-            // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
-            unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, &inputs, call.mine.recv, call.count) };
-            return (Ok(()), After::Leave);
+            return self.oneshot(local, call, sig);
         }
         let spans: Vec<(usize, usize)> = match &plan {
             Some(p) => p.spans.clone(),
@@ -543,13 +557,14 @@ impl<S: Store> Engine<S> {
                     return (self.check_abort(op, true), After::Drain);
                 }
                 // SAFETY: as for the direct path; `members[me]` are this member's own buffers.
-                let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, op) };
+                let name = op.as_str();
+                let moved = unsafe { algo::cma::run(call, red, &members, me, plan.as_ref(), &claims, name) };
                 // A copy fails when its peer has exited: then say that, as every other wait would
                 // (its exit may show a moment after its memory is gone).
                 let failed = |e| {
                     let until = Instant::now() + CMA_DEATH_GRACE;
                     loop {
-                        match s.check_alive(s.members(), op) {
+                        match s.check_alive(s.members(), op.as_str()) {
                             Err(dead) => break self.fail(dead),
                             Ok(()) if Instant::now() >= until => break self.fail(e),
                             Ok(()) => std::thread::sleep(Duration::from_millis(5)),
@@ -589,6 +604,19 @@ impl<S: Store> Engine<S> {
                 (moved, After::Leave)
             }
         }
+    }
+
+    /// Step 3 of a one-shot all_reduce every member arrived at (its signatures agree): reduce every
+    /// member's copy, in rank order, into this member's buffer.
+    fn oneshot(&self, local: &mut Local, call: &Call, sig: &Signature) -> (Result<()>, After) {
+        let (s, k, n) = (&self.store, sig.seq, self.store.members().len());
+        local.route = Some(flight::Route::OneShot);
+        let copy = |j: usize| s.oneshot(j, k).cast_const();
+        let (red, recv) = (sig.op.unwrap_or(ReduceOp::Sum), call.mine.recv);
+        // SAFETY: every member copied its input into its one-shot buffer before arriving; they stay
+        // until call k + 2, which no member starts before we arrive at k + 1. Only we write our buffer.
+        unsafe { algo::oneshot::reduce(call.dtype, red, sig.scale, n, copy, recv, call.count) };
+        (Ok(()), After::Leave)
     }
 
     /// Report to the communicator's route timings (`algo::route_times`) that call `sig`, which `crossed` or

@@ -2,6 +2,7 @@
 //! in the same shape (a [`Ctrl`] block of counters and two [`Page`]s per member of a communicator).
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -70,6 +71,11 @@ impl Page {
         }
     }
 
+    /// The encoded signature alone (`engine::wire`).
+    pub(crate) fn sig(&self) -> [u64; wire::WORDS] {
+        std::array::from_fn(|i| self.0[i].load(Relaxed))
+    }
+
     pub(crate) fn load(&self) -> Published {
         let w = |i: usize| self.0[i].load(Relaxed);
         Published { sig: std::array::from_fn(w), send: w(wire::WORDS), recv: w(wire::WORDS + 1) }
@@ -129,7 +135,7 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     }
     /// A wait on the communicator's event, with this world's spin policy ([`Store::spins`]) and a
     /// fresh deadline.
-    fn wait<'a>(&'a self, op: &'a str) -> Wait<'a>;
+    fn wait<'a>(&'a self, op: &'a dyn fmt::Display) -> Wait<'a>;
     /// Wake the members waiting on the communicator's event (after publishing a counter).
     fn notify(&self);
 

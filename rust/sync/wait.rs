@@ -9,10 +9,12 @@
 //! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
-//! makes no system call.
+//! writes no shared word and makes no system call; a wait that ends within its first polls reads no
+//! clock.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::fmt;
+use std::sync::atomic::{fence, AtomicU32, Ordering::SeqCst};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -35,9 +37,15 @@ pub(crate) struct Event {
 
 impl Event {
     /// Wake everyone waiting on this event. Call after publishing the new state.
+    ///
+    /// With nobody asleep it writes nothing: the event's line stays shared by the ranks' cores instead
+    /// of moving to the notifier's on every publish. A sleeper announces itself, then re-checks its
+    /// condition (`Wait::sleep`); the fences on both sides order each one's store before its load, so
+    /// either the notifier sees the sleeper and wakes it, or the sleeper sees what was published.
     pub(crate) fn notify(&self, shared: bool) {
-        self.seq.fetch_add(1, SeqCst);
+        fence(SeqCst);
         if self.sleepers.load(SeqCst) > 0 {
+            self.seq.fetch_add(1, SeqCst);
             // A failed wake only means nobody was there to wake.
             let _ = futex::wake(&self.seq, flags(shared), u32::MAX);
         }
@@ -130,11 +138,12 @@ pub(crate) struct Wait<'a> {
     pub shared: bool,
     /// Whether every rank has a core ([`may_spin`]): then busy-poll first, and yield longer.
     pub spin: bool,
-    /// When to give up. Every wait has one, and every wait on a thread with an interrupt hook
-    /// (Python's main thread) ends on Ctrl-C within a slice.
-    pub deadline: Instant,
-    /// The operation, for error messages.
-    pub op: &'a str,
+    /// How long until it gives up, from when it first reads the clock (a wait that ends within its
+    /// first polls reads none). Every wait has a limit, and every wait on a thread with an interrupt
+    /// hook (Python's main thread) ends on Ctrl-C within a slice.
+    pub timeout: Duration,
+    /// The operation, for error messages (formatted only for one).
+    pub op: &'a dyn fmt::Display,
 }
 
 /// Why a wait ended without its condition.
@@ -166,14 +175,13 @@ impl Wait<'_> {
         slow: impl FnMut() -> Result<()>,
         mut apart: impl FnMut() -> bool,
     ) -> std::result::Result<(), Stop> {
-        let start = Instant::now();
         let (spin, yields) = wait_budgets();
         if !self.spin {
-            return self.sleep(start, yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
+            return self.sleep(Instant::now(), yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
         }
         // `AXONML_WAIT_SPIN_US=0` turns all spinning off, the longer spin and the probe too.
         if spin.is_zero() {
-            return self.sleep(start, yields, ready, quick, slow);
+            return self.sleep(Instant::now(), yields, ready, quick, slow);
         }
         // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (its
         // recent waits outlasted the spin) spins a fraction and goes to sleep, which on a loaded
@@ -182,13 +190,17 @@ impl Wait<'_> {
         let pace = Pace::get();
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
+        // A calm thread reads the clock only once its first batch of polls failed: most waits of a
+        // busy job end within it. A paced-down one counts its short spin (maybe under one batch) from
+        // the start.
+        let mut started = (!pace.calm()).then(Instant::now);
         let mut first = true;
-        loop {
+        let start = loop {
             for _ in 0..64 {
                 if ready() {
                     // Caught after the short spin, in the longer one: the ranks waited for run on other
                     // cores, busy, so this says nothing of the machine.
-                    if first || start.elapsed() <= short {
+                    if first || started.is_some_and(|s| s.elapsed() <= short) {
                         pace.record(Outcome::Quick);
                     }
                     return Ok(());
@@ -197,11 +209,12 @@ impl Wait<'_> {
             }
             first = false;
             quick().map_err(Stop::Failed)?;
+            let start = *started.get_or_insert_with(Instant::now);
             let t = start.elapsed();
             if t >= short && !(t < long && apart()) {
-                break;
+                break start;
             }
-        }
+        };
         // Anything later means the ranks waited for were not running while this thread spun
         // (descheduled, or waiting for a wake-up or a lock such as the GIL).
         let ended = self.sleep(start, yields, ready, quick, slow);
@@ -212,7 +225,7 @@ impl Wait<'_> {
     }
 
     /// The rest of a wait after its spin: yield until `yields` after `start`, then sleep on the event
-    /// in slices.
+    /// in slices, until the timeout after `start`.
     fn sleep(
         &self,
         start: Instant,
@@ -221,8 +234,9 @@ impl Wait<'_> {
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
     ) -> std::result::Result<(), Stop> {
+        let deadline = start + self.timeout;
         // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
-        let yield_end = (start + yields).min(self.deadline);
+        let yield_end = (start + yields).min(deadline);
         while Instant::now() < yield_end {
             if ready() {
                 return Ok(());
@@ -247,15 +261,19 @@ impl Wait<'_> {
                 }
                 next_slow = now + SLICE;
             }
-            if now >= self.deadline {
+            if now >= deadline {
                 return Err(Stop::TimedOut);
             }
-            let nap = SLICE.min(self.deadline - now);
+            let nap = SLICE.min(deadline - now);
             let ts = futex::Timespec { tv_sec: nap.as_secs() as _, tv_nsec: nap.subsec_nanos() as _ };
             self.event.sleepers.fetch_add(1, SeqCst);
-            // Re-check after announcing ourselves: a notify between `seen` and here changed `seq`, so the
-            // futex returns at once instead of sleeping through it.
-            let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
+            // Re-check after announcing ourselves (`Event::notify`): a notify that saw no sleeper did
+            // not wake us, but what it published shows here. One that saw us changed `seq`, so the
+            // futex returns at once if that was since `seen`.
+            fence(SeqCst);
+            if !ready() && quick().is_ok() {
+                let _ = futex::wait(&self.event.seq, flags(self.shared), seen, Some(&ts));
+            }
             self.event.sleepers.fetch_sub(1, SeqCst);
         }
     }
@@ -348,7 +366,7 @@ mod tests {
     /// Waits on a fresh thread, each ready only once the waiter sleeps (a peer that never runs
     /// while it spins), and returns how many times each polled its condition before that.
     fn polls_of_waits_that_sleep(waits: usize) -> Vec<usize> {
-        let (event, go) = (Event::default(), AtomicU32::new(0));
+        let (event, go, returned) = (Event::default(), AtomicU32::new(0), AtomicU32::new(0));
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
                 (1..=waits as u32)
@@ -358,8 +376,8 @@ mod tests {
                             event: &event,
                             shared: false,
                             spin: true,
-                            deadline: Instant::now() + Duration::from_secs(60),
-                            op: "test",
+                            timeout: Duration::from_secs(60),
+                            op: &"test",
                         };
                         let ready = || {
                             // Only the polls before the wait announced its sleep: asleep, it re-checks
@@ -371,6 +389,7 @@ mod tests {
                             go.load(SeqCst) >= k
                         };
                         assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
+                        returned.store(k, SeqCst);
                         polls
                     })
                     .collect()
@@ -382,12 +401,24 @@ mod tests {
                 }
                 go.store(k, SeqCst);
                 event.notify(false);
-                while event.sleepers.load(SeqCst) != 0 {
+                // Not until `sleepers` is 0 again: by then the waiter may sleep in its next wait, and
+                // this thread would have to catch the instants between its slices.
+                while returned.load(SeqCst) < k {
                     std::thread::yield_now();
                 }
             }
             waiter.join().unwrap()
         })
+    }
+
+    #[test]
+    fn a_notify_writes_the_event_only_when_someone_sleeps() {
+        let event = Event::default();
+        event.notify(true);
+        assert_eq!(event.seq.load(SeqCst), 0, "nobody asleep: the line stays shared");
+        event.sleepers.fetch_add(1, SeqCst);
+        event.notify(true);
+        assert_eq!(event.seq.load(SeqCst), 1, "a sleeper's futex word moved on");
     }
 
     #[test]

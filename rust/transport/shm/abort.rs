@@ -111,8 +111,8 @@ impl Shared {
             shared: true,
             // Every rank of the world is a process on this host competing for its cores.
             spin: may_spin(self.size),
-            deadline: Instant::now() + timeout,
-            op,
+            timeout,
+            op: &op,
         };
         match w.until(ready, || self.check_abort(op, Some(ranks)), || self.check_alive(ranks, op)) {
             Ok(()) => Ok(()),

@@ -189,8 +189,7 @@ fn attach(
     register(&mapping, rank);
     h.event.notify(true);
     let op = "init (attaching the shared-memory segment)";
-    let w =
-        Wait { event: &h.event, shared: true, spin: may_spin(world), deadline: Instant::now() + timeout, op };
+    let w = Wait { event: &h.event, shared: true, spin: may_spin(world), timeout, op: &op };
     let all = || h.attached.load(SeqCst) as usize >= world;
     // Every rank is watched from when its pid shows: one that attached and then exited while a rank
     // had yet to attach is reported at once, with its exit status, instead of after the timeout. One

@@ -20,7 +20,7 @@
 
 use std::sync::atomic::Ordering::*;
 use std::sync::TryLockError;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::layout::ChanHead;
 use super::shared::{ChanState, Shared};
@@ -181,13 +181,8 @@ pub(crate) fn recv_any(
             })
         })
     };
-    let wait = Wait {
-        event: &w.header().inbox[w.rank],
-        shared: true,
-        spin: may_spin(w.size),
-        deadline: Instant::now() + timeout,
-        op,
-    };
+    let wait =
+        Wait { event: &w.header().inbox[w.rank], shared: true, spin: may_spin(w.size), timeout, op: &op };
     loop {
         for &s in from {
             let Some(mut st) = try_lock(s) else { continue };

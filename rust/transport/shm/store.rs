@@ -5,9 +5,10 @@
 //! peers' arrays in place, copies straight between the processes (`algo::cma`), or staging through
 //! the members' blocks.
 
+use std::fmt;
 use std::sync::atomic::Ordering::*;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::layout::NOT_SHARED;
 use super::shared::Shared;
@@ -130,12 +131,12 @@ impl Store for ShmStore {
     fn ctrl(&self, j: usize) -> &Ctrl {
         self.world.ctrl(self.slot, j)
     }
-    fn wait<'a>(&'a self, op: &'a str) -> Wait<'a> {
+    fn wait<'a>(&'a self, op: &'a dyn fmt::Display) -> Wait<'a> {
         Wait {
             event: &self.world.comm_head(self.slot).event,
             shared: true,
             spin: self.spins(),
-            deadline: Instant::now() + self.timeout,
+            timeout: self.timeout,
             op,
         }
     }

@@ -3,9 +3,10 @@
 
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::mailbox::Mailbox;
 use crate::algo::route::Place;
@@ -173,14 +174,8 @@ impl Store for ThreadStore {
     fn ctrl(&self, j: usize) -> &Ctrl {
         &self.comm.ctrls[j]
     }
-    fn wait<'a>(&'a self, op: &'a str) -> Wait<'a> {
-        Wait {
-            event: &self.comm.event,
-            shared: false,
-            spin: self.spins(),
-            deadline: Instant::now() + self.timeout,
-            op,
-        }
+    fn wait<'a>(&'a self, op: &'a dyn fmt::Display) -> Wait<'a> {
+        Wait { event: &self.comm.event, shared: false, spin: self.spins(), timeout: self.timeout, op }
     }
     fn notify(&self) {
         self.comm.event.notify(false);
