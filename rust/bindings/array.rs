@@ -1,4 +1,4 @@
-//! numpy arrays (and CPU torch tensors, by their data pointer or through their zero-copy numpy view) in
+//! numpy arrays (and CPU torch tensors, by their DLPack description or through their zero-copy numpy view) in
 //! and out: dtype dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous,
 //! writable, aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
 //! we cannot use. numpy has no bfloat16 of its own: a bfloat16 tensor, or a numpy array of
