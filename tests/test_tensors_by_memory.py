@@ -140,3 +140,34 @@ def test_empty_tensors_are_taken_as_before() -> None:
         return shapes
 
     assert ad.spawn(fn, 2, timeout=30) == [[(0,), (3, 0), (0, 2)]] * 2
+
+
+def test_the_memory_reduced_is_that_of_the_storage_kept_even_if_python_code_swaps_it() -> None:
+    # A subclass's __torch_function__ runs Python code while the tensor is taken (its untyped_storage()
+    # swaps the tensor's storage here): the address written must be that of the storage kept alive, so
+    # the result lands in the tensor, and the storage it had before is left alone.
+    class Swapping(torch.Tensor):
+        replaced: list[Any] = []
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") == "untyped_storage" and not cls.replaced:
+                t = args[0]
+                with torch._C.DisableTorchFunction():
+                    cls.replaced.append(t.untyped_storage())  # kept: its memory stays valid
+                    t.set_(torch.full((3,), 10.0 * (t[0].item() + 1)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def fn(pg: ad.ProcessGroup) -> tuple[list[float], list[float]]:
+        if pg.rank() == 0:
+            t = torch.zeros(3).as_subclass(Swapping)
+            pg.all_reduce(t)
+            old = torch.tensor([], dtype=torch.float32).set_(Swapping.replaced[0])
+            return t.tolist(), old.tolist()
+        t = torch.ones(3)
+        pg.all_reduce(t)
+        return t.tolist(), []
+
+    (mine, old), (theirs, _) = ad.spawn(fn, 2, timeout=30)
+    assert mine == theirs == [11.0] * 3  # 10 (rank 0's new storage) + 1
+    assert old == [0.0] * 3

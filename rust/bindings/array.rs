@@ -276,12 +276,6 @@ fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
     let Some(dtype) = t.dtypes.iter().find(|(d, _)| d.bind(py).is(&dt)).map(|&(_, d)| d) else {
         return Ok(None);
     };
-    // A tensor with no plain memory of its own (sparse, mkldnn, a wrapper subclass, a nested tensor)
-    // has no DLPack capsule: the numpy-view path then says why it cannot be taken.
-    let Some((shape, ptr)) = to_dlpack.bind(py).call1((obj,)).ok().and_then(|c| dlpack_dense(&c, dtype))
-    else {
-        return Ok(None);
-    };
     // DLPack exports the memory as stored: a lazy negation (any dtype) or conjugation (complex only)
     // is torch's to apply on read. Each must answer plainly (a tensor that cannot is not taken here).
     let says =
@@ -291,6 +285,14 @@ fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
         return Ok(None);
     }
     let Ok(storage) = obj.call_method0(intern!(py, "untyped_storage")) else {
+        return Ok(None);
+    };
+    // Last: `_to_dlpack` runs no Python code (the calls above may, in a subclass's
+    // `__torch_function__`), so the address read here is in the storage just taken. A tensor with no
+    // plain memory of its own (sparse, mkldnn, a wrapper subclass, a nested tensor) has no DLPack
+    // capsule, or no storage: the numpy-view path then says why it cannot be taken.
+    let Some((shape, ptr)) = to_dlpack.bind(py).call1((obj,)).ok().and_then(|c| dlpack_dense(&c, dtype))
+    else {
         return Ok(None);
     };
     let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
