@@ -1,4 +1,4 @@
-//! numpy arrays (and CPU torch tensors, by their data pointer or through their zero-copy numpy view) in
+//! numpy arrays (and CPU torch tensors, by their DLPack description or through their zero-copy numpy view) in
 //! and out: dtype dispatch, borrow-checked views, and the checks in-place operations need (C-contiguous,
 //! writable, aligned). Errors: TypeError for a dtype or type we cannot take, ValueError for a layout or borrow
 //! we cannot use. numpy has no bfloat16 of its own: a bfloat16 tensor, or a numpy array of
@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
+use pyo3::types::{PyCapsule, PyType};
 
 use crate::dtype::{Buf, BufMut, DType};
 
@@ -138,7 +138,8 @@ struct Torch {
     tensor: Py<PyType>,
     bfloat16: Py<PyAny>,
     int16: Py<PyAny>,
-    strided: Py<PyAny>,
+    /// `torch._C._to_dlpack` (what `torch.utils.dlpack.to_dlpack` is), if this torch has it.
+    to_dlpack: Option<Py<PyAny>>,
     /// torch's dtype objects, one per collective dtype (torch names them as the core does).
     dtypes: Vec<(Py<PyAny>, DType)>,
 }
@@ -156,7 +157,7 @@ fn torch(py: Python<'_>) -> PyResult<Option<&Torch>> {
         tensor: m.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
         bfloat16: m.getattr("bfloat16")?.unbind(),
         int16: m.getattr("int16")?.unbind(),
-        strided: m.getattr("strided")?.unbind(),
+        to_dlpack: m.getattr("_C").and_then(|c| c.getattr("_to_dlpack")).ok().map(Bound::unbind),
         dtypes: DType::ALL
             .iter()
             .map(|&d| Ok((m.getattr(d.name())?.unbind(), d)))
@@ -176,42 +177,122 @@ pub(crate) fn is_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     }
 }
 
+/// DLPack's C structs (`dlpack.h`, the unversioned ABI that `torch._C._to_dlpack` exports in a capsule
+/// named "dltensor"): fixed by the DLPack spec, so read here rather than through a crate.
+mod dlpack {
+    use std::ffi::c_void;
+
+    /// `kDLCPU`.
+    pub const CPU: i32 = 1;
+
+    #[repr(C)]
+    pub struct Device {
+        pub device_type: i32,
+        pub device_id: i32,
+    }
+
+    #[repr(C)]
+    pub struct DataType {
+        pub code: u8,
+        pub bits: u8,
+        pub lanes: u16,
+    }
+
+    #[repr(C)]
+    pub struct Tensor {
+        pub data: *mut c_void,
+        pub device: Device,
+        pub ndim: i32,
+        pub dtype: DataType,
+        pub shape: *const i64,
+        /// In elements; null means C-contiguous.
+        pub strides: *const i64,
+        pub byte_offset: u64,
+    }
+
+    /// Only its first field is read; the capsule's destructor calls its deleter.
+    #[repr(C)]
+    pub struct ManagedTensor {
+        pub dl_tensor: Tensor,
+    }
+}
+
+/// The C-contiguous shape and data address of the tensor a DLPack capsule describes, if it is in CPU
+/// memory, holds elements of `dtype`'s size, and is C-contiguous as torch's `is_contiguous()` means it
+/// (a dimension of size 1 may have any stride).
+fn dlpack_dense(capsule: &Bound<'_, PyAny>, dtype: DType) -> Option<(Vec<usize>, usize)> {
+    let capsule = capsule.cast::<PyCapsule>().ok()?;
+    let ptr = capsule.pointer_checked(Some(c"dltensor")).ok()?;
+    // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (the DLPack protocol), alive while the
+    // capsule is, and not consumed: its name would have changed.
+    let t = unsafe { &ptr.cast::<dlpack::ManagedTensor>().as_ref().dl_tensor };
+    let elem_bits = dtype.size().checked_mul(8)?;
+    if t.device.device_type != dlpack::CPU || t.dtype.lanes != 1 || usize::from(t.dtype.bits) != elem_bits {
+        return None;
+    }
+    let ndim = usize::try_from(t.ndim).ok()?;
+    let dims = |p: *const i64| -> Option<Vec<usize>> {
+        if ndim == 0 {
+            return Some(vec![]);
+        }
+        // SAFETY: a non-null `shape` (or `strides`) holds `ndim` values, alive with the capsule.
+        let v = unsafe { std::slice::from_raw_parts(p, ndim) };
+        v.iter().map(|&d| usize::try_from(d).ok()).collect()
+    };
+    if ndim > 0 && t.shape.is_null() {
+        return None;
+    }
+    let shape = dims(t.shape)?;
+    if !t.strides.is_null() {
+        let strides = dims(t.strides)?;
+        let mut expected = 1usize;
+        for (&size, &stride) in shape.iter().zip(&strides).rev() {
+            if size != 1 && stride != expected {
+                return None;
+            }
+            expected = expected.checked_mul(size)?;
+        }
+    }
+    let addr = (t.data as usize).checked_add(usize::try_from(t.byte_offset).ok()?)?;
+    Some((shape, addr))
+}
+
 /// A plain CPU tensor's memory, taken by its data pointer: making a numpy view costs more than the rest
-/// of a small collective. None for anything else (not a tensor; another device or layout; a lazily
-/// conjugated or negated view, whose memory does not hold its values; not contiguous or aligned; empty):
-/// the numpy-view path takes those, or says why not. Like the view, it shares the memory of a tensor that
-/// requires grad (as `detach()` does).
+/// of a small collective. One call (`torch._C._to_dlpack`) gives its device, element size, shape,
+/// strides and address; the rest is what DLPack does not say. None for anything else (not a tensor;
+/// another device or layout, which DLPack refuses; a lazily conjugated or negated view, whose memory
+/// does not hold its values; not contiguous or aligned; empty): the numpy-view path takes those, or says
+/// why not. Like the view, it shares the memory of a tensor that requires grad (as `detach()` does).
 fn tensor_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Array<'py>>> {
     if !is_tensor(obj)? {
         return Ok(None);
     }
     let py = obj.py();
     let t = torch(py)?.expect("a tensor means torch is loaded");
-    if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()?
-        || !obj.getattr(intern!(py, "layout"))?.is(t.strided.bind(py))
-    {
+    let Some(to_dlpack) = &t.to_dlpack else {
         return Ok(None);
-    }
+    };
     let dt = obj.getattr(intern!(py, "dtype"))?;
     let Some(dtype) = t.dtypes.iter().find(|(d, _)| d.bind(py).is(&dt)).map(|&(_, d)| d) else {
         return Ok(None);
     };
-    // Each must answer plainly (a tensor that cannot is not taken here).
+    // DLPack exports the memory as stored: a lazy negation (any dtype) or conjugation (complex only)
+    // is torch's to apply on read. Each must answer plainly (a tensor that cannot is not taken here).
     let says =
         |method, yes: bool| obj.call_method0(method).and_then(|v| v.is_truthy()).is_ok_and(|v| v == yes);
-    if !says(intern!(py, "is_conj"), false)
-        || !says(intern!(py, "is_neg"), false)
-        || !says(intern!(py, "is_contiguous"), true)
-    {
+    let complex = matches!(dtype, DType::C64 | DType::C128);
+    if !says(intern!(py, "is_neg"), false) || (complex && !says(intern!(py, "is_conj"), false)) {
         return Ok(None);
     }
-    // A tensor that has no plain memory of its own (a wrapper subclass, a nested tensor) fails these:
-    // the numpy-view path then says why it cannot be taken.
-    let (Ok(shape), Ok(ptr), Ok(storage)) = (
-        obj.getattr(intern!(py, "shape")).and_then(|s| s.extract::<Vec<usize>>()),
-        obj.call_method0(intern!(py, "data_ptr")).and_then(|p| p.extract::<usize>()),
-        obj.call_method0(intern!(py, "untyped_storage")),
-    ) else {
+    let Ok(storage) = obj.call_method0(intern!(py, "untyped_storage")) else {
+        return Ok(None);
+    };
+    // Last: `_to_dlpack` runs no Python code (the calls above may, in a subclass's
+    // `__torch_function__`), so the address read here is in the storage just taken. A tensor with no
+    // plain memory of its own (sparse, mkldnn, a wrapper subclass, a nested tensor) has no DLPack
+    // capsule, or no storage: the numpy-view path then says why it cannot be taken.
+    let Some((shape, ptr)) = to_dlpack.bind(py).call1((obj,)).ok().and_then(|c| dlpack_dense(&c, dtype))
+    else {
         return Ok(None);
     };
     let len = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));

@@ -225,10 +225,12 @@ class AxonmlProcessGroup(NamedGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work | None:
         """The call torch makes most (``dist.all_reduce(t)``, DDP's buckets) takes the short way: one
-        contiguous dense tensor, SUM, the profiler off. The rest takes `_allreduce_any`, as it would."""
+        contiguous dense tensor, SUM, the profiler off. The rest takes `_allreduce_any`, as it would.
+        A sparse COO tensor is never contiguous to torch (and a sparse CSR one raises there, as it
+        would on the long way), so the short way asks nothing else about the layout."""
         if opts is not None and len(tensors) == 1 and not _profiling():
             t = tensors[0]
-            if not t.is_sparse and t.is_contiguous() and opts.reduceOp == _SUM:
+            if t.is_contiguous() and opts.reduceOp == _SUM:
                 if opts.asyncOp is False:
                     self._all_reduce(t)
                     return None
@@ -532,6 +534,9 @@ class AxonmlProcessGroup(NamedGroup):
         opts: Any = None,
     ) -> Work | None:
         _refuse_strided(output, input)
+        views = self._member_views(output, input, output_split_sizes, input_split_sizes)
+        if views is not None:
+            return self._alltoall(*views, [output], opts)
         # torch passes [] for an equal split, which the core spells None. A tensor dense in another
         # memory format (channels last) goes through a copy in the usual one.
         out, back = _dense(output)
@@ -540,6 +545,14 @@ class AxonmlProcessGroup(NamedGroup):
         return self._done("coll", [native], [output], back)
 
     alltoall_base = all_to_all_single
+
+    def _member_views(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """For `all_to_all_single`: per-member views of `output` and `input` in the core's order, when
+        the group orders its members otherwise (then the list form runs over them); None to hand both
+        tensors to the core as they are."""
+        return None
 
     # -- point to point (no options: always a Work, which torch waits on) ---------------------------
 
@@ -668,24 +681,16 @@ class OrderedProcessGroup(AxonmlProcessGroup):
         outs = self._order.reorder(outputs, "all_to_all's output list")
         return self._alltoall(outs, self._order.reorder(inputs, "all_to_all's input list"), outputs, opts)
 
-    @_event("all_to_all", _single)
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Work | None:
-        """The list form over per-member views of both tensors (no copy but the list form's)."""
-        _refuse_strided(output, input)
-        outs, ins = self._rows(output, output_split_sizes), self._rows(input, input_split_sizes)
-        if outs is None or ins is None or output.dtype != input.dtype:  # the core refuses it, as in order
-            return super().all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
-        reordered = self._order.reorder(outs), self._order.reorder(ins)
-        return self._alltoall(*reordered, [output], opts)
-
-    alltoall_base = all_to_all_single
+    def _member_views(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """all_to_all_single as the list form over per-member views of both tensors (no copy but the
+        list form's), in the core's order; None when they do not make one chunk per member or their
+        dtypes differ (the core refuses them, as in order)."""
+        outs, ins = self._rows(output, output_splits), self._rows(input, input_splits)
+        if outs is None or ins is None or output.dtype != input.dtype:
+            return None
+        return self._order.reorder(outs), self._order.reorder(ins)
 
     def _rows(self, t: torch.Tensor, split_sizes: list[int]) -> list[torch.Tensor] | None:
         """`t`'s chunks along its first dimension, one per member (`split_sizes` rows each, or equal when

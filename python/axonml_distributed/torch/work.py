@@ -159,9 +159,17 @@ class Work(dist.Work):
         """Block until the work finished (the group's timeout bounds it; torch's `timeout` argument is
         not used); re-raise its error."""
         s = self._settling
-        if s is None:
-            self._wait_natives()  # nothing else to run once: no lock (see the class docs)
-        elif not s.finished:
+        if s is None and self._error is None:
+            # Nothing else to run once: no lock (see the class docs), and `_wait_natives` inlined (a
+            # call costs an asynchronous call as much as a field).
+            try:
+                for w in self._natives:
+                    w.wait()
+                return True
+            except BaseException as e:  # kept, as `_wait_natives` keeps it
+                if self._error is None:
+                    self._error = e
+        elif s is not None and not s.finished:
             self._complete()
         if self._error is not None:
             raise self._error
