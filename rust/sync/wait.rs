@@ -5,8 +5,9 @@
 //! would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time slice);
 //! then yield (long when every rank has a core, short when a yielding rank would
 //! compete with the ones it waits for), then sleep on a futex in slices. Spinning is paced per thread
-//! ([`Pace`]): after a wait that outlasted its spin, the next ones spin a few polls and sleep, until
-//! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
+//! ([`Pace`]): after a wait in which the thread lost its core (a long gap between its polls, or a long
+//! yield), the next ones spin a few polls and sleep, until waits caught within their short spin bring the
+//! full budget back. A wait that only outlasted its spin (a peer late on another core) changes nothing. Each slice checks the deadline and
 //! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use rustix::thread::{self, futex};
 
 use crate::config::{
-    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_MAX_HALVINGS, SLICE, SPIN_APART,
+    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_MAX_HALVINGS, SLICE, SPIN_APART, STALL,
     YIELD_OVERSUBSCRIBED,
 };
 use crate::error::{Error, Result};
@@ -169,50 +170,59 @@ impl Wait<'_> {
         let start = Instant::now();
         let (spin, yields) = wait_budgets();
         if !self.spin {
-            return self.sleep(start, yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
+            return self.sleep(start, yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow).map(drop);
         }
         // `AXONML_WAIT_SPIN_US=0` turns all spinning off, the longer spin and the probe too.
         if spin.is_zero() {
-            return self.sleep(start, yields, ready, quick, slow);
+            return self.sleep(start, yields, ready, quick, slow).map(drop);
         }
-        // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (its
-        // recent waits outlasted the spin) spins a fraction and goes to sleep, which on a loaded
-        // machine hands the core to the ranks it waits for at once. The first batch of polls always
-        // runs: it is how a paced-down thread sees its peers keep up again.
+        // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (a recent
+        // wait found this core contended) spins a fraction and goes to sleep, which on a loaded machine
+        // hands the core to the ranks it waits for at once. The first batch of polls always runs: it is
+        // how a paced-down thread sees its peers keep up again.
         let pace = Pace::get();
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
+        // The longest this thread went between two batches of polls, or in one yield: how long it lost
+        // its core during the wait.
+        let mut stall = Duration::ZERO;
+        let mut last = start;
         let mut first = true;
         loop {
             for _ in 0..64 {
                 if ready() {
-                    // Caught after the short spin, in the longer one: the ranks waited for run on other
-                    // cores, busy, so this says nothing of the machine.
-                    if first || start.elapsed() <= short {
-                        pace.record(Outcome::Quick);
-                    }
+                    // The first batch reads no clock: the fast path.
+                    let within = first || {
+                        let now = Instant::now();
+                        stall = stall.max(now - last);
+                        now - start <= short
+                    };
+                    pace.record(Outcome::of(within, stall));
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
             first = false;
             quick().map_err(Stop::Failed)?;
-            let t = start.elapsed();
-            if t >= short && !(t < long && apart()) {
-                break;
+            let now = Instant::now();
+            stall = stall.max(now - last);
+            last = now;
+            let t = now - start;
+            if t >= short {
+                if !(t < long && apart()) {
+                    break;
+                }
+                // `apart` may move this thread to another core: its own work, not a lost core.
+                last = Instant::now();
             }
         }
-        // Anything later means the ranks waited for were not running while this thread spun
-        // (descheduled, or waiting for a wake-up or a lock such as the GIL).
-        let ended = self.sleep(start, yields, ready, quick, slow);
-        if ended.is_ok() {
-            pace.record(Outcome::Slow);
-        }
-        ended
+        let longest_yield = self.sleep(start, yields, ready, quick, slow)?;
+        pace.record(Outcome::of(false, stall.max(longest_yield)));
+        Ok(())
     }
 
     /// The rest of a wait after its spin: yield until `yields` after `start`, then sleep on the event
-    /// in slices.
+    /// in slices. Returns the longest yield (another task had this core meanwhile).
     fn sleep(
         &self,
         start: Instant,
@@ -220,15 +230,20 @@ impl Wait<'_> {
         mut ready: impl FnMut() -> bool,
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
-    ) -> std::result::Result<(), Stop> {
+    ) -> std::result::Result<Duration, Stop> {
         // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
         let yield_end = (start + yields).min(self.deadline);
-        while Instant::now() < yield_end {
+        let mut longest = Duration::ZERO;
+        let mut last = Instant::now();
+        while last < yield_end {
             if ready() {
-                return Ok(());
+                return Ok(longest);
             }
             quick().map_err(Stop::Failed)?;
             std::thread::yield_now();
+            let now = Instant::now();
+            longest = longest.max(now - last);
+            last = now;
         }
         // The slow checks (a syscall, or taking the GIL for signals) run once per slice, not on every
         // wake-up: with many ranks every counter bump wakes every sleeper.
@@ -236,7 +251,7 @@ impl Wait<'_> {
         loop {
             let seen = self.event.seq.load(SeqCst);
             if ready() {
-                return Ok(());
+                return Ok(longest);
             }
             quick().map_err(Stop::Failed)?;
             let now = Instant::now();
@@ -262,18 +277,37 @@ impl Wait<'_> {
 }
 
 /// How a thread's recent spinning waits went, which sets how long its next one busy-waits: the number
-/// of halvings of its spin budget (0: calm, the full budgets). A quick wait takes one back; a wait that
-/// outlasted its spins goes all the way down at once (it may have cost a time slice), so a thread
-/// comes back to the full budget only after several quick waits in a row.
+/// of halvings of its spin budget (0: calm, the full budgets). A quick wait takes one back; a wait during
+/// which the thread lost its core goes all the way down at once (spinning there may have cost a time
+/// slice), so a thread comes back to the full budget only after several quick waits.
 #[derive(Clone, Copy)]
 struct Pace(u32);
 
 /// How a spinning wait that ended well went, for its thread's [`Pace`].
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Outcome {
-    /// Within the short spin.
+    /// Within the short spin, the thread keeping its core.
     Quick,
-    /// After the spins, in the yields or asleep.
-    Slow,
+    /// After the short spin, the thread keeping its core: the ranks waited for were late (busy
+    /// elsewhere, or computing a skewed step), which says nothing of this core.
+    Late,
+    /// The thread lost its core for longer than [`STALL`] between two batches of polls or in a yield:
+    /// the core is contended, and spinning there takes time from whatever else must run.
+    Contended,
+}
+
+impl Outcome {
+    /// A wait caught `within` its short spin or not, in which the thread lost its core for at most
+    /// `stall` at a time.
+    fn of(within: bool, stall: Duration) -> Outcome {
+        if stall > STALL {
+            Outcome::Contended
+        } else if within {
+            Outcome::Quick
+        } else {
+            Outcome::Late
+        }
+    }
 }
 
 thread_local! {
@@ -296,7 +330,8 @@ impl Pace {
     fn record(self, outcome: Outcome) {
         let halvings = match outcome {
             Outcome::Quick => self.0.saturating_sub(1),
-            Outcome::Slow => PACE_MAX_HALVINGS,
+            Outcome::Late => self.0,
+            Outcome::Contended => PACE_MAX_HALVINGS,
         };
         // The calm fast path writes nothing.
         if halvings != self.0 {
@@ -345,63 +380,173 @@ mod tests {
         .unwrap();
     }
 
-    /// Waits on a fresh thread, each ready only once the waiter sleeps (a peer that never runs
-    /// while it spins), and returns how many times each polled its condition before that.
-    fn polls_of_waits_that_sleep(waits: usize) -> Vec<usize> {
-        let (event, go) = (Event::default(), AtomicU32::new(0));
+    /// A wait for `go >= k` with the test defaults: spinning allowed, no checks, a minute to go.
+    fn wait_for(event: &Event, go: &AtomicU32, k: u32, mut polled: impl FnMut()) {
+        let w = Wait {
+            event,
+            shared: false,
+            spin: true,
+            deadline: Instant::now() + Duration::from_secs(60),
+            op: "test",
+        };
+        let ready = || {
+            polled();
+            go.load(SeqCst) >= k
+        };
+        assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
+    }
+
+    /// Pins the calling thread to `core`; false when the kernel refuses (a sandbox, a cpuset).
+    fn pin(core: usize) -> bool {
+        let mut one = CpuSet::new();
+        one.set(core);
+        thread::sched_setaffinity(None, &one).is_ok()
+    }
+
+    /// The calling thread's involuntary context switches so far: a preemption, or a yield that handed
+    /// the core to another task.
+    fn involuntary_switches() -> i64 {
+        // SAFETY: getrusage writes the struct it is given.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) }, 0);
+        usage.ru_nivcsw
+    }
+
+    /// Waits on a fresh thread pinned to one core beside a releasing thread pinned there too, which
+    /// releases each wait only after running busy on that core for a millisecond once the wait is past
+    /// its first batch of polls (so the waiter lost its core meanwhile); how many times each wait
+    /// polled its condition. None when threads cannot be pinned.
+    fn polls_of_waits_on_a_shared_core(waits: u32) -> Option<Vec<usize>> {
+        let allowed = thread::sched_getaffinity(None).ok()?;
+        let core = (0..CpuSet::MAX_CPU).find(|&c| allowed.is_set(c))?;
+        let (event, go, entered, polls) =
+            (Event::default(), AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0));
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
-                (1..=waits as u32)
-                    .map(|k| {
-                        let mut polls = 0;
-                        let w = Wait {
-                            event: &event,
-                            shared: false,
-                            spin: true,
-                            deadline: Instant::now() + Duration::from_secs(60),
-                            op: "test",
-                        };
-                        let ready = || {
-                            // Only the polls before the wait announced its sleep: asleep, it re-checks
-                            // at each wake-up, as often as a loaded machine keeps the releasing thread
-                            // from running.
-                            if event.sleepers.load(SeqCst) == 0 {
-                                polls += 1;
-                            }
-                            go.load(SeqCst) >= k
-                        };
-                        assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
-                        polls
-                    })
-                    .collect()
+                if !pin(core) {
+                    entered.store(u32::MAX, SeqCst);
+                    return None;
+                }
+                let polls_of = |k| {
+                    polls.store(0, SeqCst);
+                    entered.store(k, SeqCst);
+                    wait_for(&event, &go, k, || {
+                        polls.fetch_add(1, SeqCst);
+                    });
+                    polls.load(SeqCst) as usize
+                };
+                Some((1..=waits).map(polls_of).collect())
             });
-            for k in 1..=waits as u32 {
-                // Released only once asleep: `sleepers` is raised just before the futex wait.
-                while event.sleepers.load(SeqCst) == 0 {
-                    std::thread::yield_now();
+            if pin(core) {
+                for k in 1..=waits {
+                    while !(entered.load(SeqCst) == k && polls.load(SeqCst) > 64) {
+                        if entered.load(SeqCst) == u32::MAX {
+                            break;
+                        }
+                        std::thread::yield_now();
+                    }
+                    let busy = Instant::now();
+                    while busy.elapsed() < Duration::from_millis(1) {
+                        std::hint::spin_loop();
+                    }
+                    go.store(k, SeqCst);
+                    event.notify(false);
                 }
-                go.store(k, SeqCst);
+            } else {
+                go.store(waits, SeqCst);
                 event.notify(false);
-                while event.sleepers.load(SeqCst) != 0 {
-                    std::thread::yield_now();
-                }
             }
             waiter.join().unwrap()
         })
     }
 
     #[test]
-    fn a_thread_whose_wait_slept_polls_briefly_before_sleeping_again() {
-        let polls = polls_of_waits_that_sleep(3);
-        // The first spins its full budget and yields (thousands of polls); the later ones, paced down
-        // after it, run a probe of a few batches of 64 and sleep.
+    fn a_thread_whose_wait_lost_its_core_polls_briefly_before_sleeping_again() {
+        let Some(polls) = polls_of_waits_on_a_shared_core(3) else {
+            eprintln!("skipped: the kernel refused to pin a thread to a core");
+            return;
+        };
+        // The first spins its full budget and yields, handing the core to the busy releaser; the later
+        // ones, paced down after it, run a probe of a batch or two of 64 polls and sleep (thousands of
+        // polls at the full budget).
         assert!(polls[1..].iter().all(|&p| p < 1000), "{polls:?}");
+    }
+
+    #[test]
+    fn a_peer_late_on_another_core_leaves_the_waiting_thread_calm() {
+        let allowed = thread::sched_getaffinity(None).unwrap();
+        let mut cores = (0..CpuSet::MAX_CPU).filter(|&c| allowed.is_set(c));
+        let (Some(mine), Some(theirs)) = (cores.next(), cores.next()) else {
+            eprintln!("skipped: a single core, so no peer can run on another one");
+            return;
+        };
+        // Each attempt on a fresh (calm) thread: a wait released by a peer on another core that sleeps
+        // past the wait's spin, so it ends in the yields. Only attempts whose waiter never lost its
+        // core count (a busy machine takes it in most); of those, one staying calm shows a late peer
+        // alone does not pace the thread down (before the fix, every one of them did).
+        let attempts: Vec<(bool, bool)> = (0..40)
+            .map(|_| {
+                let (event, go, entered) = (Event::default(), AtomicU32::new(0), AtomicU32::new(0));
+                std::thread::scope(|s| {
+                    let waiter = s.spawn(|| {
+                        let pinned = pin(mine);
+                        // Read before the peer may start: a preemption that delays the wait counts.
+                        let before = involuntary_switches();
+                        entered.store(1, SeqCst);
+                        if !pinned {
+                            return None;
+                        }
+                        wait_for(&event, &go, 1, || ());
+                        Some((involuntary_switches() == before, Pace::get().calm()))
+                    });
+                    s.spawn(|| {
+                        pin(theirs);
+                        // Late from the waiter's start: released after its spin.
+                        while entered.load(SeqCst) == 0 {
+                            std::thread::yield_now();
+                        }
+                        std::thread::sleep(Duration::from_micros(500));
+                        go.store(1, SeqCst);
+                        event.notify(false);
+                    });
+                    waiter.join().unwrap()
+                })
+            })
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let undisturbed: Vec<bool> = attempts.iter().filter(|a| a.0).map(|a| a.1).collect();
+        if undisturbed.is_empty() {
+            eprintln!("skipped: no waiter kept its core (a busy machine, or pinning refused): {attempts:?}");
+            return;
+        }
+        assert!(undisturbed.contains(&true), "{attempts:?}");
+    }
+
+    #[test]
+    fn a_wait_paces_its_thread_down_only_when_it_lost_its_core() {
+        let lost = STALL + Duration::from_micros(1);
+        assert_eq!(Outcome::of(true, Duration::ZERO), Outcome::Quick);
+        assert_eq!(Outcome::of(true, STALL), Outcome::Quick);
+        assert_eq!(Outcome::of(false, STALL), Outcome::Late);
+        assert_eq!(Outcome::of(false, Duration::ZERO), Outcome::Late);
+        assert_eq!(Outcome::of(true, lost), Outcome::Contended);
+        assert_eq!(Outcome::of(false, lost), Outcome::Contended);
+        std::thread::spawn(|| {
+            // A late wait leaves a calm thread calm and a paced one as paced as it was.
+            Pace::get().record(Outcome::Late);
+            assert!(Pace::get().calm());
+            Pace::get().record(Outcome::Contended);
+            Pace::get().record(Outcome::Late);
+            assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
     fn quick_waits_bring_a_paced_thread_back_to_its_full_budget() {
         std::thread::spawn(|| {
-            Pace(0).record(Outcome::Slow);
+            Pace(0).record(Outcome::Contended);
             assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
             assert_eq!(Pace::get().scale(Duration::from_micros(64)), Duration::from_micros(1));
             for _ in 0..PACE_MAX_HALVINGS {
