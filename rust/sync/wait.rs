@@ -6,9 +6,10 @@
 //! then yield (long when every rank has a core, short when a yielding rank would
 //! compete with the ones it waits for), then sleep on a futex in slices. Spinning is paced per thread
 //! ([`Pace`]): after a wait in which the thread lost its core (a long gap between its polls, or a long
-//! yield), the next ones spin a few polls and sleep, until waits caught within their short spin bring the
-//! full budget back. A wait that only outlasted its spin (a peer late on another core) changes nothing. Each slice checks the deadline and
-//! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
+//! yield), the next ones spin a few polls and sleep, until waits caught within their short spin bring
+//! the full budget back (after a long yield, not before [`PACE_HOLD`]). A wait that only outlasted its
+//! spin (a peer late on another core) changes nothing. Each slice checks the deadline and the caller's
+//! slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! makes no system call.
 
@@ -20,8 +21,8 @@ use std::time::{Duration, Instant};
 use rustix::thread::{self, futex};
 
 use crate::config::{
-    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_MAX_HALVINGS, SLICE, SPIN_APART, STALL,
-    YIELD_OVERSUBSCRIBED,
+    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_HOLD, PACE_MAX_HALVINGS, SLICE,
+    SPIN_APART, STALL, YIELD_OVERSUBSCRIBED,
 };
 use crate::error::{Error, Result};
 
@@ -183,8 +184,7 @@ impl Wait<'_> {
         let pace = Pace::get();
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
-        // The longest this thread went between two batches of polls, or in one yield: how long it lost
-        // its core during the wait.
+        // The longest this thread went between two batches of polls: how long it lost its core.
         let mut stall = Duration::ZERO;
         let mut last = start;
         let mut first = true;
@@ -197,7 +197,7 @@ impl Wait<'_> {
                         stall = stall.max(now - last);
                         now - start <= short
                     };
-                    pace.record(Outcome::of(within, stall));
+                    pace.record(Outcome::of(within, stall, Duration::ZERO));
                     return Ok(());
                 }
                 std::hint::spin_loop();
@@ -217,7 +217,7 @@ impl Wait<'_> {
             }
         }
         let longest_yield = self.sleep(start, yields, ready, quick, slow)?;
-        pace.record(Outcome::of(false, stall.max(longest_yield)));
+        pace.record(Outcome::of(false, stall, longest_yield));
         Ok(())
     }
 
@@ -277,11 +277,14 @@ impl Wait<'_> {
 }
 
 /// How a thread's recent spinning waits went, which sets how long its next one busy-waits: the number
-/// of halvings of its spin budget (0: calm, the full budgets). A quick wait takes one back; a wait during
-/// which the thread lost its core goes all the way down at once (spinning there may have cost a time
-/// slice), so a thread comes back to the full budget only after several quick waits.
-#[derive(Clone, Copy)]
-struct Pace(u32);
+/// of halvings of its spin budget (0: calm, the full budgets), and until when a long yield holds them.
+/// A wait during which the thread lost its core goes all the way down at once (spinning there may have
+/// cost a time slice); each quick wait takes one halving back, once the hold is over.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pace {
+    halvings: u32,
+    held_until: Option<Instant>,
+}
 
 /// How a spinning wait that ended well went, for its thread's [`Pace`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -291,17 +294,22 @@ enum Outcome {
     /// After the short spin, the thread keeping its core: the ranks waited for were late (busy
     /// elsewhere, or computing a skewed step), which says nothing of this core.
     Late,
-    /// The thread lost its core for longer than [`STALL`] between two batches of polls or in a yield:
+    /// The thread lost its core for longer than [`STALL`] between two batches of polls (preempted):
     /// the core is contended, and spinning there takes time from whatever else must run.
-    Contended,
+    Preempted,
+    /// A yield handed the core to another task for longer than [`STALL`]: the core has other work
+    /// ready to run, so every yield there may cost a whole time slice.
+    Crowded,
 }
 
 impl Outcome {
-    /// A wait caught `within` its short spin or not, in which the thread lost its core for at most
-    /// `stall` at a time.
-    fn of(within: bool, stall: Duration) -> Outcome {
-        if stall > STALL {
-            Outcome::Contended
+    /// A wait caught `within` its short spin or not, in which the thread went at most `gap` between
+    /// two batches of polls and at most `yielded` in one yield.
+    fn of(within: bool, gap: Duration, yielded: Duration) -> Outcome {
+        if yielded > STALL {
+            Outcome::Crowded
+        } else if gap > STALL {
+            Outcome::Preempted
         } else if within {
             Outcome::Quick
         } else {
@@ -310,8 +318,10 @@ impl Outcome {
     }
 }
 
+const CALM: Pace = Pace { halvings: 0, held_until: None };
+
 thread_local! {
-    static PACE: Cell<Pace> = const { Cell::new(Pace(0)) };
+    static PACE: Cell<Pace> = const { Cell::new(CALM) };
 }
 
 impl Pace {
@@ -320,22 +330,31 @@ impl Pace {
     }
 
     fn calm(self) -> bool {
-        self.0 == 0
+        self.halvings == 0
     }
 
     fn scale(self, budget: Duration) -> Duration {
-        budget / (1u32 << self.0)
+        budget / (1u32 << self.halvings)
+    }
+
+    /// The pace after a wait that went as `outcome`, `now` read only when it matters.
+    fn after(self, outcome: Outcome, now: impl Fn() -> Instant) -> Pace {
+        match outcome {
+            // The calm fast path reads no clock.
+            Outcome::Quick if self.calm() => self,
+            Outcome::Quick if self.held_until.is_some_and(|t| now() < t) => self,
+            Outcome::Quick => Pace { halvings: self.halvings - 1, held_until: None },
+            Outcome::Late => self,
+            Outcome::Preempted => Pace { halvings: PACE_MAX_HALVINGS, ..self },
+            Outcome::Crowded => Pace { halvings: PACE_MAX_HALVINGS, held_until: Some(now() + PACE_HOLD) },
+        }
     }
 
     fn record(self, outcome: Outcome) {
-        let halvings = match outcome {
-            Outcome::Quick => self.0.saturating_sub(1),
-            Outcome::Late => self.0,
-            Outcome::Contended => PACE_MAX_HALVINGS,
-        };
+        let next = self.after(outcome, Instant::now);
         // The calm fast path writes nothing.
-        if halvings != self.0 {
-            PACE.set(Pace(halvings));
+        if next != self {
+            PACE.set(next);
         }
     }
 }
@@ -524,38 +543,52 @@ mod tests {
 
     #[test]
     fn a_wait_paces_its_thread_down_only_when_it_lost_its_core() {
-        let lost = STALL + Duration::from_micros(1);
-        assert_eq!(Outcome::of(true, Duration::ZERO), Outcome::Quick);
-        assert_eq!(Outcome::of(true, STALL), Outcome::Quick);
-        assert_eq!(Outcome::of(false, STALL), Outcome::Late);
-        assert_eq!(Outcome::of(false, Duration::ZERO), Outcome::Late);
-        assert_eq!(Outcome::of(true, lost), Outcome::Contended);
-        assert_eq!(Outcome::of(false, lost), Outcome::Contended);
-        std::thread::spawn(|| {
-            // A late wait leaves a calm thread calm and a paced one as paced as it was.
-            Pace::get().record(Outcome::Late);
-            assert!(Pace::get().calm());
-            Pace::get().record(Outcome::Contended);
-            Pace::get().record(Outcome::Late);
-            assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
-        })
-        .join()
-        .unwrap();
+        let (no, lost) = (Duration::ZERO, STALL + Duration::from_micros(1));
+        assert_eq!(Outcome::of(true, no, no), Outcome::Quick);
+        assert_eq!(Outcome::of(true, STALL, STALL), Outcome::Quick);
+        assert_eq!(Outcome::of(false, STALL, STALL), Outcome::Late);
+        assert_eq!(Outcome::of(false, no, no), Outcome::Late);
+        assert_eq!(Outcome::of(true, lost, no), Outcome::Preempted);
+        assert_eq!(Outcome::of(false, lost, no), Outcome::Preempted);
+        assert_eq!(Outcome::of(false, no, lost), Outcome::Crowded);
+        assert_eq!(Outcome::of(false, lost, lost), Outcome::Crowded);
+        // A late wait leaves a calm thread calm and a paced one as paced as it was.
+        let t = Instant::now();
+        assert_eq!(CALM.after(Outcome::Late, || t), CALM);
+        for lost in [Outcome::Preempted, Outcome::Crowded] {
+            let paced = CALM.after(lost, || t);
+            assert_eq!(paced.halvings, PACE_MAX_HALVINGS);
+            assert_eq!(paced.after(Outcome::Late, || t + PACE_HOLD), paced);
+        }
     }
 
     #[test]
     fn quick_waits_bring_a_paced_thread_back_to_its_full_budget() {
-        std::thread::spawn(|| {
-            Pace(0).record(Outcome::Contended);
-            assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
-            assert_eq!(Pace::get().scale(Duration::from_micros(64)), Duration::from_micros(1));
+        let t = Instant::now();
+        let back = |mut pace: Pace, now: Instant| {
             for _ in 0..PACE_MAX_HALVINGS {
-                assert!(!Pace::get().calm());
-                Pace::get().record(Outcome::Quick);
+                assert!(!pace.calm());
+                pace = pace.after(Outcome::Quick, || now);
             }
-            assert!(Pace::get().calm());
-            Pace::get().record(Outcome::Quick);
-            assert!(Pace::get().calm());
+            assert!(pace.calm());
+            assert_eq!(pace.after(Outcome::Quick, || now), CALM);
+        };
+        // Preempted: at once.
+        let pace = CALM.after(Outcome::Preempted, || t);
+        assert_eq!(pace.scale(Duration::from_micros(64)), Duration::from_micros(1));
+        back(pace, t);
+        // After a long yield, quick waits change nothing until the hold is over; another long yield
+        // renews it, a preemption does not end it.
+        let mut pace = CALM.after(Outcome::Crowded, || t);
+        assert_eq!(pace.after(Outcome::Quick, || t + PACE_HOLD / 2), pace);
+        pace = pace.after(Outcome::Crowded, || t + PACE_HOLD / 2);
+        pace = pace.after(Outcome::Preempted, || t + PACE_HOLD);
+        assert_eq!(pace.after(Outcome::Quick, || t + PACE_HOLD), pace);
+        back(pace, t + 2 * PACE_HOLD);
+        // The thread's own pace is what its waits recorded.
+        std::thread::spawn(|| {
+            Pace::get().record(Outcome::Preempted);
+            assert_eq!(Pace::get().halvings, PACE_MAX_HALVINGS);
         })
         .join()
         .unwrap();
