@@ -185,7 +185,7 @@ impl Wait<'_> {
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
         // The longest this thread went between two batches of polls: how long it lost its core.
-        let mut stall = Duration::ZERO;
+        let mut gap = Duration::ZERO;
         let mut last = start;
         let mut first = true;
         loop {
@@ -194,10 +194,10 @@ impl Wait<'_> {
                     // The first batch reads no clock: the fast path.
                     let within = first || {
                         let now = Instant::now();
-                        stall = stall.max(now - last);
+                        gap = gap.max(now - last);
                         now - start <= short
                     };
-                    pace.record(Outcome::of(within, stall, Duration::ZERO));
+                    pace.record(Outcome::of(within, gap, Duration::ZERO));
                     return Ok(());
                 }
                 std::hint::spin_loop();
@@ -205,7 +205,7 @@ impl Wait<'_> {
             first = false;
             quick().map_err(Stop::Failed)?;
             let now = Instant::now();
-            stall = stall.max(now - last);
+            gap = gap.max(now - last);
             last = now;
             let t = now - start;
             if t >= short {
@@ -217,7 +217,7 @@ impl Wait<'_> {
             }
         }
         let longest_yield = self.sleep(start, yields, ready, quick, slow)?;
-        pace.record(Outcome::of(false, stall, longest_yield));
+        pace.record(Outcome::of(false, gap, longest_yield));
         Ok(())
     }
 
