@@ -42,13 +42,27 @@ pub(crate) fn wait_budgets() -> (Duration, Duration) {
         (us("AXONML_WAIT_SPIN_US", SPIN), us("AXONML_WAIT_YIELD_US", YIELD))
     })
 }
-/// A spinning wait that outlasts its spin (its condition came in the yields or after a sleep) paces its
-/// thread down: the next waits spin this many halvings of the budget (60 µs becomes under 1 µs, a
-/// few batches of polls), then sleep, with no longer spin and no yields; each wait caught within its
-/// short spin takes one halving back. On a loaded machine, or where the ranks waited for must take a
-/// lock such as the GIL first, spinning only holds a core they need: 2 in-process ranks beside 4
-/// CPU-bound processes went from 2.3 ms to 26 µs per 8 B all_reduce.
+/// A spinning wait during which its thread lost its core ([`STALL`]) paces its thread down: the next
+/// waits spin this many halvings of the budget (60 µs becomes under 1 µs, a few batches of polls),
+/// then sleep, with no longer spin and no yields; each wait caught within its short spin takes one
+/// halving back (after a long yield, once [`PACE_HOLD`] is over). On a loaded machine, or where the
+/// ranks waited for must take a lock such as the GIL first, spinning only holds a core they need: 2
+/// in-process ranks beside 4 CPU-bound processes went from 2.3 ms to 26 µs per 8 B all_reduce.
 pub(crate) const PACE_MAX_HALVINGS: u32 = 6;
+/// A thread paced down after a yield that handed its core to another task stays so for this long,
+/// however quick its waits meanwhile: on a loaded machine (2 cores, 7-8 runnable tasks) every wait at
+/// the full budget may lose a time slice in its yields, and a paced-down thread, which neither spins
+/// long nor yields, sees no sign of the load (a 2-rank thread world's 64 KiB all_reduce, one rank 3 ms
+/// late each step, took 240-510 µs a call at load 7-8 without the hold, 16-47 µs with it). A
+/// preemption during the spin alone does not hold: at moderate load it is frequent, and there the
+/// full budget pays (holding after every lost core, shm all_reduce 64 KiB went from 11.5 to about 20 µs
+/// at load 5.6).
+pub(crate) const PACE_HOLD: Duration = Duration::from_millis(50);
+/// A waiting thread lost its core when a batch of 64 polls, or one `sched_yield`, took longer than
+/// this: each takes under 1 µs on a core of its own (0.55 µs median, a few 20-35 µs interrupts per
+/// second); any longer and another task ran there. A merely late peer (a skewed step on another core)
+/// leaves no such gap. Below a futex wake-up (50-90 µs), the cost the pacing saves.
+pub(crate) const STALL: Duration = Duration::from_micros(50);
 /// Then sleep in slices this long; between slices the slow checks run (liveness, Ctrl-C).
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 /// A rank leaving the world (its `spawn` function returned) waits at most this long for what it queued

@@ -5,9 +5,11 @@
 //! would hand this core to whatever else runs here, a CPU-bound neighbour, for its whole time slice);
 //! then yield (long when every rank has a core, short when a yielding rank would
 //! compete with the ones it waits for), then sleep on a futex in slices. Spinning is paced per thread
-//! ([`Pace`]): after a wait that outlasted its spin, the next ones spin a few polls and sleep, until
-//! waits caught within their short spin bring the full budget back. Each slice checks the deadline and
-//! the caller's slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
+//! ([`Pace`]): after a wait in which the thread lost its core (a long gap between its polls, or a long
+//! yield), the next ones spin a few polls and sleep, until waits caught within their short spin bring
+//! the full budget back (after a long yield, not before [`PACE_HOLD`]). A wait that only outlasted its
+//! spin (a peer late on another core) changes nothing. Each slice checks the deadline and the caller's
+//! slow checks (peer liveness, pending Python signals); the cheap abort check runs on every
 //! poll. The waker bumps the event word and issues a futex wake only when someone sleeps, so the fast path
 //! writes no shared word and makes no system call; a wait that ends within its first polls reads no
 //! clock.
@@ -21,8 +23,8 @@ use std::time::{Duration, Instant};
 use rustix::thread::{self, futex};
 
 use crate::config::{
-    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_MAX_HALVINGS, SLICE, SPIN_APART,
-    YIELD_OVERSUBSCRIBED,
+    move_allowed_by_env, wait_budgets, MAX_TIMEOUT, MOVE_EVERY, PACE_HOLD, PACE_MAX_HALVINGS, SLICE,
+    SPIN_APART, STALL, YIELD_OVERSUBSCRIBED,
 };
 use crate::error::{Error, Result};
 
@@ -177,16 +179,18 @@ impl Wait<'_> {
     ) -> std::result::Result<(), Stop> {
         let (spin, yields) = wait_budgets();
         if !self.spin {
-            return self.sleep(Instant::now(), yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow);
+            return self
+                .sleep(Instant::now(), yields.min(YIELD_OVERSUBSCRIBED), ready, quick, slow)
+                .map(drop);
         }
         // `AXONML_WAIT_SPIN_US=0` turns all spinning off, the longer spin and the probe too.
         if spin.is_zero() {
-            return self.sleep(Instant::now(), yields, ready, quick, slow);
+            return self.sleep(Instant::now(), yields, ready, quick, slow).map(drop);
         }
-        // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (its
-        // recent waits outlasted the spin) spins a fraction and goes to sleep, which on a loaded
-        // machine hands the core to the ranks it waits for at once. The first batch of polls always
-        // runs: it is how a paced-down thread sees its peers keep up again.
+        // A calm thread spins its full budget, on while `apart`, then yields; a paced-down one (a recent
+        // wait found this core contended) spins a fraction and goes to sleep, which on a loaded machine
+        // hands the core to the ranks it waits for at once. The first batch of polls always runs: it is
+        // how a paced-down thread sees its peers keep up again.
         let pace = Pace::get();
         let (short, yields) = if pace.calm() { (spin, yields) } else { (pace.scale(spin), Duration::ZERO) };
         let long = if pace.calm() { SPIN_APART.max(spin) } else { Duration::ZERO };
@@ -194,38 +198,48 @@ impl Wait<'_> {
         // busy job end within it. A paced-down one counts its short spin (maybe under one batch) from
         // the start.
         let mut started = (!pace.calm()).then(Instant::now);
+        // The longest this thread went between two batches of polls (from the first clock read): how
+        // long it lost its core.
+        let mut gap = Duration::ZERO;
+        let mut last = started;
         let mut first = true;
         let start = loop {
             for _ in 0..64 {
                 if ready() {
-                    // Caught after the short spin, in the longer one: the ranks waited for run on other
-                    // cores, busy, so this says nothing of the machine.
-                    if first || started.is_some_and(|s| s.elapsed() <= short) {
-                        pace.record(Outcome::Quick);
-                    }
+                    // The first batch reads no clock: the fast path.
+                    let within = first || {
+                        let now = Instant::now();
+                        gap = gap.max(last.map_or(Duration::ZERO, |l| now - l));
+                        started.is_some_and(|s| now - s <= short)
+                    };
+                    pace.record(Outcome::of(within, gap, Duration::ZERO));
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
             first = false;
             quick().map_err(Stop::Failed)?;
-            let start = *started.get_or_insert_with(Instant::now);
-            let t = start.elapsed();
-            if t >= short && !(t < long && apart()) {
-                break start;
+            let now = Instant::now();
+            let start = *started.get_or_insert(now);
+            gap = gap.max(last.map_or(Duration::ZERO, |l| now - l));
+            last = Some(now);
+            let t = now - start;
+            if t >= short {
+                if !(t < long && apart()) {
+                    break start;
+                }
+                // `apart` may move this thread to another core: its own work, not a lost core.
+                last = Some(Instant::now());
             }
         };
-        // Anything later means the ranks waited for were not running while this thread spun
-        // (descheduled, or waiting for a wake-up or a lock such as the GIL).
-        let ended = self.sleep(start, yields, ready, quick, slow);
-        if ended.is_ok() {
-            pace.record(Outcome::Slow);
-        }
-        ended
+        let longest_yield = self.sleep(start, yields, ready, quick, slow)?;
+        pace.record(Outcome::of(false, gap, longest_yield));
+        Ok(())
     }
 
     /// The rest of a wait after its spin: yield until `yields` after `start`, then sleep on the event
-    /// in slices, until the timeout after `start`.
+    /// in slices, until the timeout after `start`. Returns the longest yield (another task had this
+    /// core meanwhile).
     fn sleep(
         &self,
         start: Instant,
@@ -233,16 +247,21 @@ impl Wait<'_> {
         mut ready: impl FnMut() -> bool,
         mut quick: impl FnMut() -> Result<()>,
         mut slow: impl FnMut() -> Result<()>,
-    ) -> std::result::Result<(), Stop> {
+    ) -> std::result::Result<Duration, Stop> {
         let deadline = start + self.timeout;
         // Yields check only the cheap abort flag; a deadline inside the budget still ends them.
         let yield_end = (start + yields).min(deadline);
-        while Instant::now() < yield_end {
+        let mut longest = Duration::ZERO;
+        let mut last = Instant::now();
+        while last < yield_end {
             if ready() {
-                return Ok(());
+                return Ok(longest);
             }
             quick().map_err(Stop::Failed)?;
             std::thread::yield_now();
+            let now = Instant::now();
+            longest = longest.max(now - last);
+            last = now;
         }
         // The slow checks (a syscall, or taking the GIL for signals) run once per slice, not on every
         // wake-up: with many ranks every counter bump wakes every sleeper.
@@ -250,7 +269,7 @@ impl Wait<'_> {
         loop {
             let seen = self.event.seq.load(SeqCst);
             if ready() {
-                return Ok(());
+                return Ok(longest);
             }
             quick().map_err(Stop::Failed)?;
             let now = Instant::now();
@@ -280,22 +299,51 @@ impl Wait<'_> {
 }
 
 /// How a thread's recent spinning waits went, which sets how long its next one busy-waits: the number
-/// of halvings of its spin budget (0: calm, the full budgets). A quick wait takes one back; a wait that
-/// outlasted its spins goes all the way down at once (it may have cost a time slice), so a thread
-/// comes back to the full budget only after several quick waits in a row.
-#[derive(Clone, Copy)]
-struct Pace(u32);
-
-/// How a spinning wait that ended well went, for its thread's [`Pace`].
-enum Outcome {
-    /// Within the short spin.
-    Quick,
-    /// After the spins, in the yields or asleep.
-    Slow,
+/// of halvings of its spin budget (0: calm, the full budgets), and until when a long yield holds them.
+/// A wait during which the thread lost its core goes all the way down at once (spinning there may have
+/// cost a time slice); each quick wait takes one halving back, once the hold is over.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pace {
+    halvings: u32,
+    held_until: Option<Instant>,
 }
 
+/// How a spinning wait that ended well went, for its thread's [`Pace`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outcome {
+    /// Within the short spin, the thread keeping its core.
+    Quick,
+    /// After the short spin, the thread keeping its core: the ranks waited for were late (busy
+    /// elsewhere, or computing a skewed step), which says nothing of this core.
+    Late,
+    /// The thread lost its core for longer than [`STALL`] between two batches of polls (preempted):
+    /// the core is contended, and spinning there takes time from whatever else must run.
+    Preempted,
+    /// A yield handed the core to another task for longer than [`STALL`]: the core has other work
+    /// ready to run, so every yield there may cost a whole time slice.
+    Crowded,
+}
+
+impl Outcome {
+    /// A wait caught `within` its short spin or not, in which the thread went at most `gap` between
+    /// two batches of polls and at most `yielded` in one yield.
+    fn of(within: bool, gap: Duration, yielded: Duration) -> Outcome {
+        if yielded > STALL {
+            Outcome::Crowded
+        } else if gap > STALL {
+            Outcome::Preempted
+        } else if within {
+            Outcome::Quick
+        } else {
+            Outcome::Late
+        }
+    }
+}
+
+const CALM: Pace = Pace { halvings: 0, held_until: None };
+
 thread_local! {
-    static PACE: Cell<Pace> = const { Cell::new(Pace(0)) };
+    static PACE: Cell<Pace> = const { Cell::new(CALM) };
 }
 
 impl Pace {
@@ -304,21 +352,31 @@ impl Pace {
     }
 
     fn calm(self) -> bool {
-        self.0 == 0
+        self.halvings == 0
     }
 
     fn scale(self, budget: Duration) -> Duration {
-        budget / (1u32 << self.0)
+        budget / (1u32 << self.halvings)
+    }
+
+    /// The pace after a wait that went as `outcome`, `now` read only when it matters.
+    fn after(self, outcome: Outcome, now: impl Fn() -> Instant) -> Pace {
+        match outcome {
+            // The calm fast path reads no clock.
+            Outcome::Quick if self.calm() => self,
+            Outcome::Quick if self.held_until.is_some_and(|t| now() < t) => self,
+            Outcome::Quick => Pace { halvings: self.halvings - 1, held_until: None },
+            Outcome::Late => self,
+            Outcome::Preempted => Pace { halvings: PACE_MAX_HALVINGS, ..self },
+            Outcome::Crowded => Pace { halvings: PACE_MAX_HALVINGS, held_until: Some(now() + PACE_HOLD) },
+        }
     }
 
     fn record(self, outcome: Outcome) {
-        let halvings = match outcome {
-            Outcome::Quick => self.0.saturating_sub(1),
-            Outcome::Slow => PACE_MAX_HALVINGS,
-        };
+        let next = self.after(outcome, Instant::now);
         // The calm fast path writes nothing.
-        if halvings != self.0 {
-            PACE.set(Pace(halvings));
+        if next != self {
+            PACE.set(next);
         }
     }
 }
@@ -363,54 +421,6 @@ mod tests {
         .unwrap();
     }
 
-    /// Waits on a fresh thread, each ready only once the waiter sleeps (a peer that never runs
-    /// while it spins), and returns how many times each polled its condition before that.
-    fn polls_of_waits_that_sleep(waits: usize) -> Vec<usize> {
-        let (event, go, returned) = (Event::default(), AtomicU32::new(0), AtomicU32::new(0));
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                (1..=waits as u32)
-                    .map(|k| {
-                        let mut polls = 0;
-                        let w = Wait {
-                            event: &event,
-                            shared: false,
-                            spin: true,
-                            timeout: Duration::from_secs(60),
-                            op: &"test",
-                        };
-                        let ready = || {
-                            // Only the polls before the wait announced its sleep: asleep, it re-checks
-                            // at each wake-up, as often as a loaded machine keeps the releasing thread
-                            // from running.
-                            if event.sleepers.load(SeqCst) == 0 {
-                                polls += 1;
-                            }
-                            go.load(SeqCst) >= k
-                        };
-                        assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
-                        returned.store(k, SeqCst);
-                        polls
-                    })
-                    .collect()
-            });
-            for k in 1..=waits as u32 {
-                // Released only once asleep: `sleepers` is raised just before the futex wait.
-                while event.sleepers.load(SeqCst) == 0 {
-                    std::thread::yield_now();
-                }
-                go.store(k, SeqCst);
-                event.notify(false);
-                // Not until `sleepers` is 0 again: by then the waiter may sleep in its next wait, and
-                // this thread would have to catch the instants between its slices.
-                while returned.load(SeqCst) < k {
-                    std::thread::yield_now();
-                }
-            }
-            waiter.join().unwrap()
-        })
-    }
-
     #[test]
     fn a_notify_writes_the_event_only_when_someone_sleeps() {
         let event = Event::default();
@@ -421,27 +431,190 @@ mod tests {
         assert_eq!(event.seq.load(SeqCst), 1, "a sleeper's futex word moved on");
     }
 
+    /// A wait for `go >= k` with the test defaults: spinning allowed, no checks, a minute to go.
+    fn wait_for(event: &Event, go: &AtomicU32, k: u32, mut polled: impl FnMut()) {
+        let w = Wait { event, shared: false, spin: true, timeout: Duration::from_secs(60), op: &"test" };
+        let ready = || {
+            polled();
+            go.load(SeqCst) >= k
+        };
+        assert!(w.until(ready, || Ok(()), || Ok(())).is_ok());
+    }
+
+    /// Pins the calling thread to `core`; false when the kernel refuses (a sandbox, a cpuset).
+    fn pin(core: usize) -> bool {
+        let mut one = CpuSet::new();
+        one.set(core);
+        thread::sched_setaffinity(None, &one).is_ok()
+    }
+
+    /// The calling thread's involuntary context switches so far: a preemption, or a yield that handed
+    /// the core to another task.
+    fn involuntary_switches() -> i64 {
+        // SAFETY: getrusage writes the struct it is given.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) }, 0);
+        usage.ru_nivcsw
+    }
+
+    /// Waits on a fresh thread pinned to one core beside a releasing thread pinned there too, which
+    /// releases each wait only after running busy on that core for a millisecond once the wait is past
+    /// its first batch of polls (so the waiter lost its core meanwhile); how many times each wait
+    /// polled its condition. None when threads cannot be pinned.
+    fn polls_of_waits_on_a_shared_core(waits: u32) -> Option<Vec<usize>> {
+        let allowed = thread::sched_getaffinity(None).ok()?;
+        let core = (0..CpuSet::MAX_CPU).find(|&c| allowed.is_set(c))?;
+        let (event, go, entered, polls) =
+            (Event::default(), AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0));
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                if !pin(core) {
+                    entered.store(u32::MAX, SeqCst);
+                    return None;
+                }
+                let polls_of = |k| {
+                    polls.store(0, SeqCst);
+                    entered.store(k, SeqCst);
+                    wait_for(&event, &go, k, || {
+                        polls.fetch_add(1, SeqCst);
+                    });
+                    polls.load(SeqCst) as usize
+                };
+                Some((1..=waits).map(polls_of).collect())
+            });
+            if pin(core) {
+                for k in 1..=waits {
+                    while !(entered.load(SeqCst) == k && polls.load(SeqCst) > 64) {
+                        if entered.load(SeqCst) == u32::MAX {
+                            break;
+                        }
+                        std::thread::yield_now();
+                    }
+                    let busy = Instant::now();
+                    while busy.elapsed() < Duration::from_millis(1) {
+                        std::hint::spin_loop();
+                    }
+                    go.store(k, SeqCst);
+                    event.notify(false);
+                }
+            } else {
+                go.store(waits, SeqCst);
+                event.notify(false);
+            }
+            waiter.join().unwrap()
+        })
+    }
+
     #[test]
-    fn a_thread_whose_wait_slept_polls_briefly_before_sleeping_again() {
-        let polls = polls_of_waits_that_sleep(3);
-        // The first spins its full budget and yields (thousands of polls); the later ones, paced down
-        // after it, run a probe of a few batches of 64 and sleep.
+    fn a_thread_whose_wait_lost_its_core_polls_briefly_before_sleeping_again() {
+        let Some(polls) = polls_of_waits_on_a_shared_core(3) else {
+            eprintln!("skipped: the kernel refused to pin a thread to a core");
+            return;
+        };
+        // The first spins its full budget and yields, handing the core to the busy releaser; the later
+        // ones, paced down after it, run a probe of a batch or two of 64 polls and sleep (thousands of
+        // polls at the full budget).
         assert!(polls[1..].iter().all(|&p| p < 1000), "{polls:?}");
     }
 
     #[test]
+    fn a_peer_late_on_another_core_leaves_the_waiting_thread_calm() {
+        let allowed = thread::sched_getaffinity(None).unwrap();
+        let mut cores = (0..CpuSet::MAX_CPU).filter(|&c| allowed.is_set(c));
+        let (Some(mine), Some(theirs)) = (cores.next(), cores.next()) else {
+            eprintln!("skipped: a single core, so no peer can run on another one");
+            return;
+        };
+        // Each attempt on a fresh (calm) thread: a wait released by a peer on another core that sleeps
+        // past the wait's spin, so it ends in the yields. Only attempts whose waiter never lost its
+        // core count (a busy machine takes it in most); of those, one staying calm shows a late peer
+        // alone does not pace the thread down (before the fix, every one of them did).
+        let attempts: Vec<(bool, bool)> = (0..40)
+            .map(|_| {
+                let (event, go, entered) = (Event::default(), AtomicU32::new(0), AtomicU32::new(0));
+                std::thread::scope(|s| {
+                    let waiter = s.spawn(|| {
+                        let pinned = pin(mine);
+                        // Read before the peer may start: a preemption that delays the wait counts.
+                        let before = involuntary_switches();
+                        entered.store(1, SeqCst);
+                        if !pinned {
+                            return None;
+                        }
+                        wait_for(&event, &go, 1, || ());
+                        Some((involuntary_switches() == before, Pace::get().calm()))
+                    });
+                    s.spawn(|| {
+                        pin(theirs);
+                        // Late from the waiter's start: released after its spin.
+                        while entered.load(SeqCst) == 0 {
+                            std::thread::yield_now();
+                        }
+                        std::thread::sleep(Duration::from_micros(500));
+                        go.store(1, SeqCst);
+                        event.notify(false);
+                    });
+                    waiter.join().unwrap()
+                })
+            })
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let undisturbed: Vec<bool> = attempts.iter().filter(|a| a.0).map(|a| a.1).collect();
+        if undisturbed.is_empty() {
+            eprintln!("skipped: no waiter kept its core (a busy machine, or pinning refused): {attempts:?}");
+            return;
+        }
+        assert!(undisturbed.contains(&true), "{attempts:?}");
+    }
+
+    #[test]
+    fn a_wait_paces_its_thread_down_only_when_it_lost_its_core() {
+        let (no, lost) = (Duration::ZERO, STALL + Duration::from_micros(1));
+        assert_eq!(Outcome::of(true, no, no), Outcome::Quick);
+        assert_eq!(Outcome::of(true, STALL, STALL), Outcome::Quick);
+        assert_eq!(Outcome::of(false, STALL, STALL), Outcome::Late);
+        assert_eq!(Outcome::of(false, no, no), Outcome::Late);
+        assert_eq!(Outcome::of(true, lost, no), Outcome::Preempted);
+        assert_eq!(Outcome::of(false, lost, no), Outcome::Preempted);
+        assert_eq!(Outcome::of(false, no, lost), Outcome::Crowded);
+        assert_eq!(Outcome::of(false, lost, lost), Outcome::Crowded);
+        // A late wait leaves a calm thread calm and a paced one as paced as it was.
+        let t = Instant::now();
+        assert_eq!(CALM.after(Outcome::Late, || t), CALM);
+        for lost in [Outcome::Preempted, Outcome::Crowded] {
+            let paced = CALM.after(lost, || t);
+            assert_eq!(paced.halvings, PACE_MAX_HALVINGS);
+            assert_eq!(paced.after(Outcome::Late, || t + PACE_HOLD), paced);
+        }
+    }
+
+    #[test]
     fn quick_waits_bring_a_paced_thread_back_to_its_full_budget() {
-        std::thread::spawn(|| {
-            Pace(0).record(Outcome::Slow);
-            assert_eq!(Pace::get().0, PACE_MAX_HALVINGS);
-            assert_eq!(Pace::get().scale(Duration::from_micros(64)), Duration::from_micros(1));
+        let t = Instant::now();
+        let back = |mut pace: Pace, now: Instant| {
             for _ in 0..PACE_MAX_HALVINGS {
-                assert!(!Pace::get().calm());
-                Pace::get().record(Outcome::Quick);
+                assert!(!pace.calm());
+                pace = pace.after(Outcome::Quick, || now);
             }
-            assert!(Pace::get().calm());
-            Pace::get().record(Outcome::Quick);
-            assert!(Pace::get().calm());
+            assert!(pace.calm());
+            assert_eq!(pace.after(Outcome::Quick, || now), CALM);
+        };
+        // Preempted: at once.
+        let pace = CALM.after(Outcome::Preempted, || t);
+        assert_eq!(pace.scale(Duration::from_micros(64)), Duration::from_micros(1));
+        back(pace, t);
+        // After a long yield, quick waits change nothing until the hold is over; another long yield
+        // renews it, a preemption does not end it.
+        let mut pace = CALM.after(Outcome::Crowded, || t);
+        assert_eq!(pace.after(Outcome::Quick, || t + PACE_HOLD / 2), pace);
+        pace = pace.after(Outcome::Crowded, || t + PACE_HOLD / 2);
+        pace = pace.after(Outcome::Preempted, || t + PACE_HOLD);
+        assert_eq!(pace.after(Outcome::Quick, || t + PACE_HOLD), pace);
+        back(pace, t + 2 * PACE_HOLD);
+        // The thread's own pace is what its waits recorded.
+        std::thread::spawn(|| {
+            Pace::get().record(Outcome::Preempted);
+            assert_eq!(Pace::get().halvings, PACE_MAX_HALVINGS);
         })
         .join()
         .unwrap();
