@@ -131,25 +131,15 @@ struct Pending {
     jobs: VecDeque<Job>,
     /// The lane is gone: the worker runs what is left and ends.
     closed: bool,
-    /// The worker thread ended (a job unwound, which jobs must not): the next job starts another.
-    dead: bool,
 }
 
 impl Queue {
     fn start() -> Queue {
-        Queue { inbox: Inbox::serve(VecDeque::new()), last: Work::default() }
+        Queue { inbox: Inbox::serve(), last: Work::default() }
     }
 
     fn push(&mut self, job: Job) {
-        let mut pending = lock(&self.inbox.state);
-        if pending.dead {
-            let jobs = std::mem::take(&mut pending.jobs);
-            drop(pending);
-            self.inbox = Inbox::serve(jobs);
-            pending = lock(&self.inbox.state);
-        }
-        pending.jobs.push_back(job);
-        drop(pending);
+        lock(&self.inbox.state).jobs.push_back(job);
         self.inbox.ready.notify_one();
     }
 }
@@ -162,12 +152,9 @@ impl Drop for Queue {
 }
 
 impl Inbox {
-    /// A new inbox holding `jobs`, and its worker thread.
-    fn serve(jobs: VecDeque<Job>) -> Arc<Inbox> {
-        let inbox = Arc::new(Inbox {
-            state: Mutex::new(Pending { jobs, ..Pending::default() }),
-            ready: Condvar::new(),
-        });
+    /// A new inbox, and its worker thread.
+    fn serve() -> Arc<Inbox> {
+        let inbox = Arc::new(Inbox { state: Mutex::default(), ready: Condvar::new() });
         let serving = inbox.clone();
         std::thread::Builder::new()
             .name("axonml-work".into())
@@ -176,15 +163,10 @@ impl Inbox {
         inbox
     }
 
-    /// The worker thread's loop: the jobs in order, until the lane is gone and none is left.
+    /// The worker thread's loop: the jobs in order, until the lane is gone and none is left. Jobs do
+    /// not unwind: the one caller, [`crate::ProcessGroup::submit`], catches a panic (it fails the
+    /// job's `Work` and aborts the world).
     fn run(&self) {
-        struct Ended<'a>(&'a Inbox);
-        impl Drop for Ended<'_> {
-            fn drop(&mut self) {
-                lock(&self.0.state).dead = true;
-            }
-        }
-        let _ended = Ended(self);
         loop {
             let job = {
                 let mut pending = lock(&self.state);
@@ -296,36 +278,9 @@ impl Lanes {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc::channel;
     use std::time::Duration;
 
     use super::*;
-
-    /// A job that unwinds ends its worker thread (jobs must not; `ProcessGroup::submit` catches
-    /// panics): the jobs queued behind it, and later ones, still run, in order, on another thread.
-    #[test]
-    fn jobs_behind_one_that_unwinds_still_run_in_order() {
-        let lanes = Lanes::default();
-        let (hold, held) = channel::<()>();
-        let ran = Arc::new(Mutex::new(vec![]));
-        let push = |ran: &Arc<Mutex<Vec<i32>>>, i| {
-            lock(ran).push(i);
-            Ok(())
-        };
-        let (r1, r2) = (ran.clone(), ran.clone());
-        let first = lanes.submit(Lane::Collectives, move || {
-            held.recv().ok();
-            panic!("a job that unwinds")
-        });
-        let queued = lanes.submit(Lane::Collectives, move || push(&r1, 1));
-        hold.send(()).unwrap();
-        while !lock(&lanes.own.queues)[&Lane::Collectives].inbox.state.lock().unwrap().dead {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let later = lanes.submit(Lane::Collectives, move || push(&r2, 2));
-        assert!(later.wait().is_ok() && queued.is_completed() && !first.is_completed());
-        assert_eq!(*lock(&ran), [1, 2]);
-    }
 
     /// Every job runs once, in issue order, whether the worker sleeps between them or not.
     #[test]
