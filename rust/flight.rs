@@ -516,16 +516,31 @@ fn add(counter: &AtomicU64, by: u64) {
 /// until a later one takes it.
 #[derive(Default)]
 struct Shared {
+    /// Grown as calls come (most groups never send nor receive), up to `capacity`, then reused.
     slots: Vec<Option<Entry>>,
+    capacity: usize,
     next: u64,
 }
 
 impl Shared {
+    /// Record call `id` (the next one).
+    fn put(&mut self, id: u64, entry: Entry) {
+        if self.slots.len() < self.capacity {
+            self.slots.push(Some(entry)); // at index `id`: every call before it has its slot
+        } else if let Some(slot) = self.index(id).and_then(|i| self.slots.get_mut(i)) {
+            *slot = Some(entry);
+        }
+    }
+
     /// The entry of this ring's call `id`, if still there.
     fn get(&mut self, id: u64, record_id: u64) -> Option<&mut Entry> {
-        let len = u64::try_from(self.slots.len()).ok().filter(|&n| n > 0)?;
-        let slot = self.slots.get_mut(usize::try_from(id % len).ok()?)?;
+        let slot = self.index(id).and_then(|i| self.slots.get_mut(i))?;
         slot.as_mut().filter(|e| e.record_id == record_id)
+    }
+
+    fn index(&self, id: u64) -> Option<usize> {
+        let len = u64::try_from(self.capacity).ok().filter(|&n| n > 0)?;
+        usize::try_from(id % len).ok()
     }
 }
 
@@ -647,7 +662,7 @@ impl Recorder {
         let ring = (0..len).map(|_| Slot::default()).collect();
         let stacks_len = if config::flight_recorder_stacks() { len } else { 0 };
         let stacks = (0..stacks_len).map(|_| Mutex::default()).collect();
-        let shared = Mutex::new(Shared { slots: vec![None; len], next: 0 });
+        let shared = Mutex::new(Shared { slots: Vec::new(), capacity: len, next: 0 });
         let recorder = Arc::new(Recorder {
             rank,
             world_size,
@@ -747,12 +762,7 @@ impl Recorder {
             let mut shared = lock(&self.shared);
             let id = shared.next;
             shared.next += 1;
-            let len = shared.slots.len() as u64;
-            if let Some(slot) =
-                usize::try_from(id.checked_rem(len).unwrap_or(0)).ok().and_then(|i| shared.slots.get_mut(i))
-            {
-                *slot = Some(entry);
-            }
+            shared.put(id, entry);
             id
         };
         add(&self.totals[call.kind_index()].calls, 1);
