@@ -1,6 +1,6 @@
 """The records of calls that Python drives or maps, in one process: `_core.FlightRecorder` (the MPI group's
 and gloo's recorder) given what the core does not know or cannot hold, gloo's sends and receives ended by
-their own `wait()` (`trace.gloo_calls`), and a torch job's records given the job's ranks
+their own `wait()` (`torch.gloo_calls`), and a torch job's records given the job's ranks
 (`trace.record.to_job_ranks`), checked against the calls made here."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class _GlooP2p:
 
 
 def test_gloo_s_sends_and_receives_end_when_waited_for_with_their_sender() -> None:
-    from axonml_distributed.trace import gloo_calls
+    from axonml_distributed.torch import gloo_calls
 
     calls = gloo_calls.GlooCalls(0, 8, [0, 5, 6], None)
     t = torch.ones(3)
@@ -160,7 +160,7 @@ def _hosts_records() -> list[tuple[int, list[int], list[str]]]:
 def test_a_job_s_gloo_records_go_with_its_group_and_a_later_job_s_groups_are_its_own() -> None:
     """As a torch job over hosts makes them (`torch.hosts.HostsProcessGroup`): the world's group, then a
     subgroup; `destroy_process_group` lets go of both; a second init in the process does the same."""
-    from axonml_distributed.trace.gloo_calls import GlooCalls
+    from axonml_distributed.torch.gloo_calls import GlooCalls
 
     def job(kind: str) -> tuple[GlooCalls, GlooCalls]:
         world, sub = GlooCalls(1, 4, [0, 1, 2, 3], None), GlooCalls(1, 4, [1, 3], None)

@@ -343,7 +343,7 @@ def _group(dump: dict[str, Any], ranks: str) -> str:
 
 @pytest.mark.timeout(240)  # the first of the tests below runs the job
 def test_gloo_s_calls_across_hosts_are_in_each_rank_s_record(groups_run: GroupsRun) -> None:
-    """The calls gloo carries across hosts in the flight recorder (`trace.gloo_calls`, recorded by
+    """The calls gloo carries across hosts in the flight recorder (`torch.gloo_calls`, recorded by
     `torch.hosts.HostsProcessGroup`): each rank's record, beside calls inside each host and on a group of
     one rank, checked against the calls it made; and what is left of it after `destroy_process_group` and
     a second init in the same process."""

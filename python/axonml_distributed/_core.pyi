@@ -135,15 +135,15 @@ class FlightRecorder:
         dtype: int | str | None,
         count: int,
         root: int | None = None,
-        op: int | str | None = None,
+        op: ReduceOp | int | str | None = None,
         prescale: float = 1.0,
         postscale: float = 1.0,
     ) -> FlightCall:
         """Record collective `kind` number `seq` (alike on every member) as scheduled now: `count`
         elements of `dtype` (a code, or a name such as "float32" or "torch.float32"; one the core does not
-        know is recorded as none) each member's part, `root` a global rank, `op` a code (negative: none)
-        or name. This member's input and output elements follow from the kind and the group (ValueError
-        when they overflow)."""
+        know is recorded as none) each member's part, `root` a global rank, `op` a ReduceOp, a code
+        (negative: none) or name. This member's input and output elements follow from the kind and the
+        group (ValueError when they overflow)."""
 
     def p2p(self, send: bool, peer: int | None, tag: int, dtype: int | str, count: int) -> FlightCall:
         """Record a send (`send`) or receive of `count` x `dtype` (as `collective` takes it) with global

@@ -62,13 +62,13 @@ from axonml_distributed.hosts.addresses import AddressBook, local_addresses
 from axonml_distributed.hosts.host_group import HostGroup
 from axonml_distributed.hosts.layout import ITEM_BYTES, AllGather, HostLayout
 from axonml_distributed.hosts.two_level import DEFAULT_FLAT_BELOW, DEFAULT_SEGMENT_BYTES, TwoLevelAllReduce
+from axonml_distributed.torch.gloo_calls import GlooCalls
 from axonml_distributed.torch.group import AxonmlProcessGroup, OrderedProcessGroup
 from axonml_distributed.torch.hosts_signature import Signature, all_reduce_row, forwarded, tensors_in
 from axonml_distributed.torch.named import NamedGroup
 from axonml_distributed.torch.rank_order import RankOrder
 from axonml_distributed.torch.rendezvous import join_world
 from axonml_distributed.torch.work import Completer, Work
-from axonml_distributed.trace.gloo_calls import GlooCalls
 
 # Ops both levels carry (AVG as SUM and one division, PREMUL_SUM as a scaling and SUM); gloo has no
 # AVG or PREMUL_SUM of its own, so a flat call does the same around gloo's SUM.

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axonml_distributed._core import FlightCall, FlightRecorder
+from axonml_distributed._core import FlightCall, FlightRecorder, ReduceOp
+from axonml_distributed.torch.group import _op
 
 ROUTE = "gloo"
 
@@ -47,18 +48,6 @@ _KINDS = {
     "alltoall_base": "all_to_all_single",
     "all_to_all_single": "all_to_all_single",
 }
-# torch's reduce ops -> ours (PREMUL_SUM: a scaling, then SUM).
-_OPS = {
-    "SUM": "SUM",
-    "AVG": "AVERAGE",
-    "PREMUL_SUM": "SUM",
-    "PRODUCT": "PRODUCT",
-    "MIN": "MIN",
-    "MAX": "MAX",
-    "BAND": "BAND",
-    "BOR": "BOR",
-    "BXOR": "BXOR",
-}
 
 # The recording of the last group made over every rank of the job: the job's, whose naming the other
 # groups share. Held weakly, so its records go with its group (`destroy_process_group`), as a native
@@ -66,10 +55,13 @@ _OPS = {
 _world: weakref.ref[GlooCalls] | None = None
 
 
-def op_name(op: Any) -> str | None:
-    """Our name of torch's reduce op `op` (a ReduceOp or its RedOpType), if any."""
-    kind = op.op if hasattr(op, "op") else op
-    return _OPS.get(getattr(kind, "name", ""))
+def _ours(op: Any) -> tuple[ReduceOp | None, float]:
+    """Our op for torch's reduce op `op` (a ReduceOp or its RedOpType; None: none of ours) and the
+    factor each input is scaled by first (PREMUL_SUM's), as the backend translates it."""
+    try:
+        return _op(op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op))
+    except ValueError:
+        return None, 1.0
 
 
 class GlooCalls:
@@ -96,16 +88,15 @@ class GlooCalls:
         count: int,
         root: int | None = None,
         op: Any = None,
-        prescale: float = 1.0,
     ) -> FlightCall:
         """Record collective `kind` of the group on `tensors` (its part `count` elements, `root` a group
-        rank), started (gloo has every member's data from here on)."""
+        rank, `op` torch's reduce op), started (gloo has every member's data from here on)."""
         self._seq += 1
         dtype = str(tensors[0].dtype) if tensors else None
         root = None if root is None or root < 0 else self._ranks[root]
-        name = op_name(op) if op is not None else None
+        ours, prescale = _ours(op) if op is not None else (None, 1.0)
         flight = self._flight.collective(
-            kind, self._seq, dtype, max(count, 0), root=root, op=name, prescale=prescale
+            kind, self._seq, dtype, max(count, 0), root=root, op=ours, prescale=prescale
         )
         flight.started()
         return flight
@@ -135,7 +126,7 @@ class GlooCalls:
         assert self._cross is not None
         self._cross_seq += 1
         flight = self._cross.collective(
-            "all_reduce", self._cross_seq, str(shard.dtype), shard.numel(), op=op_name(op)
+            "all_reduce", self._cross_seq, str(shard.dtype), shard.numel(), op=_ours(op)[0]
         )
         flight.started()
         return flight
