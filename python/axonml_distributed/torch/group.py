@@ -122,15 +122,23 @@ def _unstage(outputs: Sequence[torch.Tensor], flat: torch.Tensor, counts: list[i
 _DENSE_FORMATS = (torch.channels_last, torch.channels_last_3d)
 
 
+def any_strided(*tensors: torch.Tensor) -> bool:
+    """Whether any of `tensors` is contiguous in no memory format (channels last too): what c10d's check
+    of all_to_all_single's tensors refuses (`_refuse_strided`)."""
+    return any(
+        not t.is_contiguous() and not any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS)
+        for t in tensors
+    )
+
+
 def _refuse_strided(*tensors: torch.Tensor) -> None:
     """c10d's check of all_to_all_single's tensors (gloo's and nccl's ValueError, which torch's tests
-    expect): each contiguous in some memory format (channels last too)."""
-    for t in tensors:
-        if not t.is_contiguous() and not any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS):
-            raise ValueError(
-                "Tensors must be contiguous: all_to_all_single takes no strided view (as gloo and nccl); "
-                "pass .contiguous() of it"
-            )
+    expect)."""
+    if any_strided(*tensors):
+        raise ValueError(
+            "Tensors must be contiguous: all_to_all_single takes no strided view (as gloo and nccl); "
+            "pass .contiguous() of it"
+        )
 
 
 def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:

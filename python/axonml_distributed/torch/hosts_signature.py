@@ -13,7 +13,7 @@ whose own buffers do not fit its call (an output of the wrong size, a root's lis
 rank of the input's size: where gloo would fail on that rank alone and leave the others waiting) says
 so in its row, so every rank refuses the call. A strided tensor given to all_to_all_single (gloo refuses a
 strided input on that rank alone and writes a strided output wrongly) is said so too: every rank raises
-ValueError, as one host does (`torch.group._refuse_strided`).
+ValueError, as one host does (`torch.group.any_strided`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from axonml_distributed.exceptions import CollectiveMismatchError
-from axonml_distributed.torch.group import _refuse_strided
+from axonml_distributed.torch.group import any_strided
 
 # Dtypes and ops by their place here (-1: another).
 _DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -163,12 +163,8 @@ def _alltoall_base(
 
     sends, send_ok = splits(input, in_splits)
     receives, receive_ok = splits(output, out_splits)
-    try:
-        _refuse_strided(input, output)  # one host's check, whose ValueError every rank raises (`check`)
-        strided = False
-    except ValueError:
-        strided = True
-    return Call([], send_ok and receive_ok, (sends, receives), strided)
+    # One host's check, whose ValueError every rank then raises (`check`).
+    return Call([], send_ok and receive_ok, (sends, receives), any_strided(input, output))
 
 
 # gloo's method -> what its call says of itself, from the call's arguments (options last) and the group
