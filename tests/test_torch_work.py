@@ -199,11 +199,9 @@ def test_ctrl_c_ends_a_wait_and_the_work_stays_interrupted() -> None:
     backends = ad.ThreadBackend.create_world(2, timeout=60)
     pg = AxonmlProcessGroup(ad.ProcessGroup(backends[0]), 0, 2)
     work = _all_reduce_async(pg, [torch.ones(3)])  # rank 1 never arrives
-    start = time.monotonic()
     sigint_once_in("w.wait()")  # once inside Work.wait's wait for the native work
     with pytest.raises(KeyboardInterrupt) as raised:
-        work.wait()  # interrupted
-    assert time.monotonic() - start < 10
+        work.wait()  # interrupted (not the group's timeout, which would raise CollectiveTimeoutError)
     with pytest.raises(ad.PeerFailureError, match="interrupted"):
         ad.ProcessGroup(backends[1]).barrier()  # the peer is told
     with pytest.raises(KeyboardInterrupt) as again:
