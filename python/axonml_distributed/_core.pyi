@@ -122,8 +122,8 @@ class FlightRecorder:
     hosts), in the engine's recorder: `flight_records`, the timeline and `trace analyze` see its calls."""
 
     def __new__(cls, world: str, rank: int, world_size: int, ranks: Sequence[int]) -> FlightRecorder:
-        """Global rank `rank`'s recorder of the group over `ranks` (global, sorted), the first group of a
-        new world of `world_size` ranks carried by `world` ("mpi" or "hosts")."""
+        """Global rank `rank`'s recorder of the group over `ranks` (global, in the group's order), the
+        first group of a new world of `world_size` ranks carried by `world` ("mpi" or "hosts")."""
 
     def new_group(self, ranks: Sequence[int]) -> FlightRecorder:
         """The recorder of this rank's next group over `ranks`, in the same world."""
@@ -142,7 +142,7 @@ class FlightRecorder:
         """Record collective `kind` number `seq` (alike on every member) as scheduled now: `count`
         elements of `dtype` (a code, or a name such as "float32" or "torch.float32"; one the core does not
         know is recorded as none) each member's part, `root` a global rank, `op` a ReduceOp, a code
-        (negative: none) or name. This member's input and output elements follow from the kind and the
+        (-1: none) or name. This member's input and output elements follow from the kind and the
         group (ValueError when they overflow)."""
 
     def p2p(self, send: bool, peer: int | None, tag: int, dtype: int | str, count: int) -> FlightCall:

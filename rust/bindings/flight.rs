@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList};
 
+use super::tables::code;
 use crate::config;
 use crate::dtype::DType;
 use crate::flight::{
@@ -265,34 +266,25 @@ pub(crate) fn caller_stack(py: Python<'_>) -> Option<Stack> {
     walk().ok()
 }
 
-/// The element type named `dtype`: the core's code, or its name ("float32"; torch's "torch.float32");
-/// `None` for one the core does not know (torch's float8 types, complex32): recorded without one, since
-/// the call itself (gloo's) may carry it.
-fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DType>> {
-    Ok(if dtype.is_instance_of::<PyInt>() {
-        u8::try_from(dtype.extract::<i64>()?).ok().and_then(DType::from_code)
-    } else {
-        let text = dtype.str()?.to_string();
-        let name = text.strip_prefix("torch.").unwrap_or(&text);
-        DType::ALL.into_iter().find(|t| t.name() == name)
-    })
+/// The element type of a recorded call: the core's code (-1: none), or a name ("float32"; torch's
+/// "torch.float32"), `None` for a name the core does not know (torch's float8 types, complex32):
+/// recorded without one, since the call itself (gloo's) may carry it.
+fn recorded_dtype(dtype: &Bound<'_, PyAny>) -> PyResult<Option<DType>> {
+    if dtype.is_instance_of::<PyInt>() {
+        return code("dtype", dtype.extract()?, DType::from_code);
+    }
+    let text = dtype.str()?.to_string();
+    let name = text.strip_prefix("torch.").unwrap_or(&text);
+    Ok(DType::ALL.into_iter().find(|t| t.name() == name))
 }
 
-/// The reduction operator named `op`: the core's code (negative: none) or its name.
-fn op_arg(op: Option<&Bound<'_, PyAny>>) -> PyResult<Option<ReduceOp>> {
-    let Some(op) = op else { return Ok(None) };
-    if op.is_instance_of::<PyInt>() {
-        let code = op.extract::<i64>()?;
-        if code < 0 {
-            return Ok(None);
-        }
-        return u8::try_from(code)
-            .ok()
-            .and_then(ReduceOp::from_code)
-            .map(Some)
-            .ok_or_else(|| PyValueError::new_err(format!("no reduce op of code {code}")));
+/// The reduction operator of a recorded call: a ReduceOp, its name, or the core's code (-1: none).
+fn recorded_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<Option<ReduceOp>> {
+    match op {
+        None => Ok(None),
+        Some(op) if op.is_instance_of::<PyInt>() => code("op", op.extract()?, ReduceOp::from_code),
+        Some(op) => super::op::parse_op(Some(op)).map(Some),
     }
-    super::op::parse_op(Some(op)).map(Some)
 }
 
 /// The flight recorder of a group whose calls Python drives (the MPI group; the gloo legs of a group
@@ -356,9 +348,11 @@ impl PyFlightRecorder {
             .find(|k| k.name() == kind)
             .ok_or_else(|| PyValueError::new_err(format!("no collective {kind:?}")))?;
         let mut sig = Signature::new(kind, seq, count).scale(Scale { pre: prescale, post: postscale });
-        sig.dtype = dtype.map(dtype_arg).transpose()?.flatten();
-        sig.op = op_arg(op)?;
-        sig.root = root.map(|r| u32::try_from(r).unwrap_or(u32::MAX));
+        sig.dtype = dtype.map(recorded_dtype).transpose()?.flatten();
+        sig.op = recorded_op(op)?;
+        sig.root = root
+            .map(|r| u32::try_from(r).map_err(|_| PyValueError::new_err(format!("{r} is not a rank"))))
+            .transpose()?;
         // The spans in elements: a part of `count` elements (its extent over the group must fit).
         let n = self.inner.members.len();
         count.checked_mul(n).ok_or_else(|| {
@@ -383,7 +377,7 @@ impl PyFlightRecorder {
         dtype: &Bound<'_, PyAny>,
         count: usize,
     ) -> PyResult<PyFlightCall> {
-        let p2p = P2p::new(send, peer, tag, dtype_arg(dtype)?, count);
+        let p2p = P2p::new(send, peer, tag, recorded_dtype(dtype)?, count);
         Ok(self.begin(py, Recorded::P2p(p2p), (p2p.count, p2p.count)))
     }
 

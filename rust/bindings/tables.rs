@@ -81,7 +81,8 @@ pub(crate) fn validate_ranks(ranks: Vec<usize>, world_size: usize) -> PyResult<V
     Ok(crate::call::validate_ranks(&ranks, world_size)?)
 }
 
-fn code<T>(what: &str, code: i64, from: impl Fn(u8) -> Option<T>) -> PyResult<Option<T>> {
+/// The `what` of `code` (-1: none), or a ValueError for a code the core does not have.
+pub(crate) fn code<T>(what: &str, code: i64, from: impl Fn(u8) -> Option<T>) -> PyResult<Option<T>> {
     if code == -1 {
         return Ok(None);
     }
