@@ -22,6 +22,7 @@ from axonml_distributed.trace.record import to_job_ranks
 
 pytestmark = pytest.mark.timeout(60)
 torch = pytest.importorskip("torch")
+dist = torch.distributed
 
 
 def _record(recorder_ranks: list[int], world: str = "hosts") -> dict[str, Any]:
@@ -146,6 +147,24 @@ def test_gloo_s_sends_and_receives_end_when_waited_for_with_their_sender() -> No
     del calls, works
     gc.collect()
     assert not [r for r in _core.flight_records() if r["ranks"] == [0, 5, 6]]
+
+
+def test_gloo_s_records_name_torch_s_op_in_either_of_its_forms() -> None:
+    """torch hands a ReduceOp (a call's options) or its bare RedOpType (the shards' op between hosts);
+    both are recorded as the op, PREMUL_SUM as SUM with its factor as the prescale."""
+    from axonml_distributed.torch.gloo_calls import GlooCalls
+
+    calls = GlooCalls(0, 4, [0, 1, 2, 3], [0, 2])
+    calls.cross_shard(torch.ones(3), dist.ReduceOp.MAX).end(True, "gloo")
+    calls.collective("all_reduce", [torch.ones(2)], 2, op=dist.ReduceOp(dist.ReduceOp.MIN)).end(True, "gloo")
+    premul = dist._make_nccl_premul_sum(2.0)
+    calls.collective("all_reduce", [torch.ones(2)], 2, op=premul).end(True, "gloo")
+    assert [e["op"] for e in _record([0, 2])["entries"]] == ["MAX"]
+    entries = _record([0, 1, 2, 3])["entries"]
+    assert [e["op"] for e in entries] == ["MIN", "SUM"]
+    assert "prescale=2," in entries[1]["call"], entries[1]["call"]
+    del calls
+    gc.collect()
 
 
 def _hosts_records() -> list[tuple[int, list[int], list[str]]]:

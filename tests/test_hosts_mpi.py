@@ -76,25 +76,19 @@ def test_a_rank_raising_on_the_other_host_ends_every_rank(hosts: SimHosts) -> No
 
 
 @pytest.mark.timeout(180)
-def test_a_host_level_timeout_names_the_job_ranks(hosts: SimHosts) -> None:
-    """Rank 3 never takes part in the host level of a two-level all_reduce (tests/mpi_jobs/
-    hosts_host_level.py): rank 2, its host peer, times out there, and the error it aborts the job with
-    names rank 3 and itself as the job numbers them (the host's world calls them 1 and 0)."""
-    done = mpiexec(hosts, "hosts_host_level.py", "stall", env={"AXONML_HOSTS_FLAT_BELOW": "0"})
-    said = f"{done.stdout}\n{done.stderr}"
-    assert done.returncode != 0, said
-    assert "should never have returned" not in said, said
-    reported = [line for line in said.splitlines() if "CollectiveTimeoutError: rank 2: " in line]
-    assert reported, said
-    assert "failed inside this host (rank(s) [3];" in reported[0], said
-    assert "host ranks to global ranks: 0 = 2, 1 = 3" in reported[0], said
-
-
-@pytest.mark.timeout(180)
-def test_a_rank_missing_from_its_hosts_rendezvous_is_named_by_its_job_rank(hosts: SimHosts) -> None:
-    """Rank 3 never comes to its host's rendezvous (tests/mpi_jobs/hosts_host_level.py): rank 2, which
-    keeps the host's store, times out and names rank 3 as the job numbers it (the host's world: 1)."""
-    done = mpiexec(hosts, "hosts_host_level.py", "absent")
+@pytest.mark.parametrize(
+    ("mode", "env"),
+    [("stall", {"AXONML_HOSTS_FLAT_BELOW": "0"}), ("absent", {})],
+    ids=["in-a-two-level-all_reduce", "at-the-hosts-rendezvous"],
+)
+def test_a_rank_missing_from_its_host_s_level_is_named_by_its_job_rank(
+    hosts: SimHosts, mode: str, env: dict[str, str]
+) -> None:
+    """Rank 3 never takes part in the host level of a two-level all_reduce ("stall"), or never comes to
+    its host's rendezvous ("absent"; tests/mpi_jobs/hosts_host_level.py): rank 2, its host peer (which
+    keeps the host's store), times out, and the error it aborts the job with names rank 3 and itself as
+    the job numbers them (the host's world calls them 1 and 0)."""
+    done = mpiexec(hosts, "hosts_host_level.py", mode, env=env)
     said = f"{done.stdout}\n{done.stderr}"
     assert done.returncode != 0, said
     assert "should never have returned" not in said, said
