@@ -157,6 +157,30 @@ def test_backward_returns_with_averaged_gradients_and_sync_gradients_returns_at_
     assert extra == 0
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("view", [True, False], ids=["view", "copy"])
+def test_a_backward_that_keeps_its_graph_averages_the_gradients_values(view: bool) -> None:
+    """backward(create_graph=True) (gradient penalties, higher-order terms) hands over gradients that are
+    in a graph themselves: their values are averaged, and no bucket joins the graph."""
+
+    def rank_fn(pg: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[bool]]:
+        model = torch_model(seed=0)
+        ddp = DDP(model, pg, gradient_as_bucket_view=view, bucket_cap_mb=TINY_MB)
+        x, y = batches(4, np.float64, 1)[0]
+        x, y = x[2 * pg.rank() : 2 * pg.rank() + 2], y[2 * pg.rank() : 2 * pg.rank() + 2]
+        own = local_grads(model, torch.from_numpy(x), y)
+        loss_of(ddp(torch.from_numpy(x)), y).backward(create_graph=True)
+        averaged = [p.grad.detach().numpy().copy() for p in model.parameters()]
+        in_graph = [slot.view.requires_grad for slot in ddp._grads().slots]
+        return own, averaged, in_graph
+
+    (own0, avg0, graph0), (own1, avg1, _) = spawn(rank_fn, 2)
+    for a, b, s0, s1 in zip(own0, own1, avg0, avg1, strict=True):
+        np.testing.assert_array_equal(s0, (a + b) / 2)
+        np.testing.assert_array_equal(s1, s0)
+    assert graph0 == [False] * len(graph0)
+
+
 def test_bucket_all_reduces_start_while_backward_still_runs() -> None:
     def rank_fn(pg: Any) -> tuple[int, int]:
         group = Recorder(pg)

@@ -156,8 +156,9 @@ class GradReducer:
             return
         if grad.layout != torch.strided:
             raise TypeError(f"{slot.name} has a {grad.layout} gradient; only dense ones can be averaged")
-        with torch.no_grad():
-            slot.view.copy_(grad)
+        # detach() only for a gradient that is itself in a graph (create_graph=True): a no_grad() block
+        # would cost three times the copy of a small gradient, every step.
+        slot.view.copy_(grad.detach() if grad.requires_grad else grad)
         if self.as_bucket_view:
             slot.param.grad = slot.view
 
