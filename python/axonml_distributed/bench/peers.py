@@ -3,7 +3,7 @@
 ``python -m axonml_distributed.bench --torch --peers vllm,deepspeed,gloo [--ranks 2] [--sizes 4096,...]
 [--dtypes float32,bfloat16,float16] [--blocks 5] [--budget 0.25] [--json]`` launches one run of
 ``--ranks`` workers (under ``python -m axonml_distributed.run``, OMP_NUM_THREADS=1) that time, on torch
-tensors in ordinary memory, SUM in place:
+tensors in ordinary memory (but ``segment``'s), SUM in place:
 
 - ``axonml``: ``dist.all_reduce`` over the torch.distributed backend "axonml";
 - ``native``: our ``ProcessGroup.all_reduce`` on the same kind of tensor, without torch's c10d wrapper;
@@ -127,6 +127,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     import axonml_distributed as ad
     import axonml_distributed.torch  # noqa: F401 - registers the backend "axonml"
+    from axonml_distributed._core import SegmentMemory
 
     torch.set_num_threads(1)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -150,7 +151,10 @@ def _worker(args: argparse.Namespace) -> int:
         if name != "segment":
             return torch.zeros(count, dtype=dt)
         size = count * torch.tensor([], dtype=dt).element_size()
-        return torch.from_numpy(native.empty(size, np.uint8)).view(dt).zero_()
+        array = native.empty(size, np.uint8)
+        if not isinstance(array.base, SegmentMemory):  # empty() falls back to private memory
+            raise RuntimeError(f"no room for {size} B in the segment's arena: {settings.SHM_ARENA_MB}")
+        return torch.from_numpy(array).view(dt).zero_()
 
     skipped: dict[str, str] = {}
     setups = {"vllm": _vllm, "deepspeed": _deepspeed, "gloo": _gloo}
@@ -172,8 +176,8 @@ def _worker(args: argparse.Namespace) -> int:
     for dtn in args.dtypes:
         dt = getattr(torch, dtn)
         for name in list(impls):
-            t = tensor(name, 4099, dt).fill_(float(rank + 1))
             try:
+                t = tensor(name, 4099, dt).fill_(float(rank + 1))
                 impls[name](t)
                 wrong = "" if bool((t.float() == n * (n + 1) / 2).all()) else f"wrong sum {t[:4].tolist()}"
             except Exception as e:  # noqa: BLE001 - a peer that refuses the dtype is skipped for it
@@ -186,6 +190,7 @@ def _worker(args: argparse.Namespace) -> int:
         names = [k for k in impls if f"{k}/{dtn}" not in skipped]
         for size in args.sizes:
             count = size // torch.tensor([], dtype=dt).element_size()
+            bufs = {}  # the last size's tensors go first: the segment's arena holds one at a time
             bufs = {k: tensor(k, count, dt) for k in names}
             times: dict[str, list[float]] = {k: [] for k in names}
             for k in names:  # warm-up: first touch of the tensor, the peers' first-call set-up
@@ -268,8 +273,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, list[Curve]]:
     if args.worker:
         return _worker(args), []
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
-    # Room for the segment column's tensor of the largest size, and the one before it, not yet freed.
-    env[settings.SHM_ARENA_MB] = str(2 * (max(args.sizes) >> 20) + 16)
+    # Room for the segment column's tensor of the largest size (one at a time), and the check's.
+    env[settings.SHM_ARENA_MB] = str((max(args.sizes) >> 20) + 16)
     # DeepSpeed's build runs `ninja`, which a venv installs beside its Python, not always on PATH.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     report: dict[str, Any] = {}
