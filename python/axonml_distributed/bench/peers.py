@@ -140,11 +140,12 @@ def _worker(args: argparse.Namespace) -> int:
 
     default: Any = dist.distributed_c10d._get_default_group()
     native = default._native
-    impls: dict[str, Impl] = {
-        "axonml": lambda t: dist.all_reduce(t),
-        "native": lambda t: native.all_reduce(t, ad.ReduceOp.SUM),
-        "segment": lambda t: native.all_reduce(t, ad.ReduceOp.SUM),
-    }
+
+    def ours(t: Any) -> Any:
+        return native.all_reduce(t, ad.ReduceOp.SUM)
+
+    # native and segment: the same call, on torch's memory or the segment's (`tensor`).
+    impls: dict[str, Impl] = {"axonml": lambda t: dist.all_reduce(t), "native": ours, "segment": ours}
 
     def tensor(name: str, count: int, dt: Any) -> Any:
         """A tensor of `count` zeros for `name`: in the segment for ``segment``, else torch's memory."""
@@ -188,10 +189,11 @@ def _worker(args: argparse.Namespace) -> int:
             if why:
                 skipped[f"{name}/{dtn}"] = why
         names = [k for k in impls if f"{k}/{dtn}" not in skipped]
+        bufs: dict[str, Any] = {}
         for size in args.sizes:
             count = size // torch.tensor([], dtype=dt).element_size()
-            bufs = {}  # the last size's tensors go first: the segment's arena holds one at a time
-            bufs = {k: tensor(k, count, dt) for k in names}
+            bufs.clear()  # the last size's tensors go first: the segment's arena holds one at a time
+            bufs.update((k, tensor(k, count, dt)) for k in names)
             times: dict[str, list[float]] = {k: [] for k in names}
             for k in names:  # warm-up: first touch of the tensor, the peers' first-call set-up
                 for _ in range(3):

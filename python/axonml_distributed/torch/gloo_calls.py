@@ -59,8 +59,7 @@ def _ours(op: Any) -> tuple[ReduceOp | None, float]:
     """Our op for torch's reduce op `op` (a ReduceOp or its RedOpType; None: none of ours) and the
     factor each input is scaled by first (PREMUL_SUM's), as the backend translates it."""
     try:
-        # A RedOpType passes isinstance(_, ReduceOp) (torch's metaclass) but has no `op`: wrap it.
-        return _op(op if hasattr(op, "op") else dist.ReduceOp(op))
+        return _op(op)
     except ValueError:
         return None, 1.0
 

@@ -71,11 +71,12 @@ def _async(opts: Any) -> bool:
 
 
 def _op(op: Any) -> tuple[ReduceOp, float]:
-    """Our op for torch's `op` (a ``dist.ReduceOp``), and the factor to scale each input by first
-    (PREMUL_SUM's; 1.0 for the others)."""
+    """Our op for torch's `op` (a ``dist.ReduceOp``, or the bare ``RedOpType`` it holds, as the shards'
+    op between hosts is), and the factor to scale each input by first (PREMUL_SUM's; 1.0 for the
+    others)."""
     if op == _SUM:  # the common case first: torch's op enum hashes slowly
         return ReduceOp.SUM, 1.0
-    kind = op.op
+    kind = getattr(op, "op", op)
     if kind == dist.ReduceOp.PREMUL_SUM:
         return ReduceOp.SUM, float(op.factor)
     ours = _OPS.get(kind)
