@@ -199,7 +199,7 @@ pub(crate) fn kernels_from_env() -> Option<String> {
 /// reach back past a few training steps' buckets.
 pub const FLIGHT_RECORDER_ENTRIES: usize = 64;
 /// The most `AXONML_FLIGHT_RECORDER_ENTRIES` may ask for: every communicator allocates its ring up
-/// front (an entry is about 100 bytes).
+/// front (128 bytes an entry: 8 MiB at this cap).
 pub const FLIGHT_RECORDER_MAX: usize = 1 << 16;
 
 /// `AXONML_FLIGHT_RECORDER_ENTRIES`: calls each flight recorder keeps (0 keeps none, only the totals;

@@ -413,8 +413,9 @@ const READ_TRIES: usize = 1000;
 /// One ring slot: an entry's words and a version that is odd while its writer rewrites them (a
 /// seqlock). Only the thread in a call on the communicator writes (the engine's lock of one call at a
 /// time), so the recording thread never waits and takes no lock; a reader retries a slot that changed
-/// under it. Each slot starts its own pair of cache lines: unaligned 104-byte slots made small calls
-/// of 4 ranks on 2 cores 2-42% slower (the shm bench, this build against one without the alignment).
+/// under it. Each slot starts its own pair of cache lines: with unaligned 104-byte slots, small calls
+/// of 4 ranks on 2 cores measured slower (the shm bench against a build without the alignment: by
+/// 1.14x in the median cell, 8 B to 64 KiB), for reasons not pinned down.
 #[derive(Default)]
 #[repr(align(128))]
 struct Slot {
